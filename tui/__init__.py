@@ -1,0 +1,1 @@
+"""Textual chat front end for mlxspec."""
