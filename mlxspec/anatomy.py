@@ -1,0 +1,67 @@
+"""Reach inside an mlx-lm decoder: embeddings, layers, final norm and LM head.
+
+Self-speculation runs only the first L layers; drafter heads read the last hidden
+state. Both need the model split where `model(x) == head(norm(layers(embed(x))))`.
+Rather than trusting a list of architectures, `split_decoder` checks that identity
+numerically on the model it is given, and refuses models where it does not hold
+(e.g. ones that scale embeddings or soft-cap logits inside `__call__`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+
+
+class UnsupportedModel(ValueError):
+    """The model's structure is not the plain decoder these features need."""
+
+
+@dataclass
+class Decoder:
+    embed: nn.Embedding
+    layers: list[nn.Module]
+    norm: nn.Module
+    head: Callable[[mx.array], mx.array]
+
+    def hidden(self, inputs: mx.array, cache: list[Any], n_layers: int | None = None) -> mx.array:
+        """Normed hidden states after the first `n_layers` layers (all by default)."""
+        layers = self.layers if n_layers is None else self.layers[:n_layers]
+        h = self.embed(inputs)
+        mask = create_attention_mask(h, cache[0])
+        for layer, layer_cache in zip(layers, cache):
+            h = layer(h, mask, cache=layer_cache)
+        return self.norm(h)
+
+
+def split_decoder(model: nn.Module) -> Decoder:
+    inner = getattr(model, "model", None)
+    parts = [getattr(inner, name, None) for name in ("embed_tokens", "layers", "norm")]
+    if inner is None or any(part is None for part in parts):
+        raise UnsupportedModel(
+            f"model type '{getattr(model, 'model_type', type(model).__name__)}' does not expose "
+            "embed_tokens/layers/norm; self-speculation and drafter heads need a plain decoder"
+        )
+    embed, layers, norm = parts
+    lm_head = getattr(model, "lm_head", None)
+    head = lm_head if lm_head is not None else embed.as_linear
+    decoder = Decoder(embed=embed, layers=list(layers), norm=norm, head=head)
+    _check_identity(model, decoder)
+    return decoder
+
+
+def _check_identity(model: nn.Module, decoder: Decoder) -> None:
+    probe = mx.array([[1, 2, 3]])
+    expected = model(probe)
+    got = decoder.head(decoder.hidden(probe, [None] * len(decoder.layers)))
+    if expected.shape != got.shape or not mx.allclose(expected, got, atol=1e-3, rtol=1e-3):
+        raise UnsupportedModel(
+            f"model type '{getattr(model, 'model_type', '?')}' computes logits in a way mlxspec "
+            "cannot split into layers + head (embedding scaling or logit soft-capping); "
+            "self-speculation and drafter heads are not available for it"
+        )

@@ -1,0 +1,256 @@
+"""The speculative decoding loop: one generator of events for every front end.
+
+Per round: the proposer drafts up to k tokens (k from the policy), the target runs
+ONCE over [pending token] + drafts, the longest acceptable prefix is kept (greedy:
+drafts equal to the target's argmax; sampling: rejection sampling), plus one token of
+the target's own; the target's KV cache is rolled back past the rest.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from mlxspec import device
+from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
+from mlxspec.policy import Policy, VerifyCost, cached_verify_cost, measure_verify_cost
+from mlxspec.proposers.base import ProposalContext, Proposer
+from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
+from mlxspec.target import Target
+from mlxspec.text import TextStream
+
+EVENT_FOR_KIND = {"accepted": Accepted, "corrected": Corrected, "bonus": Bonus}
+
+
+class GenerationError(ValueError):
+    """A request the engine cannot serve (empty prompt, too long for the context...)."""
+
+
+@dataclass
+class GenerationSettings:
+    max_tokens: int = 256
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    stop: Sequence[str] = ()
+    k: int | None = None  # None: adaptive; an int: fixed draft length (0 = plain)
+    context: int = 8192  # prompt + completion tokens the model may see
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise GenerationError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.k is not None and self.k < 0:
+            raise GenerationError(f"k must be >= 0, got {self.k}")
+
+
+class Engine:
+    """A loaded target plus its proposers; keeps the KV cache between requests."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        name: str = "model",
+        proposers: Sequence[Proposer] = (),
+        verify_cost: VerifyCost | None = None,
+    ):
+        self.name, self.tokenizer = name, tokenizer
+        self.target = Target(model)
+        self.proposers = {p.name: p for p in proposers}
+        self._verify_cost = verify_cost
+        self.vocab_size = len(tokenizer.get_vocab())
+
+    @property
+    def verify_cost(self) -> VerifyCost:
+        """Measured once per model and machine (a few seconds), then read from the cache."""
+        if self._verify_cost is None:
+            facts = device.describe()
+            key = f"{self.name}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
+            self._verify_cost = cached_verify_cost(
+                key, lambda: measure_verify_cost(self.target.model, self.vocab_size)
+            )
+        return self._verify_cost
+
+    def add_proposer(self, proposer: Proposer) -> None:
+        self.proposers[proposer.name] = proposer
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids for a conversation, through the model's own chat template."""
+        if not messages:
+            raise GenerationError("messages must not be empty")
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            text = "\n".join(m["content"] for m in messages)
+            return self.tokenizer.encode(text)
+        return list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        )
+
+    def stream(
+        self,
+        prompt: str | list[int] | list[dict],
+        settings: GenerationSettings | None = None,
+        proposer: str | None = None,
+    ) -> Iterator[Event]:
+        """Generate from a raw string, token ids or chat messages; yield events."""
+        settings = settings or GenerationSettings()
+        if isinstance(prompt, str):
+            prompt_tokens = self.tokenizer.encode(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            prompt_tokens = self.encode_chat(prompt)
+        else:
+            prompt_tokens = list(prompt)
+        if not prompt_tokens:
+            raise GenerationError("the prompt is empty")
+        room = settings.context - len(prompt_tokens)
+        if room < 1:
+            raise GenerationError(
+                f"the prompt has {len(prompt_tokens)} tokens; the context allows {settings.context}"
+            )
+        if proposer not in (None, "none") and proposer not in self.proposers:
+            raise GenerationError(
+                f"unknown proposer '{proposer}'; available: none, {', '.join(self.proposers)}"
+            )
+        active = self.proposers.get(proposer) if proposer else None
+        yield from self._run(prompt_tokens, settings, active, min(settings.max_tokens, room))
+
+    def _run(
+        self,
+        prompt_tokens: list[int],
+        settings: GenerationSettings,
+        proposer: Proposer | None,
+        max_tokens: int,
+    ) -> Iterator[Event]:
+        sampling = settings.sampling
+        seed = sampling.seed if sampling.seed is not None else random.randrange(2**31)
+        rng = np.random.default_rng(seed)
+        scorer = TokenScorer(sampling)
+        fixed_k = settings.k if proposer is not None else 0
+        policy = Policy(
+            self.verify_cost if fixed_k is None else VerifyCost({1: 1.0, 2: 1.0}, 1.0),
+            fixed_k=fixed_k,
+        )
+        record = RunRecord(
+            model=self.name,
+            proposer=proposer.name if proposer else "none",
+            speculative=proposer is not None,
+            sampling={**sampling.to_dict(), "seed": seed},
+            prompt_tokens=len(prompt_tokens),
+            k_policy=policy.label if proposer else "off",
+            cache_strategy=self.target.strategy,
+            device=device.describe(),
+        )
+        eos = set(self.tokenizer.eos_token_ids)
+        text = TextStream(self.tokenizer, settings.stop)
+        needs_hidden = bool(proposer and proposer.needs_hidden)
+
+        start = time.perf_counter()
+        record.reused_prompt_tokens = self.target.prepare(prompt_tokens)
+        mx.eval([c.state for c in self.target.cache])
+        record.prefill_seconds = time.perf_counter() - start
+
+        sequence = list(prompt_tokens)  # ends with the pending token
+        hidden = None
+        produced: list[int] = []
+        first_token_at = None
+        finished = None
+        while finished is None:
+            # 1. Draft.
+            ctx = ProposalContext(sequence, scorer, rng, self.target, hidden)
+            situation = proposer.situation(ctx) if proposer else None
+            limit = min(max_tokens - len(produced) - 1, proposer.k_max if proposer else 0)
+            k = policy.choose(situation, limit)
+            draft_start = time.perf_counter()
+            draft = situation.source.propose(ctx, k) if k else None
+            draft_tokens = draft.tokens[:k] if draft else []
+            draft_seconds = time.perf_counter() - draft_start
+
+            # 2. Verify all drafts in one target pass.
+            verified = [sequence[-1], *draft_tokens]
+            round_start = time.perf_counter()
+            logits, hidden_rows = self.target.verify(verified, with_hidden=needs_hidden)
+            processed = scorer.process(logits, sequence, draft_tokens)
+
+            # 3. Accept.
+            if sampling.greedy:
+                choices = scorer.greedy_tokens(processed)
+                n_accepted = 0
+                while (
+                    n_accepted < len(draft_tokens)
+                    and draft_tokens[n_accepted] == choices[n_accepted]
+                ):
+                    n_accepted += 1
+                own_token = choices[n_accepted]
+            else:
+                target_probs = np.asarray(scorer.probabilities(processed))
+                draft_probs = np.asarray(draft.probs) if draft and draft.probs is not None else None
+                n_accepted, own_token = rejection_sample(
+                    draft_tokens, draft_probs, target_probs, rng
+                )
+
+            # 4. Roll back what was refused, then emit.
+            self.target.keep(verified, 1 + n_accepted)
+            if needs_hidden:
+                hidden = hidden_rows[n_accepted : n_accepted + 1]
+            if draft_tokens:
+                record.drafted += len(draft_tokens)
+                record.accepted += n_accepted
+                record.verify_steps += 1
+                policy.update(situation, len(draft_tokens), n_accepted, draft_seconds)
+            new_tokens = [*draft_tokens[:n_accepted], own_token]
+            kinds = ["accepted"] * n_accepted + [
+                "bonus" if n_accepted == len(draft_tokens) else "corrected"
+            ]
+            for token, kind in zip(new_tokens, kinds):
+                if token in eos:
+                    finished = "stop"
+                    break
+                produced.append(token)
+                text.add(kind, token)
+                if len(produced) >= max_tokens:
+                    finished = "length"
+                    break
+            sequence.extend(new_tokens)
+            if first_token_at is None:
+                first_token_at = time.perf_counter()
+                record.time_to_first_token = first_token_at - start
+
+            if n_accepted < len(draft_tokens):
+                rejected = tuple(draft_tokens[n_accepted:])
+                yield Rejected(rejected, self.tokenizer.decode(list(rejected)))
+            if finished is not None:
+                text.finish()
+            yield from _events(text.release(final=finished is not None))
+            if text.stopped:
+                finished = "stop"
+            yield Step(
+                situation.source.name if draft_tokens else "none",
+                len(draft_tokens),
+                n_accepted,
+                time.perf_counter() - round_start + draft_seconds,
+            )
+
+        record.finish_reason = finished
+        record.completion_tokens = len(produced)
+        record.decode_seconds = time.perf_counter() - first_token_at
+        yield Done(record, text.text, tuple(produced))
+
+
+def _events(pieces) -> Iterator[Event]:
+    """Group consecutive pieces of one kind into one event."""
+    group: list = []
+    for piece in pieces:
+        if group and group[-1].kind != piece.kind:
+            yield _event(group)
+            group = []
+        group.append(piece)
+    if group:
+        yield _event(group)
+
+
+def _event(group) -> Event:
+    tokens = tuple(p.token for p in group if p.token >= 0)
+    return EVENT_FOR_KIND[group[0].kind](tokens, "".join(p.text for p in group))

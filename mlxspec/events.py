@@ -1,0 +1,121 @@
+"""The event stream every front end consumes, and the run record it ends with.
+
+One generator (`Engine.stream`) yields these; the TUI, the API server, `generate` and
+`bench` only render them. Text pieces are exact slices of the final output, so
+concatenating the `text` of Accepted/Corrected/Bonus events gives the answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Draft tokens the target agreed with (they are part of the output)."""
+
+    tokens: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Corrected:
+    """The target's own token where it refused a draft."""
+
+    tokens: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Bonus:
+    """The target's own token after a fully accepted draft, or with no draft at all."""
+
+    tokens: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Drafts the target refused: never part of the output, shown as ghost text."""
+
+    tokens: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One propose/verify round."""
+
+    proposer: str
+    drafted: int
+    accepted: int
+    seconds: float
+
+
+OUTPUT_EVENTS = (Accepted, Corrected, Bonus)
+
+
+@dataclass
+class RunRecord:
+    """What one generation did: the governance record behind `--json` and `x_mlxspec`.
+
+    `lossless` means the output is what the target alone would produce (greedy: the
+    same tokens up to float rounding at near-tied logits; sampling: the same
+    distribution, by rejection sampling).
+    """
+
+    model: str
+    proposer: str
+    speculative: bool
+    sampling: dict[str, Any]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reused_prompt_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    time_to_first_token: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    k_policy: str = "adaptive"
+    cache_strategy: str = "trim"
+    finish_reason: str = "length"
+    lossless: bool = True
+    device: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted drafts per verify step (add 1 for the target's own token)."""
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode rate: tokens after the first, over the time after the first.
+
+        The first token comes out of the prefill, so it is excluded with it.
+        """
+        if self.decode_seconds <= 0 or self.completion_tokens < 2:
+            return 0.0
+        return (self.completion_tokens - 1) / self.decode_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["acceptance_rate"] = round(self.acceptance_rate, 4)
+        data["mean_accepted_length"] = round(self.mean_accepted_length, 4)
+        data["tokens_per_second"] = round(self.tokens_per_second, 3)
+        return data
+
+
+@dataclass(frozen=True)
+class Done:
+    record: RunRecord
+    text: str
+    token_ids: tuple[int, ...]
+
+
+Event = Accepted | Corrected | Bonus | Rejected | Step | Done

@@ -1,0 +1,202 @@
+"""Adaptive draft length: pick the k that maximises expected tokens per second.
+
+With per-token acceptance a, a draft of k yields E(k) = (1 - a^(k+1)) / (1 - a)
+tokens per round (accepted drafts + the target's own), and costs
+T(k) = verify(k+1) + k * draft_cost, in units of one plain target step. k = 0 is
+plain decoding (E = T = 1), so a draft is only made when it is expected to pay.
+
+`verify(m)` is measured on the running machine (`calibrate`), because it is the whole
+story: on MLX's CPU backend with OpenBLAS 8 tokens cost ~1.6 steps, with the
+reference BLAS ~7. Acceptance is estimated per (proposer, case) from decayed counts,
+where a case is what the proposer saw (e.g. prompt lookup's match length) plus
+whether that proposer's last draft was fully accepted (verbatim copies are sticky).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxspec.paths import cache_dir
+from mlxspec.proposers.base import Situation
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class VerifyCost:
+    """verify(m) / verify(1), interpolated from measured points; step_seconds = verify(1)."""
+
+    points: dict[int, float]
+    step_seconds: float
+
+    def __call__(self, m: int) -> float:
+        sizes = sorted(self.points)
+        if m <= sizes[0]:
+            return self.points[sizes[0]]
+        if m >= sizes[-1]:  # extrapolate with the last slope
+            a, b = sizes[-2], sizes[-1]
+            slope = (self.points[b] - self.points[a]) / (b - a)
+            return self.points[b] + slope * (m - b)
+        i = bisect.bisect_left(sizes, m)
+        a, b = sizes[i - 1], sizes[i]
+        return self.points[a] + (self.points[b] - self.points[a]) * (m - a) / (b - a)
+
+    def to_json(self) -> str:
+        return json.dumps({"points": self.points, "step_seconds": self.step_seconds})
+
+    @classmethod
+    def from_json(cls, text: str) -> VerifyCost:
+        data = json.loads(text)
+        return cls({int(m): float(c) for m, c in data["points"].items()}, data["step_seconds"])
+
+
+def calibrate(
+    forward: Callable[[int], None], reset: Callable[[], None], repeats: int = 3
+) -> VerifyCost:
+    """Time `forward(m)` (a verify of m tokens on a warm context) for each calibration size.
+
+    `reset()` rolls the context back between timings. Median of `repeats`.
+    """
+    seconds: dict[int, float] = {}
+    for m in CALIBRATION_SIZES:
+        forward(m)  # warm-up: kernels, buffer growth
+        reset()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            forward(m)
+            samples.append(time.perf_counter() - start)
+            reset()
+        seconds[m] = sorted(samples)[len(samples) // 2]
+    step = seconds[1]
+    # A verify never costs less than a step; clamp timing noise to monotone costs.
+    points, floor = {}, 1.0
+    for m in CALIBRATION_SIZES:
+        floor = max(floor, seconds[m] / step)
+        points[m] = round(floor, 4)
+    return VerifyCost(points, step)
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of accepted drafts and of rejections (the MLE of a is S/(S+F))."""
+
+    accepted: float = 1.0  # prior: a = 0.5, weight 2
+    rejected: float = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, drafted: int, accepted: int, decay: float) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    if rate >= 1.0:
+        return k + 1.0
+    return (1 - rate ** (k + 1)) / (1 - rate)
+
+
+@dataclass
+class Policy:
+    cost: VerifyCost
+    fixed_k: int | None = None
+    decay: float = 0.9
+    explore_every: int = 16
+    stats: dict[tuple[str, str], Acceptance] = field(default_factory=dict)
+    draft_cost: dict[str, float] = field(default_factory=dict)  # per token, in target steps
+    _full_streak: dict[str, bool] = field(default_factory=dict)
+    _idle_rounds: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"fixed k={self.fixed_k}" if self.fixed_k is not None else "adaptive"
+
+    def _key(self, situation: Situation) -> tuple[str, str]:
+        streak = "after-full" if self._full_streak.get(situation.source.name) else "fresh"
+        return situation.source.name, f"{situation.key}/{streak}"
+
+    def choose(self, situation: Situation | None, limit: int) -> int:
+        """Draft length for this round; `limit` caps it (tokens left, proposer's k_max)."""
+        if situation is None or limit <= 0:
+            return 0
+        if self.fixed_k is not None:
+            return min(self.fixed_k, limit)
+        key = self._key(situation)
+        rate = self.stats.setdefault(key, Acceptance()).rate
+        per_draft = self.draft_cost.get(situation.source.name, situation.source.cost_hint)
+        best_k, best_speed = 0, 1.0
+        for k in range(1, limit + 1):
+            speed = expected_tokens(rate, k) / (self.cost(k + 1) + k * per_draft)
+            if speed > best_speed:
+                best_k, best_speed = k, speed
+        if best_k == 0:  # keep probing now and then, or a bad start would stick forever
+            idle = self._idle_rounds.get(key, 0) + 1
+            self._idle_rounds[key] = idle
+            if idle >= self.explore_every:
+                self._idle_rounds[key] = 0
+                return 1
+        return best_k
+
+    def update(
+        self, situation: Situation, drafted: int, accepted: int, draft_seconds: float
+    ) -> None:
+        if drafted == 0:
+            return
+        self.stats.setdefault(self._key(situation), Acceptance()).update(
+            drafted, accepted, self.decay
+        )
+        self._full_streak[situation.source.name] = accepted == drafted
+        name = situation.source.name
+        measured = draft_seconds / drafted / self.cost.step_seconds
+        previous = self.draft_cost.get(name)
+        self.draft_cost[name] = measured if previous is None else 0.8 * previous + 0.2 * measured
+
+
+def measure_verify_cost(model, vocab_size: int, context: int = 64) -> VerifyCost:
+    """Calibrate a model's verify cost on a synthetic context of `context` tokens."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.arange(context)[None] % vocab_size, cache=cache))
+
+    def forward(m: int) -> None:
+        mx.eval(model(mx.arange(m)[None] % vocab_size, cache=cache))
+
+    def reset() -> None:
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(c.size() - context)
+
+    return calibrate(forward, reset)
+
+
+def cached_verify_cost(key: str, measure: Callable[[], VerifyCost]) -> VerifyCost:
+    """Calibrations are per model and machine; keep them in the cache dir across runs."""
+    path = cache_dir() / "calibration.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        try:
+            return VerifyCost.from_json(known[key])
+        except (KeyError, TypeError, ValueError):
+            pass
+    cost = measure()
+    known[key] = cost.to_json()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs a re-calibration next time
+    return cost

@@ -1,0 +1,64 @@
+"""The one interface every proposer implements.
+
+A round goes: `situation(ctx)` (cheap: is there anything to propose, and what kind of
+case is this — the policy keeps acceptance statistics per case), the policy picks k,
+then `propose(ctx, k)`. Proposers keep their own state in sync with `ctx.tokens`
+themselves (comparing with what they saw last), so the engine never has to tell them
+about rollbacks, and a multi-turn chat simply works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from mlxspec.sampling import TokenScorer, sample_from
+
+if TYPE_CHECKING:
+    from mlxspec.target import Target
+
+
+@dataclass
+class ProposalContext:
+    tokens: list[int]  # prompt + output so far; the last one is pending (not in the target cache)
+    scorer: TokenScorer
+    rng: np.random.Generator
+    target: Target
+    hidden: mx.array | None = None  # target hidden state that predicted the pending token
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    probs: mx.array | None = (
+        None  # (len, V) distributions the drafts were drawn from; None: one-hot
+    )
+
+
+@dataclass(frozen=True)
+class Situation:
+    source: Proposer  # who will draft this round (a chain member, or the proposer itself)
+    key: str  # a case label the policy keeps acceptance statistics for
+
+
+class Proposer(Protocol):
+    name: str
+    k_max: int
+    needs_hidden: bool
+    cost_hint: float  # draft cost per token relative to one target step, before measuring
+
+    def situation(self, ctx: ProposalContext) -> Situation | None: ...
+
+    def propose(self, ctx: ProposalContext, k: int) -> Draft: ...
+
+
+def draw(ctx: ProposalContext, logits: mx.array, history: list[int]) -> tuple[int, mx.array | None]:
+    """One draft token from draft logits (1, V) under the target's sampling settings."""
+    processed = ctx.scorer.process(logits, history, [])
+    if ctx.scorer.settings.greedy:
+        return ctx.scorer.greedy_tokens(processed)[0], None
+    probs = ctx.scorer.probabilities(processed)
+    return sample_from(np.asarray(probs[0]), ctx.rng), probs

@@ -1,0 +1,31 @@
+"""A fallback chain: each round, the first member with something to propose drafts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation
+
+
+class Chain:
+    cost_hint = 0.0
+
+    def __init__(self, members: Sequence[Proposer], name: str = "auto"):
+        if not members:
+            raise ValueError("a proposer chain needs at least one member")
+        self.name, self.members = name, list(members)
+        self.k_max = max(m.k_max for m in self.members)
+        self.needs_hidden = any(m.needs_hidden for m in self.members)
+        self._current: Proposer | None = None
+
+    def situation(self, ctx: ProposalContext) -> Situation | None:
+        for member in self.members:
+            found = member.situation(ctx)
+            if found is not None:
+                self._current = found.source
+                return found
+        self._current = None
+        return None
+
+    def propose(self, ctx: ProposalContext, k: int) -> Draft:
+        return self._current.propose(ctx, k) if self._current else Draft([])

@@ -1,0 +1,109 @@
+"""A small same-family model drafts autoregressively with its own KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
+from mlxspec.target import PREFILL_CHUNK, common_prefix_len
+
+
+class VocabularyMismatch(ValueError):
+    pass
+
+
+def check_same_vocabulary(target_name: str, target_tok, draft_name: str, draft_tok) -> None:
+    """Refuse a pair whose tokenizers differ: the same id must mean the same text."""
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda x: x[1])
+    example = (
+        f"; first difference: {differing[0][0]!r} -> id {differing[0][1]}" if differing else ""
+    )
+    raise VocabularyMismatch(
+        f"draft model '{draft_name}' cannot draft for '{target_name}': their tokenizers differ "
+        f"({len(draft_vocab)} vs {len(target_vocab)} tokens{example}); pick a draft of the "
+        "same model family"
+    )
+
+
+def truncated_model(model: nn.Module, n_layers: int) -> nn.Module:
+    """A standalone mlx-lm model made of `model`'s first n layers, sharing its weights.
+
+    It is an ordinary mlx-lm model (own cache, `make_cache`, saveable), so mlx-lm's
+    own speculative decoding can use it as a draft as well.
+    """
+    args = model.args
+    total = args.num_hidden_layers
+    if not 1 <= n_layers <= total:
+        raise ValueError(f"draft_layers must be in 1..{total}, got {n_layers}")
+    changes = {"num_hidden_layers": n_layers}
+    if getattr(args, "layer_types", None):
+        changes["layer_types"] = list(args.layer_types[:n_layers])
+    small = type(model)(dataclasses.replace(args, **changes))
+    keep = [
+        (name, value)
+        for name, value in tree_flatten(model.parameters())
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < n_layers
+    ]
+    small.update(tree_unflatten(keep))
+    try:
+        small(mx.array([[0]]), cache=small.make_cache() if hasattr(small, "make_cache") else None)
+    except (IndexError, ValueError) as err:
+        raise ValueError(
+            f"cannot cut {getattr(model, 'model_type', 'this model')} to {n_layers} layers "
+            f"(its layer pattern needs more): {err}"
+        ) from None
+    return small
+
+
+class DraftModel:
+    needs_hidden = False
+
+    def __init__(
+        self, model: nn.Module, name: str = "draft-model", k_max: int = 16, cost_hint: float = 0.2
+    ):
+        self.name, self.model, self.k_max, self.cost_hint = name, model, k_max, cost_hint
+        self.cache = make_prompt_cache(model)
+        self.cached_tokens: list[int] = []
+
+    def situation(self, ctx: ProposalContext) -> Situation | None:
+        return Situation(self, "model")
+
+    def _catch_up(self, tokens: list[int]) -> mx.array:
+        """Bring the cache to `tokens` (reusing the common prefix); logits after the last."""
+        keep = common_prefix_len(self.cached_tokens, tokens[:-1])
+        surplus = len(self.cached_tokens) - keep
+        if surplus:
+            if all(c.is_trimmable() for c in self.cache):  # a rotating window may have wrapped
+                for c in self.cache:
+                    c.trim(surplus)
+                del self.cached_tokens[keep:]
+            else:
+                self.cache, self.cached_tokens, keep = make_prompt_cache(self.model), [], 0
+        todo = tokens[keep:]
+        for start in range(0, len(todo), PREFILL_CHUNK):
+            logits = self.model(mx.array([todo[start : start + PREFILL_CHUNK]]), cache=self.cache)
+        self.cached_tokens.extend(todo)
+        return logits[:, -1, :]
+
+    def propose(self, ctx: ProposalContext, k: int) -> Draft:
+        history = list(ctx.tokens)
+        logits = self._catch_up(history)
+        tokens, rows = [], []
+        for i in range(k):
+            token, probs = draw(ctx, logits, history)
+            tokens.append(token)
+            rows.append(probs)
+            history.append(token)
+            if i + 1 < k:
+                logits = self.model(mx.array([[token]]), cache=self.cache)[:, -1, :]
+                self.cached_tokens.append(token)
+        probs = None if ctx.scorer.settings.greedy else mx.concatenate(rows, axis=0)
+        return Draft(tokens, probs)

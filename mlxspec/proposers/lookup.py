@@ -1,0 +1,64 @@
+"""Prompt lookup: propose what followed the latest earlier occurrence of the current suffix.
+
+Needs no weights and costs almost nothing, so it is the universal fallback. An
+incremental index maps every n-gram (ngram_min..ngram_max) to the position after its
+most recent occurrence; each round adds only the new tokens, then looks the suffix up
+from the longest n down. The real match length (extended backwards past ngram_max)
+labels the case, so the policy learns that long verbatim matches deserve long drafts.
+"""
+
+from __future__ import annotations
+
+from mlxspec.proposers.base import Draft, ProposalContext, Situation
+
+MATCH_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # case labels: match length rounded down to these
+
+
+class PromptLookup:
+    needs_hidden = False
+    cost_hint = 0.0
+
+    def __init__(
+        self, name: str = "prompt-lookup", ngram_max: int = 4, ngram_min: int = 2, k_max: int = 64
+    ):
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}..{ngram_max}")
+        self.name, self.ngram_max, self.ngram_min, self.k_max = name, ngram_max, ngram_min, k_max
+        self._seen: list[int] = []
+        self._follow: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
+        self._match: tuple[int, int] | None = None  # (follow index, match length) of this round
+
+    def _sync(self, tokens: list[int]) -> None:
+        if tokens[: len(self._seen)] != self._seen:
+            self._seen, self._follow = [], {}
+        # Index n-grams ending at positions whose next token is known (all but the last).
+        for end in range(max(len(self._seen) - 1, 0), len(tokens) - 1):
+            for n in range(self.ngram_min, self.ngram_max + 1):
+                if end + 1 >= n:
+                    self._follow[tuple(tokens[end + 1 - n : end + 1])] = end + 1
+        self._seen = list(tokens)
+
+    def situation(self, ctx: ProposalContext) -> Situation | None:
+        tokens = ctx.tokens
+        self._sync(tokens)
+        self._match = None
+        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
+            follow = self._follow.get(tuple(tokens[len(tokens) - n :]))
+            if follow is not None:
+                length = n
+                while (
+                    length < MATCH_BUCKETS[-1]
+                    and follow - length - 1 >= 0
+                    and tokens[follow - length - 1] == tokens[len(tokens) - length - 1]
+                ):
+                    length += 1
+                self._match = (follow, length)
+                bucket = max(b for b in MATCH_BUCKETS if b <= length)
+                return Situation(self, f"match>={bucket}")
+        return None
+
+    def propose(self, ctx: ProposalContext, k: int) -> Draft:
+        if self._match is None or k <= 0:
+            return Draft([])
+        follow, _ = self._match
+        return Draft(ctx.tokens[follow : follow + k])

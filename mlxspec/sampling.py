@@ -1,0 +1,120 @@
+"""Turn target/draft logits into decisions exactly as plain decoding would.
+
+Greedy and sampled decoding share one pipeline, built from mlx-lm's own pieces:
+logits processors (repetition penalty) → log-softmax → top-k / top-p masks →
+temperature. Draft and target distributions go through the same pipeline, which is
+what makes rejection sampling reproduce the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class TokenScorer:
+    """Applies the sampling settings to rows of logits.
+
+    Row i of a verify pass predicts the token after `history + continuation[:i]`;
+    history-dependent processors (repetition penalty) must see exactly that prefix.
+    """
+
+    def __init__(self, settings: SamplingSettings):
+        self.settings = settings
+        self.processors = make_logits_processors(
+            repetition_penalty=settings.repetition_penalty,
+            repetition_context_size=settings.repetition_context_size,
+        )
+
+    def process(self, logits: mx.array, history: list[int], continuation: list[int]) -> mx.array:
+        """Logits (m, V) → processed logits (m, V); m-1 <= len(continuation)."""
+        if not self.processors:
+            return logits
+        rows = []
+        for i in range(logits.shape[0]):
+            seen = mx.array(history + continuation[:i], mx.int32)
+            row = logits[i : i + 1]
+            for processor in self.processors:
+                row = processor(seen, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def greedy_tokens(self, processed: mx.array) -> list[int]:
+        return mx.argmax(processed, axis=-1).tolist()
+
+    def probabilities(self, processed: mx.array) -> mx.array:
+        """The distribution plain sampling draws from, as float32 rows (m, V)."""
+        logprobs = processed.astype(mx.float32)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        vocab = logprobs.shape[-1]
+        if 0 < self.settings.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.settings.top_p)
+        if 0 < self.settings.top_k < vocab:
+            logprobs = apply_top_k(logprobs, self.settings.top_k)
+        return mx.softmax(logprobs * (1.0 / self.settings.temperature), axis=-1)
+
+
+def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from an unnormalised probability row."""
+    cumulative = np.cumsum(probs, dtype=np.float64)
+    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return min(index, len(probs) - 1)
+
+
+def rejection_sample(
+    draft_tokens: list[int],
+    draft_probs: np.ndarray | None,
+    target_probs: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    Accept draft x_i with probability min(1, p_i(x)/q_i(x)); at the first rejection
+    draw from norm(max(0, p_i - q_i)); after a full accept draw the bonus from p_k.
+    `draft_probs` None means a deterministic proposer: q is one-hot on the draft.
+    Returns (number of drafts accepted, the target's own next token).
+    """
+    for i, token in enumerate(draft_tokens):
+        p_row = target_probs[i]
+        q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        if q_token > 0 and rng.random() * q_token < p_row[token]:
+            continue
+        if draft_probs is None:
+            residual = p_row.astype(np.float64)
+            residual[token] = 0.0
+        else:
+            residual = np.maximum(p_row.astype(np.float64) - draft_probs[i], 0.0)
+        if residual.sum() <= 0:  # p == q up to rounding: any draw from p is exact
+            residual = p_row
+        return i, sample_from(residual, rng)
+    return len(draft_tokens), sample_from(target_probs[len(draft_tokens)], rng)

@@ -1,0 +1,82 @@
+"""Incremental text for the event stream: per-token pieces, stop strings, hold-back.
+
+Each output token gets the exact piece of text it added (via mlx-lm's streaming
+detokenizer, so multi-byte characters split across tokens come out whole). Text that
+might be the start of a stop string is held back until it is known not to be, so a
+stop string is never shown, even when it spans two verify rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Piece:
+    kind: str  # "accepted" | "corrected" | "bonus"
+    token: int
+    text: str
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()):
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.stop = [s for s in stop if s]
+        self.text = ""  # all text so far, held-back part included
+        self.released = 0  # characters already handed out
+        self._pending: list[Piece] = []
+        self.stopped = False
+
+    def add(self, kind: str, token: int) -> None:
+        self.detokenizer.add_token(token)
+        segment = self.detokenizer.last_segment
+        self.text += segment
+        self._pending.append(Piece(kind, token, segment))
+
+    def finish(self) -> None:
+        """No more tokens: flush what the detokenizer still holds."""
+        self.detokenizer.finalize()
+        tail = self.detokenizer.last_segment
+        if tail:
+            self.text += tail
+            if self._pending:
+                self._pending[-1].text += tail
+            else:
+                self._pending.append(Piece("bonus", -1, tail))
+
+    def release(self, final: bool = False) -> list[Piece]:
+        """Pieces that can be shown now; sets `stopped` when a stop string appeared."""
+        cut = len(self.text)
+        for stop in self.stop:
+            found = self.text.find(stop, max(0, self.released - len(stop) + 1))
+            if found != -1 and found < cut:
+                cut, self.stopped = found, True
+        if not self.stopped and not final:
+            cut -= self._held_back()
+        out, position = [], self.released
+        while self._pending and position + len(self._pending[0].text) <= cut:
+            piece = self._pending.pop(0)
+            position += len(piece.text)
+            out.append(piece)
+        if self.stopped and self._pending and position < cut:
+            # The stop string starts inside this token: keep only the text before it.
+            piece = self._pending.pop(0)
+            piece.text = piece.text[: cut - position]
+            position = cut
+            out.append(piece)
+        if self.stopped:
+            self._pending.clear()
+            self.text = self.text[:cut]
+        self.released = position
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,118 @@
+"""Tiny random-weight models from mlx-lm's own classes, with a real byte-level tokenizer.
+
+Random models are the fast way to test the engine's logic on every cache kind:
+plain KV (llama, qwen3), rotating sliding windows (gemma3_text), and recurrent
+state (lfm2's conv layers). The LM head is scaled up so the models are confident:
+near-tied top-2 logits, where batched and one-token arithmetic may legitimately
+round differently, become rare and the lossless tests keep their teeth.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
+import mlx.core as mx
+from mlx.utils import tree_map_with_path
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+EOS = "<|end|>"
+
+
+def byte_tokenizer() -> TokenizerWrapper:
+    """256 byte tokens + an end-of-text token: every string encodes, every id decodes."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab[EOS] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer)
+
+
+VOCAB = 257
+
+FAMILIES = {
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=VOCAB,
+        sliding_window=12,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=16,
+    ),
+    "lfm2": dict(
+        model_type="lfm2",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        block_ff_dim=128,
+        full_attn_idxs=[1],
+    ),
+}
+
+
+def tiny_model(
+    family: str = "llama", seed: int = 0, sharpness: float = 8.0, layers: int | None = None
+):
+    """A random model of `family`; `sharpness` scales the output logits."""
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    config = dict(FAMILIES[family])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+
+    def sharpen(path, value):
+        if path.endswith("lm_head.weight") or (
+            path.endswith("embed_tokens.weight") and not hasattr(model, "lm_head")
+        ):
+            return value * sharpness
+        return value
+
+    model.update(tree_map_with_path(sharpen, model.parameters()))
+    mx.eval(model.parameters())
+    return model
