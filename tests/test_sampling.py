@@ -1,0 +1,160 @@
+"""Rejection sampling reproduces the target's distribution (chi-square, fixed seeds)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from tiny_models import byte_tokenizer, tiny_model
+
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.policy import VerifyCost
+from mlxspec.proposers import DraftModel, truncated_model
+from mlxspec.sampling import SamplingSettings, rejection_sample, sample_from
+
+# Target rows p0, p1, p2 and an adversarial draft q: heavy where p is light.
+P = np.array(
+    [
+        [0.40, 0.25, 0.15, 0.10, 0.07, 0.03],
+        [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],
+        [0.30, 0.30, 0.10, 0.10, 0.10, 0.10],
+    ]
+)
+Q = np.array([[0.02, 0.03, 0.05, 0.10, 0.30, 0.50], [0.50, 0.30, 0.10, 0.05, 0.03, 0.02]])
+TRIALS = 40_000
+CRITICAL_DF5 = 20.52  # chi-square, 5 degrees of freedom, alpha = 0.001
+
+
+def chi_square(counts: Counter, probs: np.ndarray) -> float:
+    total = sum(counts.values())
+    observed = np.array([counts.get(i, 0) for i in range(len(probs))])
+    expected = probs * total
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def simulate(rule, one_hot: bool = False, seed: int = 0):
+    """First and (when the first draft was accepted) second emitted tokens."""
+    rng = np.random.default_rng(seed)
+    first, second = Counter(), Counter()
+    for _ in range(TRIALS):
+        if one_hot:
+            drafts, q = [4, 5], None  # a lookup draft: fixed tokens
+        else:
+            drafts, q = [sample_from(Q[0], rng), sample_from(Q[1], rng)], Q
+        n, own = rule(drafts, q, P, rng)
+        emitted = [*drafts[:n], own]
+        first[emitted[0]] += 1
+        if n >= 1:
+            second[emitted[1]] += 1
+    return first, second
+
+
+def broken_rule(drafts, q, p, rng):
+    """A plausible bug: resample from p instead of norm(max(0, p - q)) after a rejection."""
+    for i, token in enumerate(drafts):
+        q_token = 1.0 if q is None else q[i, token]
+        if rng.random() * q_token < p[i, token]:
+            continue
+        return i, sample_from(p[i], rng)
+    return len(drafts), sample_from(p[len(drafts)], rng)
+
+
+def test_rejection_sampling_matches_target_distribution_with_adversarial_draft():
+    first, second = simulate(rejection_sample)
+    assert chi_square(first, P[0]) < CRITICAL_DF5
+    assert chi_square(second, P[1]) < CRITICAL_DF5
+
+
+def test_rejection_sampling_matches_target_distribution_with_one_hot_draft():
+    first, second = simulate(rejection_sample, one_hot=True)
+    assert chi_square(first, P[0]) < CRITICAL_DF5
+    assert chi_square(second, P[1]) < CRITICAL_DF5
+
+
+def test_the_chi_square_check_catches_a_broken_accept_rule():
+    first, _ = simulate(broken_rule)
+    assert chi_square(first, P[0]) > 10 * CRITICAL_DF5
+
+
+def two_sample_chi_square(a: Counter, b: Counter, min_count: int = 10) -> tuple[float, int]:
+    """Homogeneity chi-square; rare categories are pooled. Returns (statistic, dof)."""
+    keys = [key for key in set(a) | set(b) if a[key] + b[key] >= min_count]
+    rows_a = [a[key] for key in keys] + [sum(a.values()) - sum(a[key] for key in keys)]
+    rows_b = [b[key] for key in keys] + [sum(b.values()) - sum(b[key] for key in keys)]
+    table = np.array([rows_a, rows_b], dtype=float)
+    table = table[:, table.sum(axis=0) > 0]
+    expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0) / table.sum()
+    return float(((table - expected) ** 2 / expected).sum()), table.shape[1] - 1
+
+
+class Flattened:
+    """A model whose logits are scaled: the same ranking, a flatter distribution."""
+
+    def __init__(self, model, scale: float):
+        self.model, self.scale = model, scale
+        self.layers = model.layers
+
+    def __call__(self, inputs, cache=None):
+        return self.model(inputs, cache=cache) * self.scale
+
+
+def test_engine_sampling_with_a_draft_model_matches_the_target():
+    """End to end: first token vs the exact target law; first two vs mlx-lm's sampler."""
+    tokenizer = byte_tokenizer()
+    model = tiny_model("llama", seed=5, sharpness=8.0)
+    # The draft is the target flattened (q ~ p^0.35): q overlaps p but over-weights its
+    # tail, which is where a wrong rejection rule shows (a disjoint q would hide it).
+    draft = DraftModel(Flattened(tiny_model("llama", seed=5, sharpness=8.0), 0.35), k_max=3)
+    engine = Engine(model, tokenizer, "llama", [draft], verify_cost=VerifyCost({1: 1.0}, 1.0))
+    prompt = [40, 41, 42, 43]
+    runs = 800
+    spec_first, spec_pairs, plain_pairs = Counter(), Counter(), Counter()
+    for seed in range(runs):
+        settings = GenerationSettings(
+            max_tokens=2, k=2, sampling=SamplingSettings(temperature=1.0, seed=seed)
+        )
+        done = list(engine.stream(prompt, settings, "draft-model"))[-1]
+        assert done.record.drafted == 1
+        spec_first[done.token_ids[0]] += 1
+        spec_pairs[done.token_ids] += 1
+        mx.random.seed(seed)
+        steps = generate_step(mx.array(prompt), model, max_tokens=2, sampler=make_sampler(1.0))
+        plain_pairs[tuple(int(t) for t, _ in steps)] += 1
+
+    exact = np.array(mx.softmax(model(mx.array([prompt]))[0, -1]).tolist())
+    likely = [t for t in range(len(exact)) if exact[t] * runs >= 5]
+    observed = np.array(
+        [spec_first[t] for t in likely] + [runs - sum(spec_first[t] for t in likely)]
+    )
+    expected = np.array([exact[t] for t in likely] + [1 - exact[likely].sum()]) * runs
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    assert dof >= 3, "the test model is too confident to test anything"
+    assert statistic < dof + 4.5 * np.sqrt(2 * dof), (statistic, dof)  # ~ alpha 1e-4
+
+    statistic, dof = two_sample_chi_square(spec_pairs, plain_pairs)
+    assert statistic < dof + 4.5 * np.sqrt(2 * dof), (statistic, dof)
+
+
+def test_a_fixed_seed_reproduces_a_sampled_run():
+    tokenizer = byte_tokenizer()
+    model = tiny_model("llama", seed=6, sharpness=4.0)
+    engine = Engine(
+        model,
+        tokenizer,
+        "llama",
+        [DraftModel(truncated_model(model, 1))],
+        verify_cost=VerifyCost({1: 1.0}, 1.0),
+    )
+
+    def sample(seed):
+        settings = GenerationSettings(
+            max_tokens=20, k=3, sampling=SamplingSettings(temperature=0.8, seed=seed)
+        )
+        return list(engine.stream([1, 2, 3], settings, "draft-model"))[-1].token_ids
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
