@@ -1,0 +1,194 @@
+"""Proposer, policy and text-stream behaviour that the lossless tests cannot see."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from tiny_models import byte_tokenizer, tiny_model
+
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.events import OUTPUT_EVENTS, Done, Rejected, Step
+from mlxspec.policy import Acceptance, Policy, VerifyCost, expected_tokens
+from mlxspec.proposers import Draft, PromptLookup, ProposalContext, Situation
+from mlxspec.sampling import SamplingSettings, TokenScorer
+from mlxspec.text import TextStream
+
+CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
+
+
+def context(tokens):
+    return ProposalContext(tokens, TokenScorer(SamplingSettings()), np.random.default_rng(0), None)
+
+
+def lookup_draft(proposer, tokens, k=8):
+    situation = proposer.situation(context(tokens))
+    return None if situation is None else proposer.propose(context(tokens), k).tokens
+
+
+def test_lookup_prefers_the_longest_then_most_recent_match():
+    lookup = PromptLookup(ngram_max=3, ngram_min=1)
+    # "7 8" occurs twice: the later occurrence (followed by 3) wins; "6 7 8" (longer) beats both.
+    assert lookup_draft(lookup, [7, 8, 1, 7, 8, 3, 9, 7, 8], k=1) == [3]
+    assert lookup_draft(
+        PromptLookup(ngram_max=3, ngram_min=1), [6, 7, 8, 5, 7, 8, 3, 6, 7, 8], 1
+    ) == [5]
+
+
+def test_lookup_needs_a_match_of_at_least_ngram_min():
+    lookup = PromptLookup(ngram_max=4, ngram_min=2)
+    assert lookup_draft(lookup, [1, 2, 3, 9, 3]) is None  # only a 1-token match
+    assert lookup_draft(lookup, [1, 2, 3, 9, 2, 3]) == [9, 2, 3]
+
+
+def test_lookup_index_grows_incrementally_and_resets_when_the_text_changes():
+    lookup = PromptLookup(ngram_max=2, ngram_min=2)
+    tokens = [1, 2, 3, 4]
+    assert lookup_draft(lookup, tokens) is None
+    tokens += [1, 2]
+    assert lookup_draft(lookup, tokens) == [3, 4, 1, 2]
+    assert lookup_draft(lookup, [5, 6, 7, 5, 6]) == [7, 5, 6]  # a different conversation
+
+
+def test_lookup_labels_long_verbatim_matches():
+    lookup = PromptLookup(ngram_max=2, ngram_min=2)
+    text = list(range(40))
+    situation = lookup.situation(context(text + [99] + text[:20]))
+    assert situation.key == "match>=16"
+
+
+def test_expected_tokens_and_cost_interpolation():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+    assert expected_tokens(1.0, 4) == 5.0
+    assert CPU_LIKE_COST(3) == (1.13 + 1.39) / 2
+    assert CPU_LIKE_COST(128) > CPU_LIKE_COST(64)
+
+
+class Named:
+    def __init__(self, name, cost_hint=0.0):
+        self.name, self.cost_hint = name, cost_hint
+
+
+def test_policy_drafts_long_when_acceptance_is_high_and_not_at_all_when_low():
+    policy = Policy(CPU_LIKE_COST)
+    good, bad = Situation(Named("copying"), "match>=16"), Situation(Named("chatting"), "match>=2")
+    for _ in range(30):
+        policy.update(good, 16, 16, 0.0)
+        policy.update(bad, 4, 0, 0.0)
+    assert policy.choose(good, 64) >= 16
+    assert policy.choose(bad, 64) == 0
+
+
+def test_policy_counts_draft_cost_and_keeps_probing():
+    policy = Policy(CPU_LIKE_COST, explore_every=4)
+    costly = Situation(Named("draft", cost_hint=2.0), "model")
+    assert policy.choose(costly, 8) == 0  # a draft token dearer than a target step never pays
+    choices = [policy.choose(costly, 8) for _ in range(8)]
+    assert choices.count(1) == 2  # one probe every 4 idle rounds
+    acceptance = Acceptance()
+    acceptance.update(4, 4, decay=0.5)
+    assert acceptance.rate > 0.5
+
+
+def test_text_stream_never_shows_a_stop_string_split_across_tokens():
+    tokenizer = byte_tokenizer()
+    stream = TextStream(tokenizer, stop=["END"])
+    shown = ""
+    for ch in "abcEN":
+        stream.add("bonus", tokenizer.encode(ch)[0])
+        shown += "".join(p.text for p in stream.release())
+    assert shown == "abc"  # "EN" is held back: it may become END
+    stream.add("bonus", tokenizer.encode("D")[0])
+    shown += "".join(p.text for p in stream.release())
+    assert shown == "abc" and stream.stopped and stream.text == "abc"
+
+
+def test_text_stream_releases_held_text_that_turned_out_harmless():
+    tokenizer = byte_tokenizer()
+    stream = TextStream(tokenizer, stop=["END"])
+    for ch in "xEN!":
+        stream.add("accepted", tokenizer.encode(ch)[0])
+    assert "".join(p.text for p in stream.release()) == "xEN!"
+    assert not stream.stopped
+
+
+def engine_with_lookup(seed=0):
+    tokenizer = byte_tokenizer()
+    model = tiny_model("llama", seed=seed)
+    return Engine(model, tokenizer, "llama", [PromptLookup()], verify_cost=CPU_LIKE_COST)
+
+
+def test_events_rebuild_the_output_and_rejected_drafts_stay_out():
+    engine = engine_with_lookup()
+    prompt = [3, 4, 5, 6] * 6
+    events = list(engine.stream(prompt, GenerationSettings(max_tokens=40, k=4), "prompt-lookup"))
+    done = events[-1]
+    assert isinstance(done, Done)
+    output = [e for e in events if isinstance(e, OUTPUT_EVENTS)]
+    assert "".join(e.text for e in output) == done.text
+    assert tuple(t for e in output for t in e.tokens) == done.token_ids
+    steps = [e for e in events if isinstance(e, Step)]
+    assert sum(s.drafted for s in steps) == done.record.drafted > 0
+    assert sum(s.accepted for s in steps) == done.record.accepted
+    rejected = sum(len(e.tokens) for e in events if isinstance(e, Rejected))
+    assert rejected == done.record.drafted - done.record.accepted
+
+
+def test_stop_string_spanning_rounds_ends_the_answer_before_it():
+    engine = engine_with_lookup(seed=2)
+    prompt = list(b"the cat sat on the mat. the cat")
+    full = list(engine.stream(prompt, GenerationSettings(max_tokens=40)))[-1].text
+    assert len(full) > 12
+    stop = full[8:12]
+    cut = full.index(stop)
+    done = list(
+        engine.stream(prompt, GenerationSettings(max_tokens=40, stop=[stop], k=5), "prompt-lookup")
+    )[-1]
+    assert done.text == full[:cut]
+    assert done.record.finish_reason == "stop"
+
+
+def test_record_is_truthful():
+    engine = engine_with_lookup()
+    done = list(
+        engine.stream([1, 2, 3, 1, 2, 3, 1, 2], GenerationSettings(max_tokens=17), "prompt-lookup")
+    )[-1]
+    record = done.record.to_dict()
+    assert record["completion_tokens"] == len(done.token_ids) <= 17
+    assert record["speculative"] is True and record["proposer"] == "prompt-lookup"
+    assert record["lossless"] is True and record["k_policy"] == "adaptive"
+    assert record["acceptance_rate"] == round(record["accepted"] / max(record["drafted"], 1), 4)
+    assert record["device"]["device"] in ("cpu", "metal", "cuda")
+    plain = list(engine.stream([1, 2, 3], GenerationSettings(max_tokens=5)))[-1].record
+    assert plain.speculative is False and plain.drafted == 0 and plain.k_policy == "off"
+
+
+class HiddenReader:
+    """Checks that the engine hands a drafter the hidden state that predicted the pending
+    token, computed in the same verify pass (no second forward)."""
+
+    needs_hidden = True
+    cost_hint = 0.0
+    name, k_max = "hidden-reader", 2
+
+    def __init__(self):
+        self.checked = 0
+
+    def situation(self, ctx):
+        if ctx.hidden is None:
+            return None
+        predicted = mx.argmax(ctx.target.decoder.head(ctx.hidden)[-1]).item()
+        assert predicted == ctx.tokens[-1]
+        self.checked += 1
+        return Situation(self, "head")
+
+    def propose(self, ctx, k):
+        return Draft([ctx.tokens[-1]] * k)
+
+
+def test_drafter_heads_receive_the_targets_hidden_state():
+    engine = engine_with_lookup(seed=1)
+    reader = HiddenReader()
+    engine.add_proposer(reader)
+    done = list(engine.stream([9, 8, 7], GenerationSettings(max_tokens=12, k=2), reader.name))[-1]
+    assert reader.checked >= 3 and done.record.drafted > 0
