@@ -1,0 +1,385 @@
+"""Named target/proposer pairs from models.toml: the shipped file, extended by the user's.
+
+The shipped `mlxspec/models.toml` documents the schema. A user file (env MLXSPEC_MODELS,
+else `<config dir>/models.toml` when it exists) adds entries, replaces shipped entries of
+the same name wholesale, and may set `default`. Everything is validated on load; every
+problem is one `RegistryError` line naming the file, the entry and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 needs the backport
+    import tomli as tomllib
+
+from mlxspec.paths import config_dir
+
+SHIPPED_FILE = Path(__file__).with_name("models.toml")
+ENV_VAR = "MLXSPEC_MODELS"
+NONE = "none"  # the reserved proposer name meaning "no speculation"
+FALLBACK = "prompt-lookup"  # needs no weights, so every entry gets one
+
+
+class RegistryError(ValueError):
+    """A models.toml problem, or an unknown model/proposer name: one line for the user."""
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    name: str
+    kind: str
+    options: Mapping[str, Any]  # validated, defaults filled in (see _KIND_OPTIONS)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    context: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    target: str  # a packaged name, a hub repo id, or an absolute local path
+    description: str
+    proposers: Mapping[str, ProposerConfig]
+    default_proposer: str
+    defaults: Defaults
+    source: Path  # the toml file that defined it
+
+    def proposer(self, name: str | None = None) -> ProposerConfig | None:
+        """The named proposer (None: the entry's default); None means no speculation."""
+        chosen = self.default_proposer if name is None else name
+        if chosen == NONE:
+            return None
+        if chosen not in self.proposers:
+            raise _Where(self.source, self.name).error(
+                f"unknown proposer {chosen!r}; choose one of: {', '.join(self.proposer_names)}"
+            )
+        return self.proposers[chosen]
+
+    @property
+    def proposer_names(self) -> list[str]:
+        return [*self.proposers, NONE]
+
+
+@dataclass(frozen=True)
+class Registry:
+    entries: Mapping[str, ModelEntry]
+    default: str
+    files: tuple[Path, ...]  # the files that were read, shipped first
+    user_file: Path | None = None  # where the user adds entries (None: user_file_path())
+
+    def get(self, name: str | None = None) -> ModelEntry:
+        chosen = self.default if name is None else name
+        if chosen not in self.entries:
+            where = self.user_file or user_file_path()
+            raise RegistryError(
+                f"unknown model {chosen!r}; known: {', '.join(self.entries)} (add it to {where})"
+            )
+        return self.entries[chosen]
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a problem is, so every error starts with the file and the entry."""
+
+    source: Path
+    entry: str | None = None
+
+    def error(self, problem: str) -> RegistryError:
+        entry = f": entry {self.entry!r}" if self.entry is not None else ""
+        return RegistryError(f"{self.source.name} ({self.source}){entry}: {problem}")
+
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class _Option:
+    type: type  # int, float, str or list (of strings)
+    rule: str  # what a valid value is, as a noun phrase for error messages
+    default: Any = _REQUIRED  # None: optional without a value
+    ok: Callable[[Any], bool] = lambda value: True
+    reference: bool = False  # a model reference: local paths resolve against the file
+
+
+def _int(low: int, default: Any = _REQUIRED, note: str = "") -> _Option:
+    return _Option(int, f"an integer >= {low}{note}", default, lambda v: v >= low)
+
+
+_REFERENCE = _Option(
+    str, "a packaged name, a hub repo id (owner/name) or a local path", reference=True
+)
+_ENTRY_OPTIONS = {
+    "target": _REFERENCE,
+    "description": _Option(str, "a string", ""),
+    "default_proposer": _Option(str, "a proposer name or 'none'", FALLBACK),
+}
+_ENTRY_TABLES = ("defaults", "proposers")
+# Defaults are None here so that Defaults' own field defaults apply to what is left out.
+_DEFAULTS_OPTIONS = {
+    "temperature": _Option(float, "a number >= 0", None, lambda v: v >= 0),
+    "top_p": _Option(float, "a number > 0 and <= 1", None, lambda v: 0 < v <= 1),
+    "top_k": _int(0, None, " (0 = off)"),
+    "max_tokens": _int(1, None),
+    "context": _int(1, None),
+}
+_KIND_OPTIONS: dict[str, dict[str, _Option]] = {
+    kind: {**options, "k_max": _int(1, 32)}
+    for kind, options in {
+        "prompt-lookup": {"ngram_max": _int(1, 4), "ngram_min": _int(1, 2)},
+        "draft-model": {"draft": _REFERENCE, "draft_layers": _int(1, None)},
+        "self-spec": {"layers": _int(1)},
+        "head": {"path": _Option(str, "a path or hub repo id of a drafter head", reference=True)},
+        "chain": {"members": _Option(list, "a non-empty list of proposer names", ok=bool)},
+    }.items()
+}
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+")
+_TOML_TYPES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "a table",
+}
+
+
+def _toml_type(value: Any) -> str:
+    return _TOML_TYPES.get(type(value), "a date/time")
+
+
+def _section(*keys: str) -> str:
+    """A table header as written in TOML, e.g. [models."qwen2.5-7b".defaults]."""
+    return (
+        "[" + ".".join(k if _BARE_KEY.fullmatch(k) else f'"{k}"' for k in ("models", *keys)) + "]"
+    )
+
+
+def _table(value: Any, where: _Where, section: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise where.error(f"{section} must be a table, got {_toml_type(value)}")
+    return value
+
+
+def _value(value: Any, key: str, spec: _Option, where: _Where, section: str) -> Any:
+    """One checked value: type (a bool is not a number), range, then reference resolution."""
+    wrong = f"{key} in {section} must be {spec.rule}, got"
+    if spec.type is float and type(value) is int:
+        value = float(value)
+    if type(value) is not spec.type:
+        raise where.error(f"{wrong} {_toml_type(value)}")
+    if spec.type is float and not math.isfinite(value):  # TOML allows nan and inf
+        raise where.error(f"{wrong} {value!r}")
+    if spec.type is list and not all(isinstance(item, str) for item in value):
+        raise where.error(f"{wrong} {value!r}")
+    if not spec.ok(value):
+        raise where.error(f"{wrong} {value!r}")
+    if spec.type is list:
+        return tuple(value)  # frozen, like everything a registry hands out
+    return _resolve(value, key, where, section) if spec.reference else value
+
+
+def _resolve(reference: str, key: str, where: _Where, section: str) -> str:
+    """Local paths become absolute (relative ones against the file's folder); ids stay."""
+    if reference.startswith(("/", "~", "./", "../")):
+        try:
+            path = Path(reference).expanduser()
+        except RuntimeError:  # ~user for a user that does not exist
+            raise where.error(f"{key} in {section}: cannot expand {reference!r}") from None
+        return os.path.normpath(where.source.parent / path)
+    if "/" in reference and not _HUB_ID.fullmatch(reference):
+        raise where.error(
+            f"{key} in {section}: {reference!r} is neither a hub repo id (owner/name) nor a "
+            f"local path; write './{reference}' for a path relative to this file"
+        )
+    if "/" not in reference and not _NAME.fullmatch(reference):
+        raise where.error(f"{key} in {section} must be {_REFERENCE.rule}, got {reference!r}")
+    return reference
+
+
+def _options(
+    table: Any,
+    specs: Mapping[str, _Option],
+    where: _Where,
+    section: str,
+    also_known: Iterable[str] = (),
+) -> dict[str, Any]:
+    """Check a table against its option specs: unknown keys, missing keys, each value."""
+    table = _table(table, where, section)
+    known = [*specs, *also_known]
+    for key in table:
+        if key not in known:
+            raise where.error(f"unknown key {key!r} in {section}; known keys: {', '.join(known)}")
+    values = {}
+    for key, spec in specs.items():
+        if key in table:
+            values[key] = _value(table[key], key, spec, where, section)
+        elif spec.default is _REQUIRED:
+            raise where.error(f"{section} is missing {key}; add {key} = <{spec.rule}>")
+        else:
+            values[key] = spec.default
+    return values
+
+
+def _check_name(name: str, what: str, where: _Where) -> None:
+    if not _NAME.fullmatch(name):
+        raise where.error(
+            f"{what} name {name!r} is not valid; use letters, digits, '.', '_' and '-'"
+        )
+
+
+def _proposer(name: str, table: Any, where: _Where, section: str) -> ProposerConfig:
+    _check_name(name, "proposer", where)
+    if name == NONE:
+        raise where.error(f"{section}: 'none' is reserved for no speculation; rename it")
+    table = dict(_table(table, where, section))
+    kind = table.pop("kind", name if name in _KIND_OPTIONS else None)
+    if not isinstance(kind, str) or kind not in _KIND_OPTIONS:
+        got = "no kind" if kind is None else f"kind {kind!r}"
+        raise where.error(f"{section} has {got}; set kind = one of: {', '.join(_KIND_OPTIONS)}")
+    if name in _KIND_OPTIONS and kind != name:
+        raise where.error(
+            f"{section} is named after kind {name!r} but has kind {kind!r}; rename it"
+        )
+    options = _options(table, _KIND_OPTIONS[kind], where, section, also_known=("kind",))
+    if kind == "prompt-lookup" and options["ngram_min"] > options["ngram_max"]:
+        raise where.error(
+            f"ngram_min ({options['ngram_min']}) in {section} must be <= "
+            f"ngram_max ({options['ngram_max']})"
+        )
+    return ProposerConfig(name, kind, MappingProxyType(options))
+
+
+def _check_chain(
+    chain: ProposerConfig, proposers: Mapping[str, ProposerConfig], where: _Where, section: str
+) -> None:
+    members = chain.options["members"]
+    for member in members:
+        if member == chain.name:
+            raise where.error(f"chain {section} lists itself; remove {member!r} from members")
+        if member not in proposers:
+            others = ", ".join(name for name in proposers if name != chain.name)
+            raise where.error(
+                f"members of {section} names unknown proposer {member!r}; "
+                f"define it or use one of: {others}"
+            )
+        if proposers[member].kind == "chain":
+            raise where.error(f"chain {section} lists chain {member!r}; a chain cannot nest")
+        if members.count(member) > 1:
+            raise where.error(f"members of {section} lists {member!r} twice; list it once")
+
+
+def _entry(name: str, table: Any, source: Path) -> ModelEntry:
+    where = _Where(source, name)
+    _check_name(name, "model", where)
+    values = _options(table, _ENTRY_OPTIONS, where, _section(name), also_known=_ENTRY_TABLES)
+    defaults = _options(
+        table.get("defaults", {}), _DEFAULTS_OPTIONS, where, _section(name, "defaults")
+    )
+    proposer_tables = _table(table.get("proposers", {}), where, _section(name, "proposers"))
+    proposers = {
+        key: _proposer(key, value, where, _section(name, "proposers", key))
+        for key, value in proposer_tables.items()
+    }
+    if FALLBACK not in proposers:
+        proposers[FALLBACK] = _proposer(FALLBACK, {}, where, _section(name, "proposers", FALLBACK))
+    for proposer in proposers.values():
+        if proposer.kind == "chain":
+            _check_chain(proposer, proposers, where, _section(name, "proposers", proposer.name))
+    default_proposer = values["default_proposer"]
+    if default_proposer != NONE and default_proposer not in proposers:
+        raise where.error(
+            f"default_proposer {default_proposer!r} is not one of its proposers; "
+            f"use one of: {', '.join([*proposers, NONE])}"
+        )
+    return ModelEntry(
+        name=name,
+        target=values["target"],
+        description=values["description"],
+        proposers=MappingProxyType(proposers),
+        default_proposer=default_proposer,
+        defaults=Defaults(**{key: value for key, value in defaults.items() if value is not None}),
+        source=source,
+    )
+
+
+def parse_registry_text(text: str, source: Path) -> tuple[dict[str, ModelEntry], str | None]:
+    """The entries and the `default` (None if unset) of one models.toml's text."""
+    where = _Where(source)
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise where.error(f"invalid TOML: {exc}; fix the syntax there") from None
+    for key in document:
+        if key not in ("default", "models"):
+            raise where.error(f"unknown top-level key {key!r}; known keys: default, models")
+    default = document.get("default")
+    if default is not None and not isinstance(default, str):
+        raise where.error(f"default must be a model name (a string), got {_toml_type(default)}")
+    models = _table(document.get("models", {}), where, "[models]")
+    return {name: _entry(name, table, source) for name, table in models.items()}, default
+
+
+def user_file_path() -> Path:
+    """Where the user's models.toml is (or would be): $MLXSPEC_MODELS, else the config dir."""
+    override = os.environ.get(ENV_VAR)
+    return Path(override).expanduser() if override else config_dir() / "models.toml"
+
+
+def _user_file(explicit: Path | None) -> Path | None:
+    """The user file to read, if any: an explicit or env-named file must exist."""
+    if explicit is not None:
+        path = Path(explicit).expanduser().absolute()
+        if not path.is_file():
+            raise RegistryError(f"models file {path} does not exist; create it or pass another")
+        return path
+    path = user_file_path().absolute()
+    if os.environ.get(ENV_VAR) and not path.is_file():
+        raise RegistryError(f"{ENV_VAR} names a missing file: {path}; create it or unset {ENV_VAR}")
+    return path if path.is_file() else None
+
+
+def _parse_file(path: Path) -> tuple[dict[str, ModelEntry], str | None]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _Where(path).error(f"cannot read it ({exc}); check the file") from None
+    return parse_registry_text(text, path)
+
+
+def load_registry(user_file: Path | None = None) -> Registry:
+    """The shipped entries extended by the user file (`user_file`, else env, else XDG)."""
+    entries, default = _parse_file(SHIPPED_FILE)
+    default_source, files = SHIPPED_FILE, [SHIPPED_FILE]
+    user = _user_file(user_file)
+    if user is not None:
+        user_entries, user_default = _parse_file(user)
+        entries.update(user_entries)  # same name: the user's entry replaces the shipped one
+        files.append(user)
+        if user_default is not None:
+            default, default_source = user_default, user
+    if default is None:
+        raise _Where(SHIPPED_FILE).error('no default model is set; add default = "<name>"')
+    if default not in entries:
+        raise _Where(default_source).error(
+            f"default = {default!r} names no entry; use one of: {', '.join(entries)}"
+        )
+    return Registry(MappingProxyType(entries), default, tuple(files), user or user_file_path())

@@ -1,0 +1,314 @@
+"""models.toml: the shipped file, user files extending it, and one-line errors for bad ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlxspec.registry import (
+    SHIPPED_FILE,
+    Defaults,
+    RegistryError,
+    load_registry,
+    parse_registry_text,
+)
+
+ENTRY = '[models.foo]\ntarget = "owner/name"\n'
+
+
+@pytest.fixture(autouse=True)
+def isolated_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No test sees the real user's models.toml: empty XDG config, no MLXSPEC_MODELS."""
+    monkeypatch.delenv("MLXSPEC_MODELS", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "config" / "mlxspec" / "models.toml"
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_shipped_file_loads_with_an_offline_default():
+    registry = load_registry()
+    assert registry.files == (SHIPPED_FILE,)
+    entry = registry.get(None)
+    assert entry.name == registry.default == "smollm2-135m"
+    assert entry.target == "smollm2-135m" and entry.source == SHIPPED_FILE
+    assert entry.proposer_names == ["prompt-lookup", "self-spec", "draft-model", "auto", "none"]
+    assert dict(entry.proposer("prompt-lookup").options) == {
+        "ngram_max": 4,
+        "ngram_min": 2,
+        "k_max": 64,
+    }
+    assert entry.proposer("self-spec").options["layers"] == 8
+    draft = entry.proposer("draft-model").options
+    assert (draft["draft"], draft["draft_layers"]) == ("smollm2-135m", 10)
+    assert entry.proposer("auto").options["members"] == ("prompt-lookup", "draft-model")
+    assert entry.proposer(None).name == "prompt-lookup"
+
+
+def test_shipped_download_pairs_are_hub_ids_with_a_chain_by_default():
+    registry = load_registry()
+    pairs = [entry for name, entry in registry.entries.items() if name != "smollm2-135m"]
+    assert {entry.name for entry in pairs} >= {"qwen3-8b", "llama3.1-8b", "gemma3-12b"}
+    for entry in pairs:
+        assert entry.target.startswith("mlx-community/"), entry.name
+        assert entry.proposer("draft-model").options["draft"].startswith("mlx-community/")
+        assert entry.proposer(None).kind == "chain", entry.name
+        assert "download" in entry.description, entry.name
+
+
+def test_user_file_from_env_extends_overrides_and_sets_default(tmp_path, monkeypatch):
+    user = write(
+        tmp_path / "mine.toml",
+        'default = "tiny"\n'
+        '[models.tiny]\ntarget = "me/tiny"\n'
+        '[models.smollm2-135m]\ntarget = "me/smol"\ndefault_proposer = "none"\n',
+    )
+    monkeypatch.setenv("MLXSPEC_MODELS", str(user))
+    registry = load_registry()
+    assert registry.files == (SHIPPED_FILE, user)
+    assert registry.default == "tiny" and registry.get(None).target == "me/tiny"
+    replaced = registry.get("smollm2-135m")
+    # Replaced whole: the shipped proposers are gone, only the implicit fallback is left.
+    assert (replaced.target, replaced.source) == ("me/smol", user)
+    assert replaced.proposer_names == ["prompt-lookup", "none"]
+    assert registry.get("qwen3-8b").source == SHIPPED_FILE
+
+
+def test_user_file_from_xdg_config_dir(isolated_config):
+    write(isolated_config, '[models.tiny]\ntarget = "me/tiny"\n')
+    registry = load_registry()
+    assert registry.files == (SHIPPED_FILE, isolated_config)
+    assert registry.get("tiny").source == isolated_config
+    assert registry.default == "smollm2-135m"  # the user file did not set one
+
+
+def test_explicit_user_file_beats_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXSPEC_MODELS", str(write(tmp_path / "env.toml", ENTRY)))
+    explicit = write(tmp_path / "explicit.toml", '[models.bar]\ntarget = "owner/bar"\n')
+    registry = load_registry(explicit)
+    assert "bar" in registry.entries and "foo" not in registry.entries
+
+
+def test_env_naming_a_missing_file_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path / "nope.toml"))
+    with pytest.raises(RegistryError, match="MLXSPEC_MODELS names a missing file") as error:
+        load_registry()
+    assert str(tmp_path / "nope.toml") in str(error.value)
+
+
+def test_local_paths_resolve_against_the_toml_folder(tmp_path):
+    user = write(
+        tmp_path / "conf" / "models.toml",
+        '[models.foo]\ntarget = "./weights/big"\n'
+        '[models.foo.proposers.draft-model]\ndraft = "../drafts/small"\n'
+        '[models.bar]\ntarget = "~/models/bar"\n'
+        '[models.baz]\ntarget = "/abs/baz"\n',
+    )
+    registry = load_registry(user)
+    assert registry.get("foo").target == str(tmp_path / "conf" / "weights" / "big")
+    assert registry.get("foo").proposer("draft-model").options["draft"] == str(
+        tmp_path / "drafts" / "small"
+    )
+    assert registry.get("bar").target == str(Path.home() / "models" / "bar")
+    assert registry.get("baz").target == "/abs/baz"
+
+
+def test_proposer_lookup_default_none_and_unknown(tmp_path):
+    entries, _ = parse_registry_text(
+        ENTRY + 'default_proposer = "self-spec"\n[models.foo.proposers.self-spec]\nlayers = 4\n',
+        tmp_path / "models.toml",
+    )
+    entry = entries["foo"]
+    assert entry.proposer(None).name == "self-spec"
+    assert entry.proposer("none") is None
+    with pytest.raises(RegistryError) as error:
+        entry.proposer("eagle")
+    message = str(error.value)
+    assert "entry 'foo'" in message and "unknown proposer 'eagle'" in message
+    assert message.endswith("choose one of: self-spec, prompt-lookup, none")
+
+
+def test_default_proposer_none_means_no_speculation(tmp_path):
+    entries, _ = parse_registry_text(ENTRY + 'default_proposer = "none"\n', tmp_path / "m.toml")
+    assert entries["foo"].proposer(None) is None
+
+
+def test_every_entry_gets_an_implicit_prompt_lookup_and_builtin_defaults(tmp_path):
+    entries, default = parse_registry_text(ENTRY, tmp_path / "models.toml")
+    entry = entries["foo"]
+    assert default is None
+    assert entry.default_proposer == "prompt-lookup" and entry.proposer_names[-1] == "none"
+    lookup = entry.proposer(None)
+    assert (lookup.kind, dict(lookup.options)) == (
+        "prompt-lookup",
+        {"ngram_max": 4, "ngram_min": 2, "k_max": 32},
+    )
+    assert entry.defaults == Defaults()
+
+
+def test_partial_defaults_keep_builtin_values_and_ints_become_floats(tmp_path):
+    text = ENTRY + "[models.foo.defaults]\ntemperature = 1\nmax_tokens = 64\n"
+    defaults = parse_registry_text(text, tmp_path / "models.toml")[0]["foo"].defaults
+    assert defaults == Defaults(temperature=1.0, max_tokens=64)
+    assert isinstance(defaults.temperature, float)
+
+
+def test_unknown_model_names_the_known_ones_and_the_user_file(isolated_config):
+    with pytest.raises(RegistryError) as error:
+        load_registry().get("gpt-5")
+    message = str(error.value)
+    assert message.startswith("unknown model 'gpt-5'; known: smollm2-135m, qwen3-8b")
+    assert message.endswith(f"(add it to {isolated_config})")
+
+
+def _proposer(name: str, body: str) -> str:
+    return ENTRY + f"[models.foo.proposers.{name}]\n{body}\n"
+
+
+BROKEN = [
+    # (id, file text, whether the message names entry 'foo', the specific problem)
+    ("syntax", ENTRY + "description =\n", False, "invalid TOML: Invalid value (at line 3"),
+    ("top-level key", 'defualt = "foo"\n', False, "unknown top-level key 'defualt'"),
+    ("default type", "default = 1\n", False, "default must be a model name (a string)"),
+    ("default missing", 'default = "nope"\n' + ENTRY, False, "default = 'nope' names no entry"),
+    ("models type", "models = 3\n", False, "[models] must be a table, got an integer"),
+    ("entry type", 'models.foo = "x"\n', True, "[models.foo] must be a table, got a string"),
+    ("entry name", '[models."my model"]\ntarget = "a/b"\n', False, "model name 'my model'"),
+    ("entry key", ENTRY + 'targt = "x"\n', True, "unknown key 'targt' in [models.foo]; known"),
+    ("no target", '[models.foo]\ndescription = "x"\n', True, "[models.foo] is missing target"),
+    ("target type", "[models.foo]\ntarget = 3\n", True, "target in [models.foo] must be"),
+    ("target form", '[models.foo]\ntarget = "a/b/c"\n', True, "'a/b/c' is neither a hub repo"),
+    (
+        "defaults key",
+        ENTRY + "[models.foo.defaults]\ntempreature = 0.5\n",
+        True,
+        "unknown key 'tempreature' in [models.foo.defaults]; "
+        "known keys: temperature, top_p, top_k, max_tokens, context",
+    ),
+    ("defaults type", ENTRY + "defaults = 1\n", True, "[models.foo.defaults] must be a table"),
+    (
+        "bool is not an int",
+        ENTRY + "[models.foo.defaults]\nmax_tokens = true\n",
+        True,
+        "max_tokens in [models.foo.defaults] must be an integer >= 1, got a boolean",
+    ),
+    (
+        "float is not an int",
+        ENTRY + "[models.foo.defaults]\ntop_k = 1.5\n",
+        True,
+        "top_k in [models.foo.defaults] must be an integer >= 0 (0 = off), got a number",
+    ),
+    (
+        "top_p range",
+        ENTRY + "[models.foo.defaults]\ntop_p = 0\n",
+        True,
+        "top_p in [models.foo.defaults] must be a number > 0 and <= 1, got 0.0",
+    ),
+    ("temperature", ENTRY + "[models.foo.defaults]\ntemperature = -1\n", True, "got -1.0"),
+    ("nan", ENTRY + "[models.foo.defaults]\ntemperature = nan\n", True, "got nan"),
+    ("context", ENTRY + "[models.foo.defaults]\ncontext = 0\n", True, "context in [models.foo"),
+    ("proposers type", ENTRY + "proposers = []\n", True, "[models.foo.proposers] must be a"),
+    ("kind", _proposer("fast", 'kind = "medusa"'), True, "has kind 'medusa'; set kind = one"),
+    ("no kind", _proposer("fast", "layers = 4"), True, "proposers.fast] has no kind; set"),
+    ("kind type", _proposer("fast", "kind = []"), True, "has kind []; set kind = one of"),
+    ("reserved", _proposer("none", 'kind = "self-spec"'), True, "'none' is reserved"),
+    (
+        "misnamed kind",
+        _proposer("self-spec", 'kind = "chain"'),
+        True,
+        "named after kind 'self-spec' but has kind 'chain'; rename it",
+    ),
+    (
+        "option of another kind",
+        _proposer("self-spec", "layers = 4\nngram_max = 3"),
+        True,
+        "unknown key 'ngram_max' in [models.foo.proposers.self-spec]; "
+        "known keys: layers, k_max, kind",
+    ),
+    ("no layers", _proposer("self-spec", ""), True, "self-spec] is missing layers; add"),
+    ("no draft", _proposer("draft-model", ""), True, "draft-model] is missing draft"),
+    (
+        "draft_layers",
+        _proposer("d", 'kind="draft-model"\ndraft="a/b"\ndraft_layers=0'),
+        True,
+        "draft_layers in [models.foo.proposers.d] must be an integer >= 1, got 0",
+    ),
+    ("no head path", _proposer("eagle", 'kind = "head"'), True, "eagle] is missing path"),
+    ("k_max", _proposer("prompt-lookup", "k_max = 0"), True, "k_max in [models.foo.proposers"),
+    (
+        "ngram order",
+        _proposer("prompt-lookup", "ngram_min = 5"),
+        True,
+        "ngram_min (5) in [models.foo.proposers.prompt-lookup] must be <= ngram_max (4)",
+    ),
+    (
+        "default_proposer",
+        ENTRY + 'default_proposer = "self-spec"\n',
+        True,
+        "default_proposer 'self-spec' is not one of its proposers; use one of: prompt-lookup, none",
+    ),
+    ("no members", _proposer("auto", 'kind = "chain"'), True, "auto] is missing members"),
+    (
+        "empty chain",
+        _proposer("auto", 'kind="chain"\nmembers=[]'),
+        True,
+        "non-empty list of proposer names, got []",
+    ),
+    ("member type", _proposer("auto", 'kind="chain"\nmembers=[1]'), True, "got [1]"),
+    (
+        "unknown member",
+        _proposer("auto", 'kind = "chain"\nmembers = ["draft-model"]'),
+        True,
+        "names unknown proposer 'draft-model'; define it or use one of: prompt-lookup",
+    ),
+    ("self member", _proposer("auto", 'kind="chain"\nmembers=["auto"]'), True, "lists itself"),
+    (
+        "nested chain",
+        _proposer("a", 'kind="chain"\nmembers=["prompt-lookup"]')
+        + '[models.foo.proposers.b]\nkind="chain"\nmembers=["a"]\n',
+        True,
+        "lists chain 'a'; a chain cannot nest",
+    ),
+    (
+        "twice",
+        _proposer("auto", 'kind="chain"\nmembers=["prompt-lookup", "prompt-lookup"]'),
+        True,
+        "lists 'prompt-lookup' twice",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "names_entry", "problem"),
+    [case[1:] for case in BROKEN],
+    ids=[case[0] for case in BROKEN],
+)
+def test_broken_user_file_gives_one_line_naming_file_entry_and_problem(
+    tmp_path, text, names_entry, problem
+):
+    user = write(tmp_path / "models.toml", text)
+    with pytest.raises(RegistryError) as error:
+        load_registry(user)
+    message = str(error.value)
+    assert message.startswith(f"models.toml ({user}): ")
+    assert ("entry 'foo'" in message) is names_entry
+    assert problem in message
+    assert "\n" not in message
+
+
+def test_unreadable_file_is_a_registry_error(tmp_path):
+    user = tmp_path / "models.toml"
+    user.write_bytes(b'[models.foo]\ntarget = "\xff"\n')
+    with pytest.raises(RegistryError, match=r"models\.toml \(.*\): cannot read it"):
+        load_registry(user)
+
+
+def test_quoted_names_with_dots_are_named_as_written_in_toml(tmp_path):
+    text = '[models."qwen2.5-7b"]\ntarget = "a/b"\n[models."qwen2.5-7b".defaults]\ntop_k = -1\n'
+    with pytest.raises(RegistryError, match=r'top_k in \[models\."qwen2\.5-7b"\.defaults\]'):
+        parse_registry_text(text, tmp_path / "models.toml")
