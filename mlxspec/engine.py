@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -56,11 +56,13 @@ class Engine:
         name: str = "model",
         proposers: Sequence[Proposer] = (),
         verify_cost: VerifyCost | None = None,
+        notify: Callable[[str], None] = lambda _: None,
     ):
         self.name, self.tokenizer = name, tokenizer
         self.target = Target(model)
         self.proposers = {p.name: p for p in proposers}
         self._verify_cost = verify_cost
+        self.notify = notify  # one-line progress messages for long, rare work
         self.vocab_size = len(tokenizer.get_vocab())
 
     @property
@@ -69,9 +71,12 @@ class Engine:
         if self._verify_cost is None:
             facts = device.describe()
             key = f"{self.name}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
-            self._verify_cost = cached_verify_cost(
-                key, lambda: measure_verify_cost(self.target.model, self.vocab_size)
-            )
+
+            def measure() -> VerifyCost:
+                self.notify("measuring verify cost on this machine (once per model)")
+                return measure_verify_cost(self.target.model, self.vocab_size)
+
+            self._verify_cost = cached_verify_cost(key, measure)
         return self._verify_cost
 
     def add_proposer(self, proposer: Proposer) -> None:
@@ -186,7 +191,7 @@ class Engine:
                 own_token = choices[n_accepted]
             else:
                 target_probs = np.asarray(scorer.probabilities(processed))
-                draft_probs = np.asarray(draft.probs) if draft and draft.probs is not None else None
+                draft_probs = _match_width(draft.probs, target_probs.shape[-1]) if draft else None
                 n_accepted, own_token = rejection_sample(
                     draft_tokens, draft_probs, target_probs, rng
                 )
@@ -237,6 +242,17 @@ class Engine:
         record.completion_tokens = len(produced)
         record.decode_seconds = time.perf_counter() - first_token_at
         yield Done(record, text.text, tuple(produced))
+
+
+def _match_width(probs: mx.array | None, width: int) -> np.ndarray | None:
+    """Draft and target LM heads may be padded to different widths (e.g. Gemma 3 1B vs
+    12B); the extra ids are never real tokens, so zero-pad or cut the draft rows."""
+    if probs is None:
+        return None
+    rows = np.asarray(probs)
+    if rows.shape[-1] < width:
+        return np.pad(rows, ((0, 0), (0, width - rows.shape[-1])))
+    return rows[:, :width]
 
 
 def _events(pieces) -> Iterator[Event]:

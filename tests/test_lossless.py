@@ -13,8 +13,14 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.policy import VerifyCost
-from mlxspec.proposers import Draft, DraftModel, PromptLookup, SelfSpeculation, Situation
-from mlxspec.proposers import truncated_model
+from mlxspec.proposers import (
+    Draft,
+    DraftModel,
+    PromptLookup,
+    SelfSpeculation,
+    Situation,
+    truncated_model,
+)
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "lfm2"]
 MAX_TOKENS = 40

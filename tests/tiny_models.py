@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import importlib
 
-import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 from mlx.utils import tree_map_with_path
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+
+import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 
 EOS = "<|end|>"
 

@@ -1,0 +1,100 @@
+"""From a models.toml entry to a ready engine: load the target, build proposers on demand.
+
+Front ends (CLI, TUI, server, bench) open a `Runtime` and ask it for proposers by
+name; weights for a draft model are loaded only when that proposer is first used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxspec.anatomy import UnsupportedModel
+from mlxspec.engine import Engine
+from mlxspec.loading import LoadedModel, load_model
+from mlxspec.proposers import (
+    Chain,
+    DraftModel,
+    PromptLookup,
+    Proposer,
+    SelfSpeculation,
+    check_same_vocabulary,
+    truncated_model,
+)
+from mlxspec.proposers.draft_model import VocabularyMismatch
+from mlxspec.registry import ModelEntry, ProposerConfig
+
+
+class ProposerError(ValueError):
+    """A proposer that cannot be built for this target: one line for the user."""
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(value.size for _, value in tree_flatten(model.parameters()))
+
+
+class Runtime:
+    def __init__(self, entry: ModelEntry, loaded: LoadedModel, notify: Callable[[str], None]):
+        self.entry, self.loaded, self.notify = entry, loaded, notify
+        self.engine = Engine(loaded.model, loaded.tokenizer, entry.name, notify=notify)
+
+    def proposer(self, name: str | None) -> str:
+        """Make sure the named proposer (None: the entry's default) is built; its name."""
+        config = self.entry.proposer(name)
+        if config is None:
+            return "none"
+        if config.name not in self.engine.proposers:
+            self.engine.add_proposer(self._build(config))
+        return config.name
+
+    def _build(self, config: ProposerConfig) -> Proposer:
+        options = config.options
+        try:
+            if config.kind == "prompt-lookup":
+                return PromptLookup(
+                    config.name, options["ngram_max"], options["ngram_min"], options["k_max"]
+                )
+            if config.kind == "self-spec":
+                return SelfSpeculation(
+                    self.engine.target, options["layers"], config.name, options["k_max"]
+                )
+            if config.kind == "draft-model":
+                return self._draft_model(config)
+            if config.kind == "chain":
+                members = [
+                    self.engine.proposers.get(m) or self._build(self.entry.proposer(m))
+                    for m in options["members"]
+                ]
+                return Chain(members, config.name)
+        except (UnsupportedModel, VocabularyMismatch, ValueError) as err:
+            raise ProposerError(
+                f"proposer '{config.name}' for '{self.entry.name}': {err}"
+            ) from None
+        raise ProposerError(
+            f"proposer '{config.name}' is of kind '{config.kind}', which this version of mlxspec "
+            "cannot run yet; pick another with --proposer"
+        )
+
+    def _draft_model(self, config: ProposerConfig) -> DraftModel:
+        reference = config.options["draft"]
+        if reference == self.entry.target:
+            model = self.loaded.model
+        else:
+            self.notify(f"loading draft model {reference}")
+            draft = load_model(reference)
+            check_same_vocabulary(
+                self.entry.target, self.loaded.tokenizer, reference, draft.tokenizer
+            )
+            model = draft.model
+        if config.options.get("draft_layers"):
+            model = truncated_model(model, config.options["draft_layers"])
+        # Before measuring, guess a draft token's cost from the parameter ratio.
+        cost_hint = parameter_count(model) / parameter_count(self.loaded.model)
+        return DraftModel(model, config.name, config.options["k_max"], cost_hint=cost_hint)
+
+
+def open_runtime(entry: ModelEntry, notify: Callable[[str], None] = lambda _: None) -> Runtime:
+    notify(f"loading {entry.name} ({entry.target})")
+    return Runtime(entry, load_model(entry.target), notify)
