@@ -1,0 +1,87 @@
+"""Bad input gets one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mlxspec.cli import main
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    """Point MLXSPEC_MODELS at a file the test writes."""
+    path = tmp_path / "models.toml"
+    monkeypatch.setenv("MLXSPEC_MODELS", str(path))
+    return path
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    error_lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(error_lines) == 1, result.output
+    for needle in needles:
+        assert needle in error_lines[0], error_lines[0]
+
+
+BAD_INPUT = [
+    (["generate", "hi", "--model", "no-such-model"], ["unknown model 'no-such-model'"]),
+    (["generate", "hi", "--proposer", "telepathy"], ["unknown proposer 'telepathy'"]),
+    (["generate", "hi", "--max-tokens", "0"], ["--max-tokens"]),
+    (["generate", "hi", "--max-tokens", "-5"], ["--max-tokens"]),
+    (["generate", "hi", "--temperature", "warm"], ["--temperature", "warm"]),
+    (["generate", "hi", "--temperature", "-1"], ["--temperature"]),
+    (["generate", "hi", "--top-p", "0"], ["--top-p"]),
+    (["generate", "   "], ["prompt is empty"]),
+    (["pull", "no-such-model"], ["unknown model"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_clear_line(args, needles):
+    assert_one_line_error(run(*args), *needles)
+
+
+def test_broken_models_toml_names_the_file(user_models):
+    user_models.write_text("[models.x\ntarget = 1\n")
+    result = run("generate", "hi")
+    assert_one_line_error(result, str(user_models))
+    assert_one_line_error(run("models"), str(user_models))
+
+
+def test_unreadable_weights_directory(user_models, tmp_path):
+    empty = tmp_path / "weights"
+    empty.mkdir()
+    user_models.write_text(f'default = "broken"\n[models.broken]\ntarget = "{empty}"\n')
+    assert_one_line_error(run("generate", "hi"), str(empty))
+
+
+def test_unreachable_hub_repo_says_what_to_do(user_models, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    user_models.write_text('default = "remote"\n[models.remote]\ntarget = "nobody/no-such-repo"\n')
+    assert_one_line_error(run("generate", "hi"), "nobody/no-such-repo")
+
+
+def test_models_lists_the_registry_as_json():
+    result = run("models", "--json")
+    assert result.exit_code == 0, result.output
+    listing = json.loads(result.output)
+    names = {row["name"] for row in listing["models"]}
+    assert "smollm2-135m" in names
+    default = next(row for row in listing["models"] if row["default"])
+    assert "prompt-lookup" in default["proposers"] and "none" in default["proposers"]
+    assert listing["machine"]["blas"]
+
+
+def test_every_command_has_help_with_an_example():
+    for command in ["generate", "models", "pull"]:
+        result = run(command, "--help")
+        assert result.exit_code == 0
+        assert "Example" in result.output and "mlxspec" in result.output
