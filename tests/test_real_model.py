@@ -1,0 +1,65 @@
+"""Lossless on the real SmolLM2-135M: every shipped proposer, greedy, token for token."""
+
+from __future__ import annotations
+
+import pytest
+from lossless import assert_lossless, plain_greedy
+
+from mlxspec.engine import GenerationSettings
+from mlxspec.registry import load_registry
+from mlxspec.runtime import Runtime
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Repeat this list exactly: apples, pears, plums, figs, dates, limes, kiwis.",
+    "Rename the variable `total` to `acc` in this code:\n"
+    "def add(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total\n",
+    "What is the capital of France? Answer in one sentence.",
+]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def runtime(smollm2):
+    entry = load_registry(user_file=None).get("smollm2-135m")
+    return Runtime(entry, smollm2, notify=print)
+
+
+@pytest.mark.parametrize(
+    "proposer,k",
+    [
+        ("prompt-lookup", None),
+        ("self-spec", 3),
+        ("draft-model", 3),
+        ("auto", None),
+    ],
+)
+def test_every_proposer_is_lossless_on_smollm2(runtime, smollm2, proposer, k):
+    engine = runtime.engine
+    name = runtime.proposer(proposer)
+    eos = set(smollm2.tokenizer.eos_token_ids)
+    drafted = 0
+    for text in PROMPTS:
+        prompt = engine.encode_chat([{"role": "user", "content": text}])
+        reference = plain_greedy(smollm2.model, prompt, MAX_TOKENS, eos)
+        done = list(engine.stream(prompt, GenerationSettings(max_tokens=MAX_TOKENS, k=k), name))[-1]
+        assert_lossless(
+            smollm2.model, prompt, reference, list(done.token_ids), f"{name} {text[:30]}"
+        )
+        drafted += done.record.drafted
+    assert drafted > 0, "the proposer never drafted: nothing was tested"
+
+
+def test_copying_prompt_accepts_most_lookup_drafts(runtime):
+    engine = runtime.engine
+    name = runtime.proposer("prompt-lookup")
+    done = list(
+        engine.stream(
+            [{"role": "user", "content": PROMPTS[0]}],
+            GenerationSettings(max_tokens=MAX_TOKENS),
+            name,
+        )
+    )[-1]
+    assert "kiwis" in done.text
+    assert done.record.acceptance_rate > 0.5, done.record.to_dict()
