@@ -63,6 +63,7 @@ class Engine:
         self.proposers = {p.name: p for p in proposers}
         self._verify_cost = verify_cost
         self.notify = notify  # one-line progress messages for long, rare work
+        self._policies: dict[tuple[str, int | None], Policy] = {}
         self.vocab_size = len(tokenizer.get_vocab())
 
     @property
@@ -81,6 +82,17 @@ class Engine:
 
     def add_proposer(self, proposer: Proposer) -> None:
         self.proposers[proposer.name] = proposer
+
+    def _policy(self, proposer: Proposer | None, fixed_k: int | None) -> Policy:
+        """One policy per proposer and k setting, kept across requests: what it learned
+        about acceptance and costs in this conversation carries over to the next turn."""
+        if proposer is None:
+            fixed_k = 0
+        key = (proposer.name if proposer else "none", fixed_k)
+        if key not in self._policies:
+            cost = self.verify_cost if fixed_k is None else VerifyCost({1: 1.0, 2: 1.0}, 1.0)
+            self._policies[key] = Policy(cost, fixed_k=fixed_k)
+        return self._policies[key]
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids for a conversation, through the model's own chat template."""
@@ -133,11 +145,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else random.randrange(2**31)
         rng = np.random.default_rng(seed)
         scorer = TokenScorer(sampling)
-        fixed_k = settings.k if proposer is not None else 0
-        policy = Policy(
-            self.verify_cost if fixed_k is None else VerifyCost({1: 1.0, 2: 1.0}, 1.0),
-            fixed_k=fixed_k,
-        )
+        policy = self._policy(proposer, settings.k)
         record = RunRecord(
             model=self.name,
             proposer=proposer.name if proposer else "none",
@@ -178,6 +186,8 @@ class Engine:
             round_start = time.perf_counter()
             logits, hidden_rows = self.target.verify(verified, with_hidden=needs_hidden)
             processed = scorer.process(logits, sequence, draft_tokens)
+            mx.eval(processed)
+            policy.observe_verify(len(verified), time.perf_counter() - round_start)
 
             # 3. Accept.
             if sampling.greedy:

@@ -91,6 +91,10 @@ class Acceptance:
     accepted: float = 1.0  # prior: a = 0.5, weight 2
     rejected: float = 1.0
 
+    @classmethod
+    def with_prior(cls, rate: float, weight: float = 2.0) -> Acceptance:
+        return cls(rate * weight, (1 - rate) * weight)
+
     @property
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
@@ -116,6 +120,26 @@ class Policy:
     draft_cost: dict[str, float] = field(default_factory=dict)  # per token, in target steps
     _full_streak: dict[str, bool] = field(default_factory=dict)
     _idle_rounds: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Online correction of the calibrated curve, from the rounds actually run: the
+    # machine may be busier (or the context longer) than when it was calibrated.
+    step_seconds: float | None = None  # recent one-token step time
+    extra_cost_scale: float = 1.0  # observed / calibrated cost of the extra verified tokens
+
+    def verify_cost(self, m: int) -> float:
+        return 1.0 + self.extra_cost_scale * (self.cost(m) - 1.0)
+
+    def observe_verify(self, m: int, seconds: float) -> None:
+        """Feed back what a verify of m tokens really took (draft time excluded)."""
+        if m == 1:
+            previous = self.step_seconds
+            self.step_seconds = seconds if previous is None else 0.9 * previous + 0.1 * seconds
+            return
+        predicted_extra = self.cost(m) - 1.0
+        if self.step_seconds is None or predicted_extra <= 0.02:
+            return
+        ratio = (seconds / self.step_seconds - 1.0) / predicted_extra
+        ratio = min(max(ratio, 0.25), 4.0)
+        self.extra_cost_scale = 0.9 * self.extra_cost_scale + 0.1 * ratio
 
     @property
     def label(self) -> str:
@@ -132,11 +156,11 @@ class Policy:
         if self.fixed_k is not None:
             return min(self.fixed_k, limit)
         key = self._key(situation)
-        rate = self.stats.setdefault(key, Acceptance()).rate
+        rate = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
         per_draft = self.draft_cost.get(situation.source.name, situation.source.cost_hint)
         best_k, best_speed = 0, 1.0
         for k in range(1, limit + 1):
-            speed = expected_tokens(rate, k) / (self.cost(k + 1) + k * per_draft)
+            speed = expected_tokens(rate, k) / (self.verify_cost(k + 1) + k * per_draft)
             if speed > best_speed:
                 best_k, best_speed = k, speed
         if best_k == 0:  # keep probing now and then, or a bad start would stick forever
@@ -152,12 +176,13 @@ class Policy:
     ) -> None:
         if drafted == 0:
             return
-        self.stats.setdefault(self._key(situation), Acceptance()).update(
+        key = self._key(situation)
+        self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).update(
             drafted, accepted, self.decay
         )
         self._full_streak[situation.source.name] = accepted == drafted
         name = situation.source.name
-        measured = draft_seconds / drafted / self.cost.step_seconds
+        measured = draft_seconds / drafted / (self.step_seconds or self.cost.step_seconds)
         previous = self.draft_cost.get(name)
         self.draft_cost[name] = measured if previous is None else 0.8 * previous + 0.2 * measured
 

@@ -192,3 +192,14 @@ def test_drafter_heads_receive_the_targets_hidden_state():
     engine.add_proposer(reader)
     done = list(engine.stream([9, 8, 7], GenerationSettings(max_tokens=12, k=2), reader.name))[-1]
     assert reader.checked >= 3 and done.record.drafted > 0
+
+
+def test_policy_corrects_the_calibrated_cost_from_observed_rounds():
+    policy = Policy(CPU_LIKE_COST)
+    copying = Situation(Named("copying"), "match>=16", prior=0.9)
+    calm = policy.choose(copying, 64)
+    for _ in range(60):  # the machine got busy: extra verified tokens cost 3x what was measured
+        policy.observe_verify(1, 0.10)
+        policy.observe_verify(9, 0.10 * (1 + 3 * (CPU_LIKE_COST(9) - 1)))
+    assert 2.5 < policy.extra_cost_scale <= 3.0
+    assert policy.choose(copying, 64) < calm

@@ -42,6 +42,7 @@ class Draft:
 class Situation:
     source: Proposer  # who will draft this round (a chain member, or the proposer itself)
     key: str  # a case label the policy keeps acceptance statistics for
+    prior: float = 0.5  # expected per-token acceptance in this case, before any evidence
 
 
 class Proposer(Protocol):

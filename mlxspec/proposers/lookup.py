@@ -12,6 +12,9 @@ from __future__ import annotations
 from mlxspec.proposers.base import Draft, ProposalContext, Situation
 
 MATCH_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # case labels: match length rounded down to these
+# Acceptance to expect per bucket before evidence: short matches in open text are
+# mostly coincidences, long verbatim matches mostly copies.
+PRIORS = {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4, 8: 0.6, 16: 0.75, 32: 0.85}
 
 
 class PromptLookup:
@@ -54,7 +57,7 @@ class PromptLookup:
                     length += 1
                 self._match = (follow, length)
                 bucket = max(b for b in MATCH_BUCKETS if b <= length)
-                return Situation(self, f"match>={bucket}")
+                return Situation(self, f"match>={bucket}", PRIORS[bucket])
         return None
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
