@@ -122,6 +122,8 @@ class Engine:
             prompt_tokens = list(prompt)
         if not prompt_tokens:
             raise GenerationError("the prompt is empty")
+        if min(prompt_tokens) < 0 or max(prompt_tokens) >= self.vocab_size:
+            raise GenerationError(f"token ids must be in 0..{self.vocab_size - 1}")
         room = settings.context - len(prompt_tokens)
         if room < 1:
             raise GenerationError(

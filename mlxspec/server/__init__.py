@@ -1,0 +1,20 @@
+"""`mlxspec serve`: an OpenAI-compatible local API over the speculative engine.
+
+    app = create_app(RegistryProvider(load_registry()))
+
+Modules: `app` (routes), `schemas` (request bodies), `responses` (OpenAI's response
+shapes), `worker` (the one thread that runs generations), `providers` (where models
+come from), `errors` (OpenAI's error shape).
+"""
+
+from mlxspec.server.app import ServerLimits, create_app, run_server
+from mlxspec.server.providers import ModelInfo, ModelProvider, RegistryProvider
+
+__all__ = [
+    "ModelInfo",
+    "ModelProvider",
+    "RegistryProvider",
+    "ServerLimits",
+    "create_app",
+    "run_server",
+]

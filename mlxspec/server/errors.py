@@ -1,0 +1,107 @@
+"""Every error the API returns, in OpenAI's shape: {"error": {message, type, param, code}}.
+
+Clients (the `openai` package, editors) read that shape to show the user a reason, so
+nothing may leave the server as a bare 422 list or a 500 with a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("mlxspec.server")
+
+
+class ApiError(HTTPException):
+    """A request the server refuses, with the status and reason the client will see.
+
+    An HTTPException, so that raising it while FastAPI reads the body (the size limit)
+    reaches the handlers below instead of becoming a generic 400.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(status_code=status, detail=message, headers=headers)
+        self.message, self.code, self.param, self.type = message, code, param, type
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union that failed ('str', 'list[TextPart]'...)."""
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool") or "[" in part or part.startswith("constrained-")
+    )
+
+
+def _dotted(location: tuple) -> str:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    text = ""
+    for part in location[1:] if location[:1] == ("body",) else location:
+        if not _is_union_tag(part):
+            text += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return text.lstrip(".")
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """The most specific problem pydantic found (the deepest), as one readable line."""
+    errors = exc.errors()
+    if errors[0]["type"] == "json_invalid":
+        reason = errors[0].get("ctx", {}).get("error", "cannot parse it")
+        return ApiError(400, f"the body is not valid JSON: {reason}", code="invalid_json")
+    deepest = max(errors, key=lambda error: len(error["loc"]))
+    param = _dotted(tuple(deepest["loc"]))
+    reason = deepest["msg"]
+    if deepest["type"] == "value_error":  # our own validators: drop pydantic's prefix
+        reason = str(deepest.get("ctx", {}).get("error", reason))
+    if not param:
+        return ApiError(400, f"the body must be a JSON object: {reason}", code="invalid_body")
+    return ApiError(400, f"{param}: {reason}", code="invalid_value", param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def refused(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own: unknown path (404), wrong method (405).
+        code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code
+        )
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return ApiError(exc.status_code, message, code=code, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error serving %s %s", request.method, request.url.path)
+        message = "internal error; the server log has the details"
+        return ApiError(500, message, code="internal_error", type="server_error").response()

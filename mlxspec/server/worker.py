@@ -1,0 +1,219 @@
+"""One thread runs every generation, one request at a time, in the order they came.
+
+MLX arrays and streams are not meant to be driven from several threads at once, and
+one model fills the machine anyway. So requests wait in a bounded FIFO queue and a
+single worker thread takes them in turn: it opens the requested model (one resident
+at a time), runs `engine.stream`, and hands each event to the request's asyncio queue
+on the event loop. A request whose client went away is skipped while it waits, and
+stopped between two events while it runs; the engine's generator is closed, which
+leaves its KV cache consistent for the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxspec.engine import GenerationError, GenerationSettings
+from mlxspec.events import OUTPUT_EVENTS, Done
+from mlxspec.server.errors import ApiError
+from mlxspec.server.providers import ModelProvider, OpenModel
+
+log = logging.getLogger("mlxspec.server")
+
+# What a client may tell to retry after when the queue is full: a guess, since the
+# wait depends on the requests ahead; clients back off further on repeated 429s.
+RETRY_AFTER_SECONDS = 2
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Everything the worker needs to run one request."""
+
+    model: str
+    prompt: str | list[int] | list[dict]
+    settings: GenerationSettings
+    proposer: str | None  # None: the model's default
+
+
+class Job:
+    """One request's place in the queue, and its channel back to the event loop."""
+
+    _END = object()
+
+    def __init__(self, generation: Generation, loop: asyncio.AbstractEventLoop):
+        self.generation = generation
+        self._loop = loop
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def post(self, item: object) -> None:
+        """Worker thread: hand an event (or an ApiError) to the request's handler."""
+        try:
+            self._loop.call_soon_threadsafe(self._inbox.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancel()
+
+    def end(self) -> None:
+        self.post(self._END)
+
+    async def next(self) -> object | None:
+        """Event loop: the next output event, Done or ApiError; None once it has ended."""
+        item = await self._inbox.get()
+        return None if item is self._END else item
+
+
+class Worker:
+    def __init__(self, provider: ModelProvider, max_waiting: int, preload: str | None = None):
+        self.provider, self.max_waiting, self.preload = provider, max_waiting, preload
+        self.resident: str | None = None  # the model in memory
+        self.busy = False
+        self._model: OpenModel | None = None
+        self._waiting: queue.Queue[Job | None] = queue.Queue()
+        self._running: Job | None = None
+        self._stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="mlxspec-generation", daemon=True)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting.qsize()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def shutdown(self) -> None:
+        """Cancel what is running and waiting, refuse new requests; returns at once."""
+        if not self._stopping.is_set():
+            self._stopping.set()
+            if self._running is not None:
+                self._running.cancel()
+            self._waiting.put(None)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut down and wait for the thread to end."""
+        self.shutdown()
+        self.thread.join(timeout)
+
+    def submit(self, generation: Generation) -> Job:
+        """Queue a request (called on the event loop only, so the check cannot race)."""
+        if self._stopping.is_set():
+            raise ApiError(
+                503, "the server is shutting down", code="shutting_down", type="server_error"
+            )
+        if self._waiting.qsize() >= self.max_waiting:
+            raise ApiError(
+                429,
+                f"{self._waiting.qsize()} requests are already waiting for the model; retry later",
+                code="queue_full",
+                type="rate_limit_error",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+        job = Job(generation, asyncio.get_running_loop())
+        self._waiting.put(job)
+        return job
+
+    def _serve(self) -> None:
+        if self.preload is not None:
+            try:
+                self._open(self.preload)
+            except ApiError as err:
+                log.error("%s", err.message)
+        while (job := self._waiting.get()) is not None:
+            if not (job.cancelled or self._stopping.is_set()):
+                self._running, self.busy = job, True
+                self._run(job)
+                self._running, self.busy = None, False
+            job.end()
+        self._model = None
+
+    def _run(self, job: Job) -> None:
+        request = job.generation
+        try:
+            model = self._open(request.model)
+            proposer = _prepare_proposer(model, request.proposer)
+            _check_token_ids(request.prompt, model.engine.vocab_size)
+            events = model.engine.stream(request.prompt, request.settings, proposer)
+            try:
+                for event in events:
+                    if job.cancelled:
+                        break
+                    if isinstance(event, (*OUTPUT_EVENTS, Done)):
+                        job.post(event)
+            finally:
+                events.close()  # a cancelled run stops here, between two rounds
+        except ApiError as err:
+            job.post(err)
+        except GenerationError as err:
+            job.post(ApiError(400, str(err), code="invalid_request"))
+        except Exception:
+            log.exception("generation failed")
+            job.post(
+                ApiError(
+                    500,
+                    "generation failed; the server log has the details",
+                    code="internal_error",
+                    type="server_error",
+                )
+            )
+
+    def _open(self, name: str) -> OpenModel:
+        if self.resident == name:
+            return self._model
+        # One model at a time: let the old weights go before loading the new ones.
+        self._model, self.resident = None, None
+        gc.collect()
+        mx.clear_cache()
+        try:
+            self._model = self.provider.open(name)
+        except Exception as err:  # a missing download, a broken file, no network...
+            log.exception("cannot load %s", name)
+            raise ApiError(
+                503,
+                f"cannot load model {name!r}: {err}",
+                code="model_unavailable",
+                type="server_error",
+            ) from None
+        self.resident = name
+        return self._model
+
+
+def _prepare_proposer(model: OpenModel, name: str | None) -> str:
+    try:
+        return model.proposer(name)
+    except ValueError as err:  # unknown, or one this model cannot use (tokenizers differ)
+        raise ApiError(400, str(err), code="invalid_proposer", param="mlxspec.proposer") from None
+    except Exception as err:  # its weights are missing, or would not load
+        log.exception("cannot prepare proposer %s", name)
+        raise ApiError(
+            503,
+            str(err),
+            code="proposer_unavailable",
+            type="server_error",
+            param="mlxspec.proposer",
+        ) from None
+
+
+def _check_token_ids(prompt: object, vocab_size: int) -> None:
+    """Token ids past the vocabulary would index outside the embedding table."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        largest = max(prompt)
+        if largest >= vocab_size:
+            raise ApiError(
+                400,
+                f"prompt: token id {largest} is out of range; this model has {vocab_size} tokens",
+                code="invalid_value",
+                param="prompt",
+            )
