@@ -12,35 +12,25 @@ from typing import Any
 
 
 @dataclass(frozen=True)
-class Accepted:
+class TokenEvent:
+    tokens: tuple[int, ...]
+    text: str
+
+
+class Accepted(TokenEvent):
     """Draft tokens the target agreed with (they are part of the output)."""
 
-    tokens: tuple[int, ...]
-    text: str
 
-
-@dataclass(frozen=True)
-class Corrected:
+class Corrected(TokenEvent):
     """The target's own token where it refused a draft."""
 
-    tokens: tuple[int, ...]
-    text: str
 
-
-@dataclass(frozen=True)
-class Bonus:
+class Bonus(TokenEvent):
     """The target's own token after a fully accepted draft, or with no draft at all."""
 
-    tokens: tuple[int, ...]
-    text: str
 
-
-@dataclass(frozen=True)
-class Rejected:
+class Rejected(TokenEvent):
     """Drafts the target refused: never part of the output, shown as ghost text."""
-
-    tokens: tuple[int, ...]
-    text: str
 
 
 @dataclass(frozen=True)
