@@ -80,6 +80,14 @@ class Engine:
             self._verify_cost = cached_verify_cost(key, measure)
         return self._verify_cost
 
+    def reset(self) -> None:
+        """Forget cached prompts and what the policies learned (e.g. for a cold benchmark
+        run); the machine's verify-cost calibration is kept."""
+        self.target.reset()
+        for proposer in self.proposers.values():
+            getattr(proposer, "reset", lambda: None)()
+        self._policies.clear()
+
     def add_proposer(self, proposer: Proposer) -> None:
         self.proposers[proposer.name] = proposer
 
@@ -234,6 +242,7 @@ class Engine:
             if first_token_at is None:
                 first_token_at = time.perf_counter()
                 record.time_to_first_token = first_token_at - start
+                record.first_round_tokens = len(produced)
 
             if n_accepted < len(draft_tokens):
                 rejected = tuple(draft_tokens[n_accepted:])

@@ -67,7 +67,8 @@ class RunRecord:
     verify_steps: int = 0
     time_to_first_token: float = 0.0
     prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # after the first round (which prefill and TTFT cover)
+    first_round_tokens: int = 0
     k_policy: str = "adaptive"
     cache_strategy: str = "trim"
     finish_reason: str = "length"
@@ -85,13 +86,15 @@ class RunRecord:
 
     @property
     def tokens_per_second(self) -> float:
-        """Decode rate: tokens after the first, over the time after the first.
+        """Decode rate: tokens after the first round, over the time after it.
 
-        The first token comes out of the prefill, so it is excluded with it.
+        The first round runs right after the prefill and is counted in time to first
+        token; excluding it whole keeps its accepted drafts from counting as free.
         """
-        if self.decode_seconds <= 0 or self.completion_tokens < 2:
+        decoded = self.completion_tokens - self.first_round_tokens
+        if self.decode_seconds <= 0 or decoded < 1:
             return 0.0
-        return (self.completion_tokens - 1) / self.decode_seconds
+        return decoded / self.decode_seconds
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

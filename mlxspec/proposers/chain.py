@@ -18,6 +18,10 @@ class Chain:
         self.needs_hidden = any(m.needs_hidden for m in self.members)
         self._current: Proposer | None = None
 
+    def reset(self) -> None:
+        for member in self.members:
+            getattr(member, "reset", lambda: None)()
+
     def situation(self, ctx: ProposalContext) -> Situation | None:
         for member in self.members:
             found = member.situation(ctx)

@@ -70,8 +70,10 @@ class DraftModel:
         self, model: nn.Module, name: str = "draft-model", k_max: int = 16, cost_hint: float = 0.2
     ):
         self.name, self.model, self.k_max, self.cost_hint = name, model, k_max, cost_hint
-        self.cache = make_prompt_cache(model)
-        self.cached_tokens: list[int] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache, self.cached_tokens = make_prompt_cache(self.model), []
 
     def situation(self, ctx: ProposalContext) -> Situation | None:
         return Situation(self, "model")

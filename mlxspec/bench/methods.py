@@ -1,0 +1,132 @@
+"""What the bench compares: mlx-lm's own loops and mlxspec's engine with each proposer.
+
+Method names, as `--proposers` takes them (comma-separated):
+
+    plain-mlx-lm               mlx-lm's generate_step: the baseline every speedup is against
+    mlx-lm-speculative[@k=N]   mlx-lm's speculative_generate_step with the entry's draft model
+    [mlxspec:]none             mlxspec's own loop without drafts (its overhead vs mlx-lm)
+    [mlxspec:]NAME[@k=N]       mlxspec with proposer NAME; adaptive k unless @k=N is given
+    core                       plain-mlx-lm, mlx-lm-speculative, mlxspec:none, mlxspec with the
+                               entry's default proposer, and mlxspec on mlx-lm's draft pair
+                               (at mlx-lm's k and adaptive)
+    all                        core, plus every proposer adaptive and at a fixed k
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxspec.bench import BenchError
+from mlxspec.registry import NONE, ModelEntry, ProposerConfig
+
+PLAIN = "plain-mlx-lm"
+MLX_LM_SPECULATIVE = "mlx-lm-speculative"
+MLX_LM_DRAFT_TOKENS = 3
+# One fixed-k row per kind beside the adaptive one; draft models at mlx-lm's k, so the
+# mlx-lm and mlxspec rows of the same pair differ only in the loop around it.
+FIXED_K = {"prompt-lookup": 4, "draft-model": MLX_LM_DRAFT_TOKENS}
+
+
+@dataclass(frozen=True)
+class Method:
+    runner: str  # "plain-mlx-lm" | "mlx-lm-speculative" | "mlxspec"
+    proposer: str | None = None  # mlxspec: a proposer of the entry, or "none"
+    k: int | None = None  # fixed draft length; None: adaptive (mlx-lm: its default, 3)
+
+    @property
+    def name(self) -> str:
+        base = f"mlxspec:{self.proposer}" if self.runner == "mlxspec" else self.runner
+        return base if self.k is None or self.k == 0 else f"{base}@k={self.k}"
+
+    @property
+    def k_label(self) -> int | str:
+        """The draft length as rows show it: a number, or 'adaptive'."""
+        if self.runner == MLX_LM_SPECULATIVE:
+            return self.k or MLX_LM_DRAFT_TOKENS
+        if self.runner == "mlxspec" and self.proposer != NONE and self.k is None:
+            return "adaptive"
+        return self.k or 0
+
+    @property
+    def speculative(self) -> bool:
+        return self.runner == MLX_LM_SPECULATIVE or (
+            self.runner == "mlxspec" and self.proposer != NONE
+        )
+
+
+def draft_proposer(entry: ModelEntry) -> ProposerConfig | None:
+    """The entry's draft-model proposer: the pair mlx-lm's speculative decoding also runs."""
+    return next((p for p in entry.proposers.values() if p.kind == "draft-model"), None)
+
+
+def core_methods(entry: ModelEntry) -> list[Method]:
+    """The headline comparisons: the two plain loops, the same draft pair in both loops,
+    and what mlxspec does by default."""
+    draft = draft_proposer(entry)
+    methods = [Method(PLAIN)]
+    if draft is not None:
+        methods.append(Method(MLX_LM_SPECULATIVE))
+    methods.append(Method("mlxspec", NONE, 0))
+    if entry.default_proposer != NONE:
+        methods.append(Method("mlxspec", entry.default_proposer))
+    if draft is not None:
+        methods.append(Method("mlxspec", draft.name, MLX_LM_DRAFT_TOKENS))
+        if draft.name != entry.default_proposer:  # the policy's answer to the same pair
+            methods.append(Method("mlxspec", draft.name))
+    return methods
+
+
+def all_methods(entry: ModelEntry) -> list[Method]:
+    methods = core_methods(entry)
+    for config in entry.proposers.values():
+        methods.append(Method("mlxspec", config.name))
+        if config.kind in FIXED_K:
+            methods.append(Method("mlxspec", config.name, FIXED_K[config.kind]))
+    return list(dict.fromkeys(methods))
+
+
+def parse_methods(text: str, entry: ModelEntry) -> list[Method]:
+    """Methods from a comma-separated list; plain-mlx-lm is always measured, first."""
+    groups = {"core": core_methods, "all": all_methods}
+    methods: list[Method] = []
+    for item in (part.strip() for part in text.split(",")):
+        if item in groups:
+            methods += groups[item](entry)
+        elif item:
+            methods.append(_method(item, entry))
+    if not methods:
+        raise BenchError("--proposers is empty; name at least one method")
+    plain = Method(PLAIN)
+    return [plain, *dict.fromkeys(m for m in methods if m != plain)]
+
+
+def _method(item: str, entry: ModelEntry) -> Method:
+    name, _, k_text = item.partition("@")
+    k = _k(k_text, item) if k_text else None
+    if name == PLAIN:
+        if k is not None:
+            raise BenchError(f"{item!r}: plain-mlx-lm takes no @k")
+        return Method(PLAIN)
+    if name == MLX_LM_SPECULATIVE:
+        if draft_proposer(entry) is None:
+            raise BenchError(
+                f"{MLX_LM_SPECULATIVE} needs a draft-model proposer, and '{entry.name}' has none"
+            )
+        return Method(MLX_LM_SPECULATIVE, k=k)
+    proposer = name.removeprefix("mlxspec:")
+    if proposer not in entry.proposer_names:
+        known = ["core", "all", PLAIN, *([MLX_LM_SPECULATIVE] if draft_proposer(entry) else [])]
+        known += [f"mlxspec:{p}" for p in entry.proposer_names]
+        raise BenchError(f"unknown method {item!r}; known: {', '.join(known)} (add @k=N to fix k)")
+    if proposer == NONE:
+        if k:
+            raise BenchError(f"{item!r}: mlxspec:none drafts nothing, so it takes no @k")
+        return Method("mlxspec", NONE, 0)
+    return Method("mlxspec", proposer, k)
+
+
+def _k(text: str, item: str) -> int:
+    value = text.removeprefix("k=")
+    if not value.isdigit() or int(value) < 1:
+        raise BenchError(f"{item!r}: write the draft length as @k=N with N >= 1")
+    return int(value)

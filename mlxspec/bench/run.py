@@ -1,0 +1,118 @@
+"""The bench run: untimed preparation, then every (prompt, repeat, method) in turn.
+
+The order interleaves methods within each prompt and repeat, so a noisy machine slows
+all methods alike instead of whichever happened to run during the noise. Everything
+that would distort a timed row happens before the first one: proposers are built, the
+adaptive policy's verify cost is calibrated, and every method runs once (warm-up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from mlxspec.bench import BenchError
+from mlxspec.bench.lossless import Divergence, first_divergence, plain_top2_gap
+from mlxspec.bench.methods import MLX_LM_SPECULATIVE, PLAIN, Method, draft_proposer
+from mlxspec.bench.runners import (
+    Measurement,
+    run_mlx_lm_speculative,
+    run_mlxspec,
+    run_plain_mlx_lm,
+)
+from mlxspec.bench.suites import BenchPrompt
+from mlxspec.registry import NONE
+from mlxspec.runtime import Runtime
+
+WARM_UP = [{"role": "user", "content": "Say hello, then count to five."}]
+WARM_UP_TOKENS = 8
+
+Progress = Callable[[int, int, BenchPrompt, Method], None]
+
+
+@dataclass
+class Run:
+    prompt: BenchPrompt
+    method: Method
+    repeat: int
+    measurement: Measurement
+    divergence: Divergence | None = None  # vs plain-mlx-lm on the same prompt
+
+
+def schedule(
+    prompts: list[BenchPrompt], methods: list[Method], repeats: int
+) -> list[tuple[BenchPrompt, int, Method]]:
+    return [(p, r, m) for p in prompts for r in range(repeats) for m in methods]
+
+
+class Bench:
+    def __init__(
+        self,
+        runtime: Runtime,
+        prompts: list[BenchPrompt],
+        methods: list[Method],
+        max_tokens: int,
+        repeats: int,
+    ):
+        if methods[0] != Method(PLAIN):
+            raise ValueError("plain-mlx-lm must come first: every other row is checked against it")
+        self.runtime, self.prompts, self.methods = runtime, prompts, methods
+        self.max_tokens, self.repeats = max_tokens, repeats
+        self.plan = schedule(prompts, methods, repeats)
+        self._draft = None  # mlx-lm's draft model: the very module mlxspec's proposer uses
+        self._encoded: dict[str, list[int]] = {}
+
+    @property
+    def total(self) -> int:
+        return len(self.plan)
+
+    def prepare(self, notify: Callable[[str], None] = lambda _: None) -> None:
+        """Build, calibrate and warm up; none of it inside a timed row."""
+        engine = self.runtime.engine
+        for method in self.methods:
+            if method.runner == "mlxspec":
+                self.runtime.proposer(method.proposer)
+            elif method.runner == MLX_LM_SPECULATIVE:
+                name = self.runtime.proposer(draft_proposer(self.runtime.entry).name)
+                self._draft = engine.proposers[name].model
+        if any(m.runner == "mlxspec" and m.proposer != NONE and m.k is None for m in self.methods):
+            engine.verify_cost  # noqa: B018  (measured once per model and machine, then cached)
+        self._encoded = {
+            p.id: engine.encode_chat([{"role": "user", "content": p.text}]) for p in self.prompts
+        }
+        notify(f"warming up {len(self.methods)} methods")
+        warm_up = engine.encode_chat(WARM_UP)
+        for method in self.methods:
+            try:
+                self.measure(method, warm_up, WARM_UP_TOKENS)
+            except ValueError as err:  # e.g. mlx-lm's speculation needs a trimmable cache
+                raise BenchError(
+                    f"{method.name} cannot run on '{self.runtime.entry.name}': {err}; "
+                    "leave it out with --proposers"
+                ) from None
+
+    def runs(self, progress: Progress = lambda *_: None) -> Iterator[Run]:
+        """Timed runs in schedule order; each checked against plain-mlx-lm's tokens."""
+        reference: dict[str, list[int]] = {}
+        for index, (prompt, repeat, method) in enumerate(self.plan):
+            progress(index, self.total, prompt, method)
+            tokens = self._encoded[prompt.id]
+            measurement = self.measure(method, tokens, self.max_tokens)
+            reference.setdefault(prompt.id, measurement.tokens)  # plain runs first
+            divergence = None
+            position = first_divergence(reference[prompt.id], measurement.tokens)
+            if position is not None:
+                plain = reference[prompt.id][:position]
+                gap = plain_top2_gap(self.runtime.loaded.model, tokens + plain)
+                divergence = Divergence(repeat, position, gap)
+            yield Run(prompt, method, repeat, measurement, divergence)
+
+    def measure(self, method: Method, prompt: list[int], max_tokens: int) -> Measurement:
+        loaded = self.runtime.loaded
+        if method.runner == PLAIN:
+            return run_plain_mlx_lm(loaded.model, loaded.tokenizer, prompt, max_tokens)
+        if method.runner == MLX_LM_SPECULATIVE:
+            return run_mlx_lm_speculative(
+                loaded.model, self._draft, loaded.tokenizer, prompt, max_tokens, method.k_label
+            )
+        return run_mlxspec(self.runtime.engine, prompt, max_tokens, method.proposer, method.k)

@@ -1,0 +1,131 @@
+"""What `mlxspec bench` does between parsing its options and printing: check the request,
+run it with progress, and write the outputs. Kept out of cli.py so it stays testable."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxspec.bench import BenchError
+from mlxspec.bench.machine import describe_machine, measure_bandwidth, weight_bytes
+from mlxspec.bench.methods import Method, parse_methods
+from mlxspec.bench.plot import require_matplotlib, save_plot
+from mlxspec.bench.report import document, markdown
+from mlxspec.bench.run import Bench, Progress, Run
+from mlxspec.bench.suites import BenchPrompt, load_suite, read_prompts
+from mlxspec.registry import ModelEntry
+from mlxspec.runtime import Runtime, parameter_count
+
+QUICK_REPEATS, REPEATS = 1, 3
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    entry: ModelEntry
+    source: str  # "suite quick", or "prompts FILE"
+    prompts: list[BenchPrompt]
+    methods: list[Method]
+    max_tokens: int
+    repeats: int
+
+
+class Interrupted(Exception):
+    """Ctrl-C during the timed runs: carries the result of the runs measured so far."""
+
+    def __init__(self, result: dict[str, Any], done: int, total: int):
+        super().__init__(f"interrupted after {done} of {total} runs")
+        self.result, self.done, self.total = result, done, total
+
+
+def plan(
+    entry: ModelEntry,
+    suite: str,
+    prompts_file: str | Path | None,
+    proposers: str | None,
+    max_tokens: int,
+    repeats: int | None,
+    plot: bool = False,
+) -> BenchRequest:
+    """Check everything that can be checked before loading weights."""
+    if plot:
+        require_matplotlib()
+    if prompts_file is not None:
+        source, prompts = f"prompts {prompts_file}", read_prompts(Path(prompts_file))
+    else:
+        source, prompts = f"suite {suite}", load_suite(suite)
+    quick = prompts_file is None and suite == "quick"
+    # quick stays a few minutes on a laptop CPU: the headline methods, one repeat.
+    methods = parse_methods(proposers or ("core" if quick else "all"), entry)
+    if repeats is None:
+        repeats = QUICK_REPEATS if quick else REPEATS
+    return BenchRequest(entry, source, prompts, methods, max_tokens, repeats)
+
+
+def execute(
+    request: BenchRequest,
+    runtime: Runtime,
+    notify: Callable[[str], None],
+    progress: Progress,
+) -> dict[str, Any]:
+    """Prepare, measure the machine, run every timed row; the result document."""
+    bench = Bench(runtime, request.prompts, request.methods, request.max_tokens, request.repeats)
+    bench.prepare(notify)
+    notify("measuring memory bandwidth")
+    bandwidth = measure_bandwidth()
+    model = runtime.loaded.model
+    facts = dict(
+        machine=describe_machine(),
+        model={
+            "name": request.entry.name,
+            "target": request.entry.target,
+            "weights_dtype": runtime.loaded.weights_dtype,
+            "parameters": parameter_count(model),
+            "weight_bytes": weight_bytes(model),
+        },
+        settings={
+            "source": request.source,
+            "prompts": len(request.prompts),
+            "methods": [method.name for method in request.methods],
+            "max_tokens": request.max_tokens,
+            "repeats": request.repeats,
+            "sampling": "greedy",
+            "order": "for each prompt, for each repeat, every method in turn",
+            "decode_rate": "tokens after the first round / seconds after the first round",
+        },
+    )
+    runs: list[Run] = []
+    try:
+        for run in bench.runs(progress):
+            runs.append(run)
+    except KeyboardInterrupt:
+        result = document(**facts, runs=runs, bandwidth=bandwidth, interrupted=True)
+        raise Interrupted(result, len(runs), bench.total) from None
+    return document(**facts, runs=runs, bandwidth=bandwidth)
+
+
+def write_outputs(
+    result: dict[str, Any],
+    json_path: str | Path | None,
+    markdown_path: str | Path | None,
+    plot_path: str | Path | None,
+) -> list[Path]:
+    written: list[Path] = []
+    try:
+        if json_path:
+            json_path = Path(json_path)
+            json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+            written.append(json_path)
+        if markdown_path:
+            markdown_path = Path(markdown_path)
+            markdown_path.write_text(markdown(result), encoding="utf-8")
+            written.append(markdown_path)
+        if plot_path:
+            title = f"mlxspec bench: {result['model']['name']} ({result['machine']['cpu']})"
+            save_plot(result["summary"], Path(plot_path), title)
+            written.append(Path(plot_path))
+    except OSError as err:
+        raise BenchError(f"cannot write {err.filename}: {err.strerror}") from None
+    return written
