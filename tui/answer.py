@@ -1,0 +1,151 @@
+"""One answer as it streams in: its text by provenance, and the rounds that produced it.
+
+Built from the engine's events alone (front ends never re-decode). The text is a list of
+segments, each `accepted` (draft tokens the target agreed with), `own` (the target's own
+tokens: corrections and bonus tokens) or `rejected` (drafts the target refused). Rejected
+drafts are ghosts: never part of the answer, shown where they were tried (after the
+round's accepted drafts, before the target's correction) and faded out after
+GHOST_SECONDS unless the user keeps them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rich.style import Style
+from rich.text import Text
+
+from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, Step
+
+ACCEPTED, OWN, REJECTED = "accepted", "own", "rejected"
+KINDS = (ACCEPTED, OWN, REJECTED)
+KIND_OF_EVENT = {Accepted: ACCEPTED, Corrected: OWN, Bonus: OWN}
+GHOST_SECONDS = 1.5
+
+
+@dataclass
+class Segment:
+    kind: str
+    text: str
+    shown_at: float = 0.0  # when a ghost appeared (time.monotonic()); saved ghosts: 0
+
+
+class Answer:
+    def __init__(
+        self,
+        segments: list[Segment] | None = None,
+        cancelled: bool = False,
+        error: str | None = None,
+        record: dict[str, Any] | None = None,
+    ):
+        self.segments = segments or []
+        self.cancelled = cancelled
+        self.error = error
+        self.record = record  # the run record (RunRecord.to_dict()) once Done arrives
+        self.n_tokens = 0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        # Running totals over the rounds that drafted, for the status bar.
+        self.drafted = self.accepted = self.draft_rounds = 0
+        self.accepted_lengths: list[int] = []
+        self.last_step: Step | None = None
+        self._ghost: Segment | None = None  # refused drafts waiting for their place
+
+    def add(self, event: Event, now: float) -> None:
+        """Take one engine event; `now` (time.monotonic()) times ghosts and tokens/s."""
+        if isinstance(event, Rejected):
+            self._ghost = Segment(REJECTED, event.text, now)
+        elif type(event) in KIND_OF_EVENT:
+            if isinstance(event, Corrected):
+                self._place_ghost()
+            self._append(KIND_OF_EVENT[type(event)], event.text)
+            self.n_tokens += len(event.tokens)
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+        elif isinstance(event, Step):
+            self._place_ghost()
+            self.last_step = event
+            if event.drafted:
+                self.drafted += event.drafted
+                self.accepted += event.accepted
+                self.draft_rounds += 1
+                self.accepted_lengths.append(event.accepted)
+        elif isinstance(event, Done):
+            self._place_ghost()
+            self.record = event.record.to_dict()
+
+    def _append(self, kind: str, text: str) -> None:
+        if not text:
+            return
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last.kind == kind != REJECTED:
+            last.text += text  # keep few segments: rendering cost grows with their number
+        else:
+            self.segments.append(Segment(kind, text))
+
+    def _place_ghost(self) -> None:
+        if self._ghost is not None:
+            self.segments.append(self._ghost)
+            self._ghost = None
+
+    @property
+    def text(self) -> str:
+        """The answer itself: what the engine output, without ghosts."""
+        return "".join(s.text for s in self.segments if s.kind != REJECTED)
+
+    @property
+    def finished(self) -> bool:
+        return self.record is not None or self.cancelled or self.error is not None
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted drafts per round that drafted (as in the run record)."""
+        return self.accepted / self.draft_rounds if self.draft_rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """The run record's rate once done; live, tokens after the first over their time."""
+        if self.record is not None:
+            return self.record["tokens_per_second"]
+        if self.n_tokens < 2 or self.last_token_at == self.first_token_at:
+            return 0.0
+        return (self.n_tokens - 1) / (self.last_token_at - self.first_token_at)
+
+    def ghosts_showing(self, now: float) -> bool:
+        return any(s.kind == REJECTED and now - s.shown_at < GHOST_SECONDS for s in self.segments)
+
+    def to_text(self, styles: Mapping[str, Style], show_rejected: bool, now: float) -> Text:
+        """The answer as Rich text, one style per provenance; ghosts while they last."""
+        text = Text()
+        for segment in self.segments:
+            if segment.kind == REJECTED and not (
+                show_rejected or now - segment.shown_at < GHOST_SECONDS
+            ):
+                continue
+            text.append(segment.text, styles[segment.kind])
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "segments": [[s.kind, s.text] for s in self.segments],
+            "cancelled": self.cancelled,
+            "error": self.error,
+            "record": self.record,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Answer:
+        # A message written without segments (by hand, say) shows as the target's own text.
+        segments = data.get("segments") or [[OWN, data.get("content", "")]]
+        return cls(
+            [Segment(kind, text) for kind, text in segments],
+            cancelled=bool(data.get("cancelled")),
+            error=data.get("error"),
+            record=data.get("record"),
+        )

