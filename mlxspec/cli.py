@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -365,8 +366,23 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit):
     help="PNG of speedup per prompt class (needs the 'plot' extra).",
 )
 @fail_cleanly
+@click.option(
+    "--from-history",
+    "history",
+    is_flag=True,
+    help="Estimate each proposer's acceptance on your saved chats instead (fast, no timing).",
+)
 def bench(
-    model, suite, prompts_file, proposers, max_tokens, repeats, json_path, markdown_path, plot_path
+    model,
+    suite,
+    prompts_file,
+    proposers,
+    max_tokens,
+    repeats,
+    json_path,
+    markdown_path,
+    plot_path,
+    history,
 ):
     """Side by side, same prompts, greedy: mlx-lm, mlx-lm's speculative decoding, mlxspec.
 
@@ -379,6 +395,7 @@ def bench(
       mlxspec bench --suite quick
       mlxspec bench --suite all --json bench.json --markdown bench.md --plot bench.png
       mlxspec bench --prompts mine.jsonl --proposers prompt-lookup,prompt-lookup@k=8
+      mlxspec bench --from-history --json history.json
     """
     from mlxspec.bench import BenchError
     from mlxspec.bench.report import markdown
@@ -389,6 +406,18 @@ def bench(
         say(f"[{index + 1}/{total}] {prompt.id} ({prompt.kind}): {method.name}")
 
     entry = load_registry().get(model)
+    if history:
+        from mlxspec.bench.history import history_markdown, replay_history
+        from tui.store import conversations_dir
+
+        try:
+            result = replay_history(open_runtime(entry, notify=say), conversations_dir(), say)
+        except BenchError as err:
+            raise click.ClickException(str(err)) from None
+        click.echo(history_markdown(result))
+        if json_path:
+            Path(json_path).write_text(json.dumps(result, indent=2))
+        return
     try:
         # Everything checkable is checked before the weights load.
         request = plan(

@@ -25,6 +25,7 @@ from mlxspec.bench.runners import Measurement
 from mlxspec.bench.session import execute, plan
 from mlxspec.bench.suites import SUITES, BenchPrompt, load_suite, parse_prompts
 from mlxspec.cli import main
+from mlxspec.engine import Engine
 from mlxspec.loading import LoadedModel
 from mlxspec.registry import load_registry, parse_registry_text
 from mlxspec.runtime import Runtime
@@ -409,3 +410,55 @@ def test_real_bench_on_smollm2_is_lossless(smollm2, tmp_path, monkeypatch):
         assert row["token_match"], f"{row['method']} diverged from mlx-lm: {row['divergence']}"
         assert row["tokens"] == 24 and row["speedup"] > 0
     print(markdown(result))
+
+
+def test_from_history_replays_saved_answers_teacher_forced(tmp_path):
+    """A saved answer that copies its prompt: lookup is credited, and the estimate is
+    derived from the drafts that matched the saved answer."""
+    from mlxspec.bench.history import answer_turns, read_history, replay
+    from mlxspec.policy import VerifyCost
+    from mlxspec.proposers import PromptLookup
+
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa"
+    chat = {
+        "messages": [
+            {"role": "user", "content": f"Repeat: {text}"},
+            {"role": "assistant", "content": f"{text} {text}"},
+        ]
+    }
+    (tmp_path / "one.json").write_text(json.dumps(chat))
+    (tmp_path / "empty.json").write_text(json.dumps({"messages": [chat["messages"][0]]}))
+
+    class FakeRuntime:  # what replay needs of a Runtime
+        def __init__(self):
+            self.engine = Engine(
+                tiny_model("llama"),
+                byte_tokenizer(),
+                "tiny",
+                [PromptLookup(k_max=16)],
+                verify_cost=VerifyCost({1: 1.0, 2: 1.1, 16: 1.5, 64: 3.0}, 0.01),
+            )
+
+        def proposer(self, name):
+            return name
+
+    runtime = FakeRuntime()
+    chats = read_history(tmp_path)
+    assert len(chats) == 1  # the chat without an answer is skipped
+    turns = answer_turns(runtime, chats)
+    assert len(turns) == 1 and len(turns[0][1]) > 100
+    row = replay(runtime, "prompt-lookup", turns)
+    assert row["answer_tokens"] == len(turns[0][1])
+    assert row["accepted"] > row["answer_tokens"] // 2  # the answer copies the prompt
+    assert row["estimated_speedup"] > 1.5
+
+
+def test_from_history_without_conversations_is_one_clear_error(tmp_path):
+    from mlxspec.bench import BenchError
+    from mlxspec.bench.history import read_history
+
+    with pytest.raises(BenchError, match="does not exist"):
+        read_history(tmp_path / "nothing")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(BenchError, match="bad.json"):
+        read_history(tmp_path)
