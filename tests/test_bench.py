@@ -271,7 +271,7 @@ def test_quick_runs_the_core_methods_once_and_other_suites_all_three_times(tiny_
         "mlx-lm-speculative",
         "mlxspec:none",
         "mlxspec:prompt-lookup",
-        "mlxspec:draft-model@k=3",
+        "mlxspec:prompt-lookup@k=4",
         "mlxspec:draft-model",
     ]
     assert quick.repeats == 1 and len(quick.prompts) == 5

@@ -7,8 +7,8 @@ Method names, as `--proposers` takes them (comma-separated):
     [mlxspec:]none             mlxspec's own loop without drafts (its overhead vs mlx-lm)
     [mlxspec:]NAME[@k=N]       mlxspec with proposer NAME; adaptive k unless @k=N is given
     core                       plain-mlx-lm, mlx-lm-speculative, mlxspec:none, mlxspec with the
-                               entry's default proposer, and mlxspec on mlx-lm's draft pair
-                               (at mlx-lm's k and adaptive)
+                               entry's default proposer (adaptive and fixed k) and with the
+                               draft pair (adaptive)
     all                        core, plus every proposer adaptive and at a fixed k
 """
 
@@ -60,19 +60,22 @@ def draft_proposer(entry: ModelEntry) -> ProposerConfig | None:
 
 
 def core_methods(entry: ModelEntry) -> list[Method]:
-    """The headline comparisons: the two plain loops, the same draft pair in both loops,
-    and what mlxspec does by default."""
+    """The headline comparisons: the two plain loops, mlx-lm's speculative decoding on the
+    entry's draft pair, and mlxspec's default proposer (adaptive and at a fixed k) and
+    draft pair (adaptive). `all` adds the draft pair at mlx-lm's own k, which isolates the
+    loop, but a poor draft pair makes those rows slow."""
     draft = draft_proposer(entry)
     methods = [Method(PLAIN)]
     if draft is not None:
         methods.append(Method(MLX_LM_SPECULATIVE))
     methods.append(Method("mlxspec", NONE, 0))
-    if entry.default_proposer != NONE:
-        methods.append(Method("mlxspec", entry.default_proposer))
-    if draft is not None:
-        methods.append(Method("mlxspec", draft.name, MLX_LM_DRAFT_TOKENS))
-        if draft.name != entry.default_proposer:  # the policy's answer to the same pair
-            methods.append(Method("mlxspec", draft.name))
+    default = entry.proposers.get(entry.default_proposer)
+    if default is not None:
+        methods.append(Method("mlxspec", default.name))
+        if default.kind in FIXED_K:
+            methods.append(Method("mlxspec", default.name, FIXED_K[default.kind]))
+    if draft is not None and draft is not default:
+        methods.append(Method("mlxspec", draft.name))
     return methods
 
 
