@@ -131,7 +131,8 @@ def generate(
             done = event
         elif not as_json and type(event) in COLOURS:
             style = COLOURS[type(event)] if colour else None
-            click.echo(click.style(event.text, fg=style) if style else event.text, nl=False)
+            text = click.style(event.text, fg=style) if style else event.text
+            click.echo(text, nl=False, color=colour or None)
     if as_json:
         click.echo(
             json.dumps(

@@ -137,7 +137,11 @@ class Worker:
                 self._run(job)
                 self._running, self.busy = None, False
             job.end()
+        # MLX 0.32 can abort the process at exit when a thread that ran generations
+        # ends with its streams alive (seen in the chat app); release them here.
         self._model = None
+        gc.collect()
+        mx.clear_streams()
 
     def _run(self, job: Job) -> None:
         request = job.generation
