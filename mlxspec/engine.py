@@ -172,12 +172,12 @@ class Engine:
 
         start = time.perf_counter()
         record.reused_prompt_tokens = self.target.prepare(prompt_tokens)
-        mx.eval([c.state for c in self.target.cache])
         record.prefill_seconds = time.perf_counter() - start
 
         sequence = list(prompt_tokens)  # ends with the pending token
         hidden = None
-        produced: list[int] = []
+        produced: list[int] = []  # generated, EOS excluded
+        emitted: list[int] = []  # released as output: produced, cut at a stop string
         first_token_at = None
         finished = None
         while finished is None:
@@ -249,7 +249,9 @@ class Engine:
                 yield Rejected(rejected, self.tokenizer.decode(list(rejected)))
             if finished is not None:
                 text.finish()
-            yield from _events(text.release(final=finished is not None))
+            pieces = text.release(final=finished is not None)
+            emitted.extend(piece.token for piece in pieces if piece.token >= 0)
+            yield from _events(pieces)
             if text.stopped:
                 finished = "stop"
             yield Step(
@@ -260,9 +262,9 @@ class Engine:
             )
 
         record.finish_reason = finished
-        record.completion_tokens = len(produced)
+        record.completion_tokens = len(emitted)
         record.decode_seconds = time.perf_counter() - first_token_at
-        yield Done(record, text.text, tuple(produced))
+        yield Done(record, text.text, tuple(emitted))
 
 
 def _match_width(probs: mx.array | None, width: int) -> np.ndarray | None:

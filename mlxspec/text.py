@@ -60,9 +60,10 @@ class TextStream:
             position += len(piece.text)
             out.append(piece)
         if self.stopped and self._pending and position < cut:
-            # The stop string starts inside this token: keep only the text before it.
+            # The stop string starts inside this token: keep only the text before it, and
+            # not the token itself (it carries the start of the stop string).
             piece = self._pending.pop(0)
-            piece.text = piece.text[: cut - position]
+            piece.text, piece.token = piece.text[: cut - position], -1
             position = cut
             out.append(piece)
         if self.stopped:

@@ -137,7 +137,8 @@ def test_events_rebuild_the_output_and_rejected_drafts_stay_out():
 def test_stop_string_spanning_rounds_ends_the_answer_before_it():
     engine = engine_with_lookup(seed=2)
     prompt = list(b"the cat sat on the mat. the cat")
-    full = list(engine.stream(prompt, GenerationSettings(max_tokens=40)))[-1].text
+    plain = list(engine.stream(prompt, GenerationSettings(max_tokens=40)))[-1]
+    full = plain.text
     assert len(full) > 12
     stop = full[8:12]
     cut = full.index(stop)
@@ -146,6 +147,10 @@ def test_stop_string_spanning_rounds_ends_the_answer_before_it():
     )[-1]
     assert done.text == full[:cut]
     assert done.record.finish_reason == "stop"
+    # Token ids and counts end where the text does, not where generation stopped.
+    assert done.token_ids == plain.token_ids[: len(done.token_ids)]
+    assert len(done.token_ids) <= len(full[:cut].encode()) + 1
+    assert done.record.completion_tokens == len(done.token_ids)
 
 
 def test_record_is_truthful():

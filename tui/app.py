@@ -197,8 +197,11 @@ class ChatApp(App):
         self.engine_thread.submit(self.job)
 
     def on_streamed(self, message: Streamed) -> None:
+        events = self.engine_thread.take_events()
+        if not events:  # a late wake-up: an earlier one took its events
+            return
         answer, now = self.current.answer, time.monotonic()
-        for event in self.engine_thread.take_events():
+        for event in events:
             answer.add(event, now)
             if isinstance(event, Rejected):
                 self.current.body.ghost_added()
