@@ -41,6 +41,47 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def trim_cache(holder, n: int) -> bool:
+    """Cut the last n tokens from `holder.cache` (and `holder.cached_tokens`) if it can be."""
+    if not all(c.is_trimmable() for c in holder.cache):  # a rotating window may have wrapped
+        return False
+    for c in holder.cache:
+        c.trim(n)
+    del holder.cached_tokens[len(holder.cached_tokens) - n :]
+    return True
+
+
+def catch_up(
+    holder,
+    tokens: list[int],
+    *,
+    reusable: int | None = None,
+    allow_trim: bool = True,
+    progress=None,
+) -> tuple[int, mx.array | None]:
+    """Make `holder.cache` hold `tokens`: keep its common prefix with `holder.cached_tokens`
+    (at most `tokens[:reusable]`), cut the rest or start over where it cannot be cut, and
+    feed what is missing in chunks. Returns (tokens reused, logits of the last chunk fed).
+
+    `holder` is the target or a draft model: anything with `model`, `cache`,
+    `cached_tokens` and `reset()`.
+    """
+    reused = common_prefix_len(holder.cached_tokens, tokens[:reusable])
+    surplus = len(holder.cached_tokens) - reused
+    if surplus and not (allow_trim and trim_cache(holder, surplus)):
+        holder.reset()
+        reused = 0
+    todo, logits = tokens[reused:], None
+    for start in range(0, len(todo), PREFILL_CHUNK):
+        chunk = todo[start : start + PREFILL_CHUNK]
+        logits = holder.model(mx.array([chunk]), cache=holder.cache)
+        mx.eval(logits, [c.state for c in holder.cache])
+        holder.cached_tokens.extend(chunk)
+        if progress:
+            progress(start + len(chunk), len(todo))
+    return reused, logits
+
+
 def _copy_state(state: Any) -> Any:
     if isinstance(state, mx.array):
         return mx.array(state)
@@ -92,29 +133,10 @@ class Target:
 
         Returns how many tokens were reused from the previous request.
         """
-        wanted = sequence[:-1]
-        reused = common_prefix_len(self.cached_tokens, wanted)
-        surplus = len(self.cached_tokens) - reused
-        if surplus and (self.snapshot_layers or not self._trim(surplus)):
-            self.reset()
-            reused = 0
-        todo = wanted[reused:]
-        for start in range(0, len(todo), PREFILL_CHUNK):
-            chunk = todo[start : start + PREFILL_CHUNK]
-            self.model(mx.array([chunk]), cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.cached_tokens.extend(chunk)
-            if progress:
-                progress(start + len(chunk), len(todo))
+        # Snapshot layers cannot be rewound past the last request: start over instead.
+        allow_trim = not self.snapshot_layers
+        reused, _ = catch_up(self, sequence[:-1], allow_trim=allow_trim, progress=progress)
         return reused
-
-    def _trim(self, n: int) -> bool:
-        if not all(c.is_trimmable() for c in self.cache):
-            return False
-        for c in self.cache:
-            c.trim(n)
-        del self.cached_tokens[len(self.cached_tokens) - n :]
-        return True
 
     def verify(self, tokens: list[int], with_hidden: bool = False) -> tuple[mx.array, Any]:
         """Forward over [pending] + drafts, remembering how to undo it."""
@@ -129,7 +151,7 @@ class Target:
         if surplus == 0:
             return
         if not self.snapshot_layers:
-            self._trim(surplus)
+            trim_cache(self, surplus)
             return
         # Restore the copied layers, rewind the rest, and replay the kept tokens.
         for c in self.cache:

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
-from mlxspec.target import PREFILL_CHUNK, common_prefix_len
+from mlxspec.target import catch_up
 
 
 class VocabularyMismatch(ValueError):
@@ -79,20 +79,8 @@ class DraftModel:
         return Situation(self, "model")
 
     def _catch_up(self, tokens: list[int]) -> mx.array:
-        """Bring the cache to `tokens` (reusing the common prefix); logits after the last."""
-        keep = common_prefix_len(self.cached_tokens, tokens[:-1])
-        surplus = len(self.cached_tokens) - keep
-        if surplus:
-            if all(c.is_trimmable() for c in self.cache):  # a rotating window may have wrapped
-                for c in self.cache:
-                    c.trim(surplus)
-                del self.cached_tokens[keep:]
-            else:
-                self.cache, self.cached_tokens, keep = make_prompt_cache(self.model), [], 0
-        todo = tokens[keep:]
-        for start in range(0, len(todo), PREFILL_CHUNK):
-            logits = self.model(mx.array([todo[start : start + PREFILL_CHUNK]]), cache=self.cache)
-        self.cached_tokens.extend(todo)
+        """Bring the cache to `tokens` (always feeding the last one); logits after it."""
+        _, logits = catch_up(self, tokens, reusable=len(tokens) - 1)
         return logits[:, -1, :]
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
