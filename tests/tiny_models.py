@@ -36,51 +36,42 @@ def byte_tokenizer() -> TokenizerWrapper:
 
 VOCAB = 257
 
+# Every family: 3 layers of width 64, 4 heads, the byte tokenizer's vocabulary.
+SIZE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB)
+
 FAMILIES = {
     "llama": dict(
+        SIZE,
         model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=3,
         intermediate_size=128,
-        num_attention_heads=4,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
         tie_word_embeddings=False,
     ),
     "qwen3": dict(
+        SIZE,
         model_type="qwen3",
-        hidden_size=64,
-        num_hidden_layers=3,
         intermediate_size=128,
-        num_attention_heads=4,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
         head_dim=16,
         rope_theta=10000.0,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
     "gemma3_text": dict(
+        SIZE,
         model_type="gemma3_text",
-        hidden_size=64,
-        num_hidden_layers=3,
         intermediate_size=128,
-        num_attention_heads=4,
         num_key_value_heads=1,
         head_dim=16,
-        vocab_size=VOCAB,
         sliding_window=12,
         sliding_window_pattern=2,
         query_pre_attn_scalar=16,
     ),
     "lfm2": dict(
+        SIZE,
         model_type="lfm2",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
         norm_eps=1e-5,
