@@ -15,6 +15,7 @@ import click
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec import device
 from mlxspec.bench.suites import SUITES
+from mlxspec.distributed.options import distributed_options
 from mlxspec.events import Accepted, Bonus, Corrected, Done
 from mlxspec.registry import RegistryError, load_registry
 
@@ -75,6 +76,7 @@ def main() -> None:
 @click.option(
     "--color/--no-color", default=None, help="Colour accepted drafts (default: on a TTY)."
 )
+@distributed_options
 @fail_cleanly
 def generate(
     prompt,
@@ -97,7 +99,9 @@ def generate(
     Examples:
       mlxspec generate "Summarise: ..." --proposer prompt-lookup
       echo "Rename x to count in: ..." | mlxspec generate - --json
+      mlxspec generate "Repeat: a, b, c" --ranks 3 --json     # target sharded over 3 ranks
     """
+    from mlxspec.distributed.rank import current_rank
     from mlxspec.engine import GenerationSettings
     from mlxspec.runtime import open_runtime
     from mlxspec.sampling import SamplingSettings
@@ -109,7 +113,8 @@ def generate(
     entry = load_registry().get(model)
     defaults = entry.defaults
     proposer_name = entry.proposer(proposer)  # validate before loading weights
-    runtime = open_runtime(entry, notify=say)
+    rank = current_rank()  # None unless launched with --ranks/--hostfile
+    runtime = rank.open_runtime(entry, say) if rank else open_runtime(entry, notify=say)
     active = runtime.proposer(proposer_name.name if proposer_name else "none")
     settings = GenerationSettings(
         max_tokens=max_tokens or defaults.max_tokens,
@@ -126,13 +131,16 @@ def generate(
     request = [{"role": "user", "content": prompt}] if chat else prompt
     colour = sys.stdout.isatty() if color is None else color
     done = None
-    for event in runtime.engine.stream(request, settings, active):
+    stream = rank.stream if rank else lambda rt, *a: rt.engine.stream(*a)
+    for event in stream(runtime, request, settings, active):
         if isinstance(event, Done):
             done = event
         elif not as_json and type(event) in COLOURS:
             style = COLOURS[type(event)] if colour else None
             text = click.style(event.text, fg=style) if style else event.text
             click.echo(text, nl=False, color=colour or None)
+    if rank and not rank.front:
+        return  # rank 0 owns stdout
     if as_json:
         click.echo(
             json.dumps(

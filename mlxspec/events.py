@@ -74,6 +74,14 @@ class RunRecord:
     finish_reason: str = "length"
     lossless: bool = True
     device: dict[str, Any] = field(default_factory=dict)
+    # Distributed runs (--ranks/--hostfile): the target sharded over `ranks` processes.
+    ranks: int = 1
+    backend: str = "none"  # ring, jaccl, mpi
+    parallel: str = "none"  # tensor or pipeline
+    collective_seconds: float = 0.0  # waiting in mlxspec's own per-round collectives
+    collective_rounds: int = 0
+    allreduce_seconds: float = 0.0  # one hidden-state all-reduce, measured at start
+    allreduces_per_forward: int = 0  # inside the sharded model's forward pass
 
     @property
     def acceptance_rate(self) -> float:
@@ -101,6 +109,9 @@ class RunRecord:
         data["acceptance_rate"] = round(self.acceptance_rate, 4)
         data["mean_accepted_length"] = round(self.mean_accepted_length, 4)
         data["tokens_per_second"] = round(self.tokens_per_second, 3)
+        data["collective_seconds_per_round"] = round(
+            self.collective_seconds / self.collective_rounds if self.collective_rounds else 0.0, 6
+        )
         return data
 
 

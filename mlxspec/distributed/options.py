@@ -1,0 +1,147 @@
+"""The --ranks/--hostfile/--backend/--parallel options of generate, chat and serve.
+
+Without them a command runs as before. With them, the command re-runs itself under
+mlx.launch (see `launch`); inside a launched rank, the command body runs with a rank
+session started (see `rank.current_rank`), and every way out reports an exit marker.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from mlxspec.distributed.config import BACKENDS, PARALLEL_MODES, RankConfig
+from mlxspec.distributed.errors import DistributedError
+
+DEFAULT_TIMEOUT = 120.0
+
+OPTIONS = [
+    click.option(
+        "--ranks",
+        type=click.IntRange(min=1),
+        help="Shard the target over N local processes (ring backend over loopback; tests).",
+    ),
+    click.option(
+        "--hostfile",
+        type=click.Path(dir_okay=False),
+        help="Shard the target over the hosts of an mlx.launch hostfile (JSON).",
+    ),
+    click.option(
+        "--backend",
+        type=click.Choice(BACKENDS),
+        help="MLX distributed backend (default: the hostfile's, else ring).",
+    ),
+    click.option(
+        "--parallel",
+        type=click.Choice(PARALLEL_MODES),
+        default="tensor",
+        show_default=True,
+        help="How to split the target across ranks.",
+    ),
+    click.option(
+        "--collective-timeout",
+        type=click.FloatRange(min=1),
+        default=DEFAULT_TIMEOUT,
+        show_default=True,
+        help="Seconds a rank may wait on the others before every rank stops.",
+    ),
+]
+
+
+def distributed_options(func):
+    """Add the options to a click command and run it sharded when they ask for it."""
+
+    @functools.wraps(func)
+    def wrapper(*args, ranks, hostfile, backend, parallel, collective_timeout, **kwargs):
+        config = RankConfig.from_env()
+        if config is not None:
+            return _run_rank(config, func, args, kwargs)
+        if not (ranks or hostfile):
+            if backend:
+                raise click.UsageError("--backend needs --ranks or --hostfile")
+            return func(*args, **kwargs)
+        if ranks and hostfile:
+            raise click.UsageError("give --ranks or --hostfile, not both")
+        from mlxspec.distributed.launch import LaunchRequest, read_hostfile, run_launched
+
+        try:
+            hosts = read_hostfile(hostfile) if hostfile else []
+        except DistributedError as err:
+            raise click.ClickException(str(err)) from None
+        request = LaunchRequest(
+            ranks,
+            hostfile,
+            backend or _hostfile_backend(hostfile),
+            parallel,
+            collective_timeout,
+            hosts,
+        )
+        argv = sys.argv[1:]
+        stdin = None
+        if kwargs.get("prompt") == "-":  # read here: the ranks get it on their command line
+            argv = [sys.stdin.read() if a == "-" else a for a in argv]
+        elif func.__name__ == "chat":
+            stdin = sys.stdin  # rank 0 reads the turns (mlx.launch relays stdin)
+        sys.exit(run_launched(request, _rank_argv(argv), stdin))
+
+    for option in reversed(OPTIONS):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def _rank_argv(argv: list[str]) -> list[str]:
+    from mlxspec.distributed.launch import strip_launch_options
+
+    return strip_launch_options(argv)
+
+
+def _hostfile_backend(hostfile: str | None) -> str:
+    if hostfile:
+        import json
+        from pathlib import Path
+
+        try:
+            data = json.loads(Path(hostfile).expanduser().read_text())
+        except (OSError, ValueError):
+            return "ring"
+        if isinstance(data, dict) and data.get("backend") in BACKENDS:
+            return data["backend"]
+    return "ring"
+
+
+def _run_rank(config, func, args, kwargs) -> None:
+    """The command body inside one rank: a clear line and a marker on every way out."""
+    from mlxspec.distributed.rank import report_exit, start_session
+
+    code, session = 1, None
+    try:
+        session = start_session(config)
+        result = func(*args, **kwargs)
+        code = 0
+        return result
+    except click.exceptions.Exit as stop:
+        code = stop.exit_code
+        raise
+    except click.ClickException as err:
+        code = err.exit_code
+        _error(session, err.format_message())
+    except (DistributedError, RuntimeError, ValueError, OSError) as err:
+        _error(session, _explain(err))
+    finally:
+        report_exit(code)
+    sys.exit(code)
+
+
+def _explain(err: Exception) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "[ring]" in text or "[jaccl]" in text or "connection" in text:
+        return f"lost the connection to another rank ({text}); every rank stopped"
+    return text
+
+
+def _error(session, message: str) -> None:
+    who = "" if session is None or session.front else f"rank {session.rank}: "
+    sys.stderr.write(f"Error: {who}{message}\n")
+    sys.stderr.flush()

@@ -1,0 +1,267 @@
+"""What every launched process does: join the group, load and shard the target, agree
+with rank 0 on each request, run the unchanged speculative loop, and check after every
+round that all ranks still hold the same cache.
+
+Every rank runs the same deterministic proposer over the same tokens and the same verify
+pass. Two things could still make ranks disagree and are pinned to rank 0's choice: the
+adaptive draft length (it depends on each rank's own timings) and the verify-cost
+calibration. A per-round all_gather of [cache offset, cached tokens, drafted, accepted,
+hash of the last tokens] catches any rank that drifts anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+
+import mlx.core as mx
+
+from mlxspec import device
+from mlxspec.distributed.collectives import Collectives
+from mlxspec.distributed.config import FAULT_ENV, RankConfig
+from mlxspec.distributed.errors import DistributedError
+from mlxspec.distributed.sharding import allreduces_per_forward, fingerprint, shard
+from mlxspec.distributed.watchdog import Watchdog
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.events import Done, Event, Step
+from mlxspec.policy import Policy, VerifyCost, cached_verify_cost, measure_verify_cost
+from mlxspec.sampling import SamplingSettings
+
+CHECK_FIELDS = ("cache offset", "cached tokens", "drafted", "accepted", "last-tokens hash")
+
+
+class AgreedPolicy(Policy):
+    """The adaptive policy, with every rank taking rank 0's draft length: a rank's own
+    choice depends on its own timings, and ranks must run verify passes of one shape."""
+
+    def __init__(self, inner: Policy, collectives: Collectives):
+        super().__init__(**{f: getattr(inner, f) for f in inner.__dataclass_fields__})
+        self.collectives = collectives
+
+    def choose(self, situation, limit: int) -> int:
+        k = super().choose(situation, limit)
+        if self.fixed_k is not None:
+            return k  # the same on every rank already
+        return self.collectives.broadcast_ints([k], "agreeing on the draft length")[0]
+
+
+class RankEngine(Engine):
+    """The engine, with the two timing-dependent choices pinned to rank 0."""
+
+    collectives: Collectives
+    cost_key: str
+
+    def _policy(self, proposer, fixed_k):
+        policy = super()._policy(proposer, fixed_k)
+        if not isinstance(policy, AgreedPolicy):
+            key = next(k for k, v in self._policies.items() if v is policy)
+            policy = self._policies[key] = AgreedPolicy(policy, self.collectives)
+        return policy
+
+    @property
+    def verify_cost(self) -> VerifyCost:
+        """Calibrated by all ranks together (the sharded forward is a collective), kept as
+        rank 0 measured it, and cached apart from the one-process calibration."""
+        if self._verify_cost is None:
+            self._verify_cost = self._agreed_verify_cost()
+        return self._verify_cost
+
+    def _agreed_verify_cost(self) -> VerifyCost:
+        col = self.collectives
+
+        def measure() -> VerifyCost:
+            col.broadcast_ints([1], "calibrating")
+            col.watchdog.disarm()  # many forward passes; each is its own collective
+            self.notify("measuring verify cost of the sharded model (once per setup)")
+            return measure_verify_cost(self.target.model, self.vocab_size)
+
+        if col.rank == 0:
+            measured = []
+            cost = cached_verify_cost(self.cost_key, lambda: measured.append(1) or measure())
+            if not measured:
+                col.broadcast_ints([0], "calibrating")
+            col.broadcast_json(cost.to_json(), "sharing the calibration")
+            return cost
+        if col.broadcast_ints([0], "calibrating")[0]:
+            col.watchdog.disarm()  # many forward passes; each is its own collective
+            measure_verify_cost(self.target.model, self.vocab_size)
+        return VerifyCost.from_json(col.broadcast_json(None, "sharing the calibration"))
+
+
+class RankSession:
+    """This process's place in the group and the collectives it runs with the others."""
+
+    def __init__(self, config: RankConfig):
+        self.config = config
+        self.group = mx.distributed.init(strict=True, backend=config.backend)
+        self.rank, self.size = self.group.rank(), self.group.size()
+        self.watchdog = Watchdog(config.timeout, self.rank)
+        self.collectives = Collectives(self.group, self.watchdog)
+        self.allreduce_seconds = 0.0
+        self.allreduces = 0
+        self.rounds = 0
+        self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""), self.rank)
+
+    @property
+    def front(self) -> bool:
+        """Rank 0 owns stdout, the API and the TUI; the other ranks only compute."""
+        return self.rank == 0
+
+    def notify(self, say: Callable[[str], None]) -> Callable[[str], None]:
+        return say if self.front else (lambda _: None)
+
+    def open_runtime(self, entry, say: Callable[[str], None]):
+        """Load the target on every rank, check the files agree, shard it, and return a
+        Runtime whose engine keeps every rank in step."""
+        from mlxspec.loading import load_model
+        from mlxspec.runtime import Runtime
+
+        notify = self.notify(say)
+        notify(
+            f"rank 0 of {self.size} ({self.config.backend}, {self.config.parallel} parallel): "
+            f"loading {entry.name}"
+        )
+        self.watchdog.disarm()  # loading takes as long as it takes on each host
+        loaded = load_model(entry.target, progress=self.front)
+        mine = fingerprint(loaded.model)
+        if self._fault.get("weights") is not None:
+            mine ^= 1
+        prints = self.collectives.all_gather([mine], "comparing model files")[:, 0]
+        odd = [r for r in range(self.size) if prints[r] != prints[0]]
+        if odd:
+            raise DistributedError(
+                f"the model files of '{entry.target}' differ between ranks: rank(s) "
+                f"{', '.join(map(str, odd))} load other weights than rank 0 (fingerprint "
+                f"{prints[odd[0]]:08x} vs {prints[0]:08x}); copy the same files to every host"
+            )
+        shard(loaded.model, self.group, self.config.parallel)
+        width = int(getattr(getattr(loaded.model, "args", None), "hidden_size", 0) or 0)
+        if width:
+            self.allreduce_seconds = self.collectives.allreduce_latency(width)
+        self.allreduces = allreduces_per_forward(loaded.model, self.config.parallel)
+        runtime = Runtime(entry, loaded, notify)
+        engine = RankEngine(loaded.model, loaded.tokenizer, entry.name, notify=notify)
+        engine.collectives = self.collectives
+        facts = device.describe()
+        engine.cost_key = (
+            f"{entry.name}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
+            f"|{self.config.parallel} x{self.size} {self.config.backend}"
+        )
+        runtime.engine = engine
+        return runtime
+
+    def agree(self, request, settings: GenerationSettings, proposer: str | None):
+        """Rank 0's request on every rank (a random seed is drawn once, on rank 0)."""
+        if self.front:
+            sampling = settings.sampling
+            if sampling.seed is None:
+                sampling = SamplingSettings(**{**asdict(sampling), "seed": _random_seed()})
+            message = {
+                "request": request,
+                "settings": {**asdict(settings), "sampling": asdict(sampling)},
+                "proposer": proposer,
+            }
+        else:
+            message = None
+        message = self.collectives.broadcast_json(message, "receiving the request")
+        fields = message["settings"]
+        fields["sampling"] = SamplingSettings(**fields["sampling"])
+        return message["request"], GenerationSettings(**fields), message["proposer"]
+
+    def stream(self, runtime, request, settings, proposer) -> Iterator[Event]:
+        """`engine.stream` on every rank, checked after every round; ranks other than 0
+        yield only the final Done (they print nothing)."""
+        request, settings, proposer = self.agree(request, settings, proposer)
+        engine = runtime.engine
+        start_seconds = self.collectives.seconds
+        rounds = 0
+        self.watchdog.arm("prefilling the prompt")
+        for event in engine.stream(request, settings, proposer):
+            self.watchdog.arm("generating")
+            if isinstance(event, Step):
+                rounds += 1
+                self._maybe_fault(engine, rounds)
+                self.check(engine, event, rounds)
+            if isinstance(event, Done):
+                record = event.record
+                record.ranks, record.backend = self.size, self.config.backend
+                record.parallel = self.config.parallel
+                record.collective_seconds = round(self.collectives.seconds - start_seconds, 6)
+                record.collective_rounds = rounds
+                record.allreduce_seconds = round(self.allreduce_seconds, 7)
+                record.allreduces_per_forward = self.allreduces
+            if self.front or isinstance(event, Done):
+                yield event
+        self.watchdog.disarm()
+
+    def check(self, engine: Engine, step: Step, round_: int) -> None:
+        """All ranks must hold the same cache after every round; name the one that does not."""
+        target = engine.target
+        tail = target.cached_tokens[-16:]
+        mine = [
+            int(target.cache[0].offset) if target.cache else 0,
+            len(target.cached_tokens),
+            step.drafted,
+            step.accepted,
+            zlib.crc32(repr(tail).encode()) & 0x7FFFFFFF,
+        ]
+        rows = self.collectives.all_gather(mine, "checking the ranks agree")
+        for r in range(1, self.size):
+            bad = [i for i in range(len(mine)) if rows[r][i] != rows[0][i]]
+            if bad:
+                what = ", ".join(f"{CHECK_FIELDS[i]} {rows[r][i]} vs {rows[0][i]}" for i in bad)
+                raise DistributedError(
+                    f"rank {r} diverged from rank 0 in round {round_}: {what}; stopping "
+                    "every rank (no output past this point is trusted)"
+                )
+
+    def _maybe_fault(self, engine: Engine, round_: int) -> None:
+        """Test hook (MLXSPEC_FAULT): break this rank on purpose at a given round."""
+        if self._fault.get("trim") == round_:
+            for c in engine.target.cache:
+                c.trim(1)
+        if self._fault.get("die") == round_:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._fault.get("hang") == round_:
+            time.sleep(10_000)
+
+
+def _parse_fault(spec: str, rank: int) -> dict[str, int]:
+    faults = {}
+    for item in filter(None, spec.split(",")):
+        kind, who, round_ = (item.split(":") + ["0", "0"])[:3]
+        if int(who) == rank:
+            faults[kind] = int(round_)
+    return faults
+
+
+def _random_seed() -> int:
+    import random
+
+    return random.randrange(2**31)
+
+
+_SESSION: RankSession | None = None
+
+
+def current_rank() -> RankSession | None:
+    """This process's rank session when it runs under `mlxspec ... --ranks/--hostfile`."""
+    return _SESSION
+
+
+def start_session(config: RankConfig) -> RankSession:
+    global _SESSION
+    _SESSION = RankSession(config)
+    return _SESSION
+
+
+def report_exit(code: int) -> None:
+    """One marker line per rank for the launching process, which decides the exit code."""
+    rank = _SESSION.rank if _SESSION else -1
+    sys.stderr.write(f"\x1emlxspec-rank-exit {rank} {code}\n")
+    sys.stderr.flush()
