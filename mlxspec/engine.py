@@ -171,11 +171,12 @@ class Engine:
         needs_hidden = bool(proposer and proposer.needs_hidden)
 
         start = time.perf_counter()
-        record.reused_prompt_tokens = self.target.prepare(prompt_tokens)
+        record.reused_prompt_tokens, hidden = self.target.prepare(
+            prompt_tokens, with_hidden=needs_hidden
+        )
         record.prefill_seconds = time.perf_counter() - start
 
         sequence = list(prompt_tokens)  # ends with the pending token
-        hidden = None
         produced: list[int] = []  # generated, EOS excluded
         emitted: list[int] = []  # released as output: produced, cut at a stop string
         first_token_at = None
@@ -218,8 +219,8 @@ class Engine:
 
             # 4. Roll back what was refused, then emit.
             self.target.keep(verified, 1 + n_accepted)
-            if needs_hidden:
-                hidden = hidden_rows[n_accepted : n_accepted + 1]
+            if needs_hidden:  # rows of the tokens the cache just kept
+                hidden = hidden_rows[: n_accepted + 1]
             if draft_tokens:
                 record.drafted += len(draft_tokens)
                 record.accepted += n_accepted
@@ -261,6 +262,8 @@ class Engine:
                 time.perf_counter() - round_start + draft_seconds,
             )
 
+        if needs_hidden:  # the last round's hidden states, for the next request to build on
+            proposer.observe(ProposalContext(sequence, scorer, rng, self.target, hidden))
         record.finish_reason = finished
         record.completion_tokens = len(emitted)
         record.decode_seconds = time.perf_counter() - first_token_at

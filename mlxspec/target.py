@@ -10,6 +10,7 @@ before the verify and restored after it, and the accepted tokens are replayed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -58,13 +59,15 @@ def catch_up(
     reusable: int | None = None,
     allow_trim: bool = True,
     progress=None,
+    feed: Callable[[list[int]], mx.array] | None = None,
 ) -> tuple[int, mx.array | None]:
     """Make `holder.cache` hold `tokens`: keep its common prefix with `holder.cached_tokens`
     (at most `tokens[:reusable]`), cut the rest or start over where it cannot be cut, and
     feed what is missing in chunks. Returns (tokens reused, logits of the last chunk fed).
 
     `holder` is the target or a draft model: anything with `model`, `cache`,
-    `cached_tokens` and `reset()`.
+    `cached_tokens` and `reset()`. `feed(chunk)` runs the model over a chunk (default:
+    `holder.model` with its cache) and returns its logits.
     """
     reused = common_prefix_len(holder.cached_tokens, tokens[:reusable])
     surplus = len(holder.cached_tokens) - reused
@@ -74,7 +77,10 @@ def catch_up(
     todo, logits = tokens[reused:], None
     for start in range(0, len(todo), PREFILL_CHUNK):
         chunk = todo[start : start + PREFILL_CHUNK]
-        logits = holder.model(mx.array([chunk]), cache=holder.cache)
+        if feed is None:
+            logits = holder.model(mx.array([chunk]), cache=holder.cache)
+        else:
+            logits = feed(chunk)
         mx.eval(logits, [c.state for c in holder.cache])
         holder.cached_tokens.extend(chunk)
         if progress:
@@ -128,15 +134,33 @@ class Target:
         self.cached_tokens.extend(tokens)
         return logits[0], None
 
-    def prepare(self, sequence: list[int], progress=None) -> int:
+    def prepare(
+        self, sequence: list[int], progress=None, with_hidden: bool = False
+    ) -> tuple[int, mx.array | None]:
         """Fill the cache with all of `sequence` but its last token; reuse what matches.
 
-        Returns how many tokens were reused from the previous request.
+        Returns how many tokens were reused from the previous request and, with
+        `with_hidden`, the hidden states (m, d) of the m tokens fed now (drafter heads
+        read them: the last row predicted the pending token).
         """
+        rows: list[mx.array] = []
+
+        def feed(chunk: list[int]) -> mx.array:
+            hidden = self.decoder.hidden(mx.array([chunk]), self.cache)
+            rows.append(hidden[0])
+            return self.decoder.head(hidden[:, -1:])
+
         # Snapshot layers cannot be rewound past the last request: start over instead.
         allow_trim = not self.snapshot_layers
-        reused, _ = catch_up(self, sequence[:-1], allow_trim=allow_trim, progress=progress)
-        return reused
+        reused, _ = catch_up(
+            self,
+            sequence[:-1],
+            allow_trim=allow_trim,
+            progress=progress,
+            feed=feed if with_hidden else None,
+        )
+        hidden = mx.concatenate(rows) if rows else None
+        return reused, hidden
 
     def verify(self, tokens: list[int], with_hidden: bool = False) -> tuple[mx.array, Any]:
         """Forward over [pending] + drafts, remembering how to undo it."""

@@ -169,22 +169,28 @@ def test_record_is_truthful():
 
 
 class HiddenReader:
-    """Checks that the engine hands a drafter the hidden state that predicted the pending
-    token, computed in the same verify pass (no second forward)."""
+    """Checks that the engine hands a drafter the hidden states of exactly the tokens the
+    target cache took in since the last round, computed in the same pass (prefill or
+    verify: no second forward); the last row predicted the pending token."""
 
     needs_hidden = True
     cost_hint = 0.0
     name, k_max = "hidden-reader", 2
 
-    def __init__(self):
-        self.checked = 0
+    def __init__(self, prompt_len: int):
+        self.prompt_len, self.seen, self.checked = prompt_len, 0, 0
+
+    def observe(self, ctx):
+        self.seen = len(ctx.tokens) - 1
 
     def situation(self, ctx):
-        if ctx.hidden is None:
-            return None
-        predicted = mx.argmax(ctx.target.decoder.head(ctx.hidden)[-1]).item()
-        assert predicted == ctx.tokens[-1]
-        self.checked += 1
+        rows = 0 if ctx.hidden is None else ctx.hidden.shape[0]
+        assert rows == len(ctx.tokens) - 1 - self.seen  # nothing missing, nothing twice
+        self.seen = len(ctx.tokens) - 1
+        if len(ctx.tokens) > self.prompt_len:  # the pending token is the target's own
+            predicted = mx.argmax(ctx.target.decoder.head(ctx.hidden)[-1]).item()
+            assert predicted == ctx.tokens[-1]
+            self.checked += 1
         return Situation(self, "head")
 
     def propose(self, ctx, k):
@@ -193,10 +199,14 @@ class HiddenReader:
 
 def test_drafter_heads_receive_the_targets_hidden_state():
     engine = engine_with_lookup(seed=1)
-    reader = HiddenReader()
+    reader = HiddenReader(prompt_len=3)
     engine.add_proposer(reader)
     done = list(engine.stream([9, 8, 7], GenerationSettings(max_tokens=12, k=2), reader.name))[-1]
     assert reader.checked >= 3 and done.record.drafted > 0
+    reader.prompt_len = 20  # a second turn: only the new tokens' states arrive
+    follow = [9, 8, 7, *done.token_ids, 1, 2]
+    list(engine.stream(follow, GenerationSettings(max_tokens=5, k=2), reader.name))
+    assert reader.seen >= len(follow) - 1
 
 
 def test_policy_corrects_the_calibrated_cost_from_observed_rounds():

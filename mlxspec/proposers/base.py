@@ -27,7 +27,10 @@ class ProposalContext:
     scorer: TokenScorer
     rng: np.random.Generator
     target: Target
-    hidden: mx.array | None = None  # target hidden state that predicted the pending token
+    # Target hidden states (m, d) of the m tokens just before the pending one, i.e. those
+    # the target cache took in since the last round; the last row predicted the pending
+    # token. None for proposers that do not need them.
+    hidden: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class Proposer(Protocol):
     def situation(self, ctx: ProposalContext) -> Situation | None: ...
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft: ...
+
+    # Proposers with needs_hidden also have `observe(ctx)`: take in the hidden states of
+    # a round that `situation` did not see (the last one of a request).
 
 
 def draw(ctx: ProposalContext, logits: mx.array, history: list[int]) -> tuple[int, mx.array | None]:

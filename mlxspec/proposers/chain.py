@@ -23,13 +23,20 @@ class Chain:
             getattr(member, "reset", lambda: None)()
 
     def situation(self, ctx: ProposalContext) -> Situation | None:
+        """The first member's case that has one. Members that read the target's hidden
+        states are asked anyway: they must see every round's states to stay in sync."""
+        chosen = None
         for member in self.members:
-            found = member.situation(ctx)
-            if found is not None:
-                self._current = found.source
-                return found
-        self._current = None
-        return None
+            if chosen is None or member.needs_hidden:
+                found = member.situation(ctx)
+                chosen = chosen or found
+        self._current = chosen.source if chosen else None
+        return chosen
+
+    def observe(self, ctx: ProposalContext) -> None:
+        for member in self.members:
+            if member.needs_hidden:
+                member.observe(ctx)
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
         return self._current.propose(ctx, k) if self._current else Draft([])

@@ -1,0 +1,322 @@
+"""Training data for drafter heads: token sequences and the target's hidden states.
+
+The target is the teacher. Its final-normed hidden states are all a head needs: the
+teacher's distribution at position i is its LM head applied to h_i, so storing hidden
+states (fp16) instead of logits keeps the cache small. Sequences come from two
+sources that need no network:
+- `self-distill`: the target's own greedy answers to a built-in set of chat prompts
+  (generated in batches by mlx-lm's `batch_generate`), the distribution a chat drafter
+  faces;
+- `text`: documentation that ships with Python (pydoc's topics) and installed packages'
+  descriptions, teacher-forced (fast: prefill only).
+
+Data is written in shards as it is made and the manifest says what is done, so an
+interrupted run picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from mlxspec.anatomy import Decoder
+
+MANIFEST = "manifest.json"
+
+TOPICS = [
+    "photosynthesis",
+    "the French Revolution",
+    "black holes",
+    "compound interest",
+    "the water cycle",
+    "machine learning",
+    "the immune system",
+    "climate change",
+    "the Roman Empire",
+    "electric cars",
+    "sleep",
+    "volcanoes",
+    "the internet",
+    "vaccines",
+    "the stock market",
+    "recycling",
+    "the Moon landing",
+    "coffee",
+    "honey bees",
+    "renewable energy",
+    "the printing press",
+    "earthquakes",
+    "healthy eating",
+    "the Great Wall of China",
+    "Python lists",
+    "public speaking",
+    "time management",
+    "the human heart",
+    "rainbows",
+    "ancient Egypt",
+    "learning a new language",
+    "gardening",
+    "the Olympic Games",
+    "inflation",
+    "plate tectonics",
+    "the solar system",
+    "dinosaurs",
+    "democracy",
+    "music theory",
+    "chess",
+    "bread baking",
+    "the theory of evolution",
+    "cybersecurity",
+    "bicycles",
+    "the ocean",
+    "friendship",
+    "job interviews",
+    "meditation",
+    "the Renaissance",
+    "electricity",
+    "tea",
+    "penguins",
+    "budgeting",
+    "rain forests",
+    "airplanes",
+    "the periodic table",
+    "World War II",
+    "running a marathon",
+    "social media",
+    "the brain",
+    "databases",
+    "cloud computing",
+    "Shakespeare",
+    "mountains",
+]
+TEMPLATES = [
+    "Explain {t} in simple terms.",
+    "What are three interesting facts about {t}?",
+    "Write a short paragraph about {t}.",
+    "Why is {t} important?",
+    "Give me some tips related to {t}.",
+    "Describe the history of {t} briefly.",
+    "What is {t}? Answer in two sentences.",
+    "Write a short story that involves {t}.",
+    "What are the pros and cons of {t}?",
+    "How would you teach a child about {t}?",
+]
+
+
+def chat_prompts(held_out: bool = False) -> list[str]:
+    """The built-in prompt set; every 8th topic is held out to measure acceptance."""
+    topics = [t for i, t in enumerate(TOPICS) if (i % 8 == 7) == held_out]
+    prompts = [template.format(t=topic) for topic in topics for template in TEMPLATES]
+    random.Random(0).shuffle(prompts)
+    return prompts
+
+
+def offline_texts() -> Iterator[str]:
+    """English prose that installs with Python and its packages."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions strip pydoc_data
+        topics = {}
+    for name in sorted(topics):
+        yield topics[name]
+    for dist in sorted(metadata.distributions(), key=lambda d: d.metadata.get("Name") or ""):
+        body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else ""
+        if body and len(body) > 500:
+            yield body
+
+
+def text_sequences(tokenizer, length: int, limit_tokens: int) -> list[list[int]]:
+    """`offline_texts` cut into token windows of `length`, up to `limit_tokens` in all."""
+    out, total = [], 0
+    for text in offline_texts():
+        ids = tokenizer.encode(text)
+        for start in range(0, len(ids) - length // 4, length):
+            out.append(ids[start : start + length])
+            total += len(out[-1])
+            if total >= limit_tokens:
+                return out
+    return out
+
+
+def teacher_hidden(
+    decoder: Decoder, sequences: list[list[int]], batch: int = 8
+) -> list[np.ndarray]:
+    """The target's final-normed hidden states of each sequence (teacher-forced)."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))  # little padding
+    found: dict[int, np.ndarray] = {}
+    for start in range(0, len(order), batch):
+        group = order[start : start + batch]
+        width = max(len(sequences[i]) for i in group)
+        padded = [sequences[i] + [0] * (width - len(sequences[i])) for i in group]  # right pad:
+        hidden = decoder.hidden(mx.array(padded), [None] * len(decoder.layers))  # causal, so
+        hidden = np.asarray(hidden.astype(mx.float16))  # pads never reach real positions
+        for row, i in enumerate(group):
+            found[i] = hidden[row, : len(sequences[i])]
+    return [found[i] for i in range(len(sequences))]
+
+
+@dataclass
+class Shard:
+    tokens: np.ndarray  # (N,) int32, sequences back to back
+    hidden: np.ndarray  # (N, d) float16
+    offsets: np.ndarray  # (S + 1,) where each sequence starts; the last is N
+    prompt_lengths: np.ndarray  # (S,) tokens of each sequence that were prompt (not answer)
+
+    def sequences(self) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+        for s in range(len(self.offsets) - 1):
+            a, b = self.offsets[s], self.offsets[s + 1]
+            yield self.tokens[a:b], self.hidden[a:b], int(self.prompt_lengths[s])
+
+
+class DataStore:
+    """A folder of shards plus a manifest of what each source has done so far."""
+
+    def __init__(self, directory: Path, target: str, hidden_size: int):
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / MANIFEST
+        self.manifest = json.loads(path.read_text()) if path.is_file() else {}
+        if self.manifest and (
+            self.manifest.get("target") != target or self.manifest.get("hidden_size") != hidden_size
+        ):
+            raise ValueError(
+                f"{directory} holds data for '{self.manifest.get('target')}', not '{target}'; "
+                "pass another --data-dir"
+            )
+        self.manifest.update(target=target, hidden_size=hidden_size)
+        self.manifest.setdefault("shards", [])
+        self.manifest.setdefault("done", {})
+
+    def done(self, source: str) -> int:
+        return self.manifest["done"].get(source, 0)
+
+    def add(
+        self,
+        source: str,
+        sequences: list[list[int]],
+        hidden: list[np.ndarray],
+        prompt_lengths: list[int],
+        units: int,
+    ) -> None:
+        """Write one shard, then record `units` more of `source` as done (atomically)."""
+        name = f"{source}-{len(self.manifest['shards']):05d}.npz"
+        lengths = [len(s) for s in sequences]
+        np.savez(
+            self.directory / name,
+            tokens=np.concatenate([np.asarray(s, np.int32) for s in sequences]),
+            hidden=np.concatenate(hidden).astype(np.float16),
+            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            prompt_lengths=np.asarray(prompt_lengths, np.int32),
+        )
+        self.manifest["shards"].append(
+            {"file": name, "source": source, "tokens": int(sum(lengths))}
+        )
+        self.manifest["done"][source] = self.done(source) + units
+        tmp = self.directory / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(self.manifest, indent=1))
+        tmp.replace(self.directory / MANIFEST)
+
+    def tokens(self, source: str | None = None) -> int:
+        return sum(s["tokens"] for s in self.manifest["shards"] if source in (None, s["source"]))
+
+    def shards(self, source: str | None = None) -> list[Shard]:
+        out = []
+        for entry in self.manifest["shards"]:
+            if source in (None, entry["source"]):
+                with np.load(self.directory / entry["file"]) as f:
+                    out.append(Shard(f["tokens"], f["hidden"], f["offsets"], f["prompt_lengths"]))
+        return out
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A user turn through the chat template (plain text for models without one)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(prompt)
+    message = [{"role": "user", "content": prompt}]
+    return list(tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True))
+
+
+def self_distill(
+    model,
+    tokenizer,
+    decoder: Decoder,
+    store: DataStore,
+    prompts: list[str],
+    source: str = "self-distill",
+    max_tokens: int = 192,
+    batch: int = 32,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> None:
+    """The target's greedy answers to `prompts`, with its hidden states, into `store`."""
+    from mlx_lm.generate import batch_generate
+
+    for start in range(store.done(source), len(prompts), batch):
+        group = prompts[start : start + batch]
+        encoded = [encode_prompt(tokenizer, p) for p in group]
+        answers = batch_generate(
+            model, tokenizer, encoded, max_tokens=max_tokens, return_token_ids=True
+        ).token_ids
+        eos = tokenizer.eos_token_ids
+        sequences = [
+            p + a + [next(iter(eos))] if len(a) < max_tokens else p + a
+            for p, a in zip(encoded, answers)
+        ]
+        store.add(
+            source,
+            sequences,
+            teacher_hidden(decoder, sequences),
+            [len(p) for p in encoded],
+            len(group),
+        )
+        progress(min(start + batch, len(prompts)), len(prompts))
+
+
+def add_text(
+    decoder: Decoder,
+    tokenizer,
+    store: DataStore,
+    limit_tokens: int,
+    length: int = 256,
+    per_shard: int = 64,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> None:
+    """Teacher-forced windows of offline text into `store`, up to `limit_tokens`."""
+    windows = text_sequences(tokenizer, length, limit_tokens)
+    for start in range(store.done("text"), len(windows), per_shard):
+        group = windows[start : start + per_shard]
+        store.add("text", group, teacher_hidden(decoder, group), [0] * len(group), len(group))
+        progress(min(start + per_shard, len(windows)), len(windows))
+
+
+def add_file(
+    decoder: Decoder,
+    tokenizer,
+    store: DataStore,
+    path: Path,
+    length: int = 256,
+    per_shard: int = 64,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> None:
+    """The user's own text (a plain text file, or JSONL with a "text" field per line),
+    teacher-forced in windows of `length` tokens."""
+    raw = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        texts = [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
+    else:
+        texts = [raw]
+    windows = [
+        ids[start : start + length]
+        for ids in (tokenizer.encode(text) for text in texts)
+        for start in range(0, max(len(ids) - 2, 1), length)
+    ]
+    for start in range(store.done("file"), len(windows), per_shard):
+        group = windows[start : start + per_shard]
+        store.add("file", group, teacher_hidden(decoder, group), [0] * len(group), len(group))
+        progress(min(start + per_shard, len(windows)), len(windows))

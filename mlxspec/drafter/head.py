@@ -1,0 +1,191 @@
+"""A drafter head: one transformer layer that reads the target's hidden state.
+
+EAGLE/MTP style. Input at position i: the target's (final-normed) hidden state h_i and
+the embedding of the next token x_{i+1}; output g_i, a guess of h_{i+1}, from which the
+target's own LM head rows give the draft distribution of x_{i+2}. Drafting further
+feeds g back in place of h. The block is a layer of the target's own family (built by
+mlx-lm's class), so its KV cache is an ordinary mlx-lm cache.
+
+One module covers our trained heads and the published layouts (see `formats.py`):
+EAGLE-1 (fc with bias over [embedding, hidden], block without input norm), MTP
+(RMSNorm on each input, fc without bias, a final norm, its own LM head; MiMo puts the
+hidden state first) — switches in `HeadSpec`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxspec.anatomy import Decoder
+
+HEAD_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"
+# Hub files of our heads and of published ones (EAGLE ships PyTorch .bin files).
+HEAD_PATTERNS = ["*.json", "*.safetensors", "*.bin"]
+FORMAT = "mlxspec-head-1"
+
+
+class HeadError(ValueError):
+    """A head that cannot be loaded or does not fit the target: one line for the user."""
+
+
+@dataclass
+class HeadSpec:
+    hidden_size: int
+    vocab_size: int  # the target's
+    target: str = ""  # the models.toml name or reference it was made for
+    fc_bias: bool = True
+    input_norms: bool = False  # MTP: RMSNorm on the embedding and on the hidden state
+    block_input_norm: bool = True  # EAGLE-1 drops the block's input_layernorm
+    final_norm: bool = False  # MTP: a norm before the LM head
+    own_lm_head: bool = False  # EAGLE-3/MTP checkpoints may ship their own LM head rows
+    embedding_first: bool = True  # fc input order: [embedding, hidden] (MiMo: reversed)
+    norm_eps: float = 1e-5
+    source_format: str = FORMAT
+    record: dict[str, Any] = field(default_factory=dict)  # how it was trained
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, **asdict(self)}
+
+
+def family_block(model: nn.Module) -> nn.Module:
+    """A fresh layer of the target's family, built by mlx-lm's own class."""
+    last = model.layers[-1]
+    args = getattr(model, "args", None)
+    if args is None:
+        raise HeadError(
+            f"model type '{getattr(model, 'model_type', '?')}' has no args to build a layer"
+        )
+    try:
+        return type(last)(args)
+    except TypeError:  # families whose layers take their index (gemma3, lfm2)
+        return type(last)(args, len(model.layers) - 1)
+
+
+def lm_rows(decoder: Decoder, vocab: mx.array) -> mx.array:
+    """The target LM head's rows for `vocab` ids, as a float matrix (n, d).
+
+    Gathering rows of a quantized matrix and dequantizing just those keeps a
+    reduced-vocabulary head cheap on Metal, where the target stays quantized.
+    """
+    head = decoder.head
+    module = getattr(head, "__self__", head)  # embed.as_linear (tied) or lm_head
+    weight = module.weight
+    if "scales" in module:
+        return mx.dequantize(
+            weight[vocab],
+            module.scales[vocab],
+            module.get("biases")[vocab] if "biases" in module else None,
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=getattr(module, "mode", "affine"),
+        ).astype(mx.float32)
+    return weight[vocab].astype(mx.float32)
+
+
+class DraftHead(nn.Module):
+    def __init__(self, spec: HeadSpec, block: nn.Module, vocab: mx.array):
+        super().__init__()
+        d = spec.hidden_size
+        self.spec = spec
+        self.fc = nn.Linear(2 * d, d, bias=spec.fc_bias)
+        if spec.input_norms:
+            self.enorm = nn.RMSNorm(d, eps=spec.norm_eps)
+            self.hnorm = nn.RMSNorm(d, eps=spec.norm_eps)
+        self.block = block
+        if not spec.block_input_norm:
+            self.block.input_layernorm = nn.Identity()
+        if spec.final_norm:
+            self.norm = nn.RMSNorm(d, eps=spec.norm_eps)
+        if spec.own_lm_head:
+            self.lm_head = nn.Linear(d, int(vocab.size), bias=False)
+        self._vocab = vocab  # draft-vocabulary ids in the target's vocabulary (not trained)
+
+    @property
+    def vocab(self) -> mx.array:
+        return self._vocab
+
+    def __call__(self, hidden: mx.array, embeds: mx.array, mask: Any = None, cache=None):
+        """g (B, L, d) from hidden states h (B, L, d) and next-token embeddings (B, L, d)."""
+        if self.spec.input_norms:
+            embeds, hidden = self.enorm(embeds), self.hnorm(hidden)
+        parts = [embeds, hidden] if self.spec.embedding_first else [hidden, embeds]
+        x = self.fc(mx.concatenate(parts, axis=-1))
+        return self.block(x, mask, cache)
+
+    def logits(self, g: mx.array, rows: mx.array) -> mx.array:
+        """Draft logits over the draft vocabulary; `rows` are the target LM head's rows."""
+        if self.spec.final_norm:
+            g = self.norm(g)
+        if self.spec.own_lm_head:
+            return self.lm_head(g)
+        return g @ rows.T
+
+
+def save_head(head: DraftHead, directory: Path, dtype=mx.float16) -> None:
+    """head.safetensors (weights in `dtype`, plus the vocabulary ids) and head.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(head.parameters())}
+    weights["vocab"] = head.vocab.astype(mx.int32)
+    tmp = directory / f".{WEIGHTS_FILE}.tmp.safetensors"
+    mx.save_safetensors(str(tmp), weights)
+    tmp.replace(directory / WEIGHTS_FILE)
+    (directory / HEAD_FILE).write_text(json.dumps(head.spec.to_json(), indent=2) + "\n")
+
+
+def build_head(spec: HeadSpec, model: nn.Module, vocab: mx.array) -> DraftHead:
+    """A head for `model` with fresh weights: the block starts as a copy of the target's
+    last layer where the shapes allow (a far better start than random)."""
+    head = DraftHead(spec, family_block(model), vocab)
+    last = dict(tree_flatten(model.layers[-1].parameters()))
+    mine = dict(tree_flatten(head.block.parameters()))
+    same = [(k, last[k]) for k, v in mine.items() if k in last and last[k].shape == v.shape]
+    if len(same) == len(mine) and all(
+        v.dtype in (mx.float32, mx.float16, mx.bfloat16) for _, v in same
+    ):
+        head.block.load_weights([(k, v.astype(mx.float32)) for k, v in same], strict=False)
+    return head
+
+
+def load_head(directory: Path, model: nn.Module, decoder: Decoder) -> DraftHead:
+    """A head saved by `save_head` (or converted from a published format) for `model`."""
+    spec_file, weights_file = directory / HEAD_FILE, directory / WEIGHTS_FILE
+    if not spec_file.is_file() or not weights_file.is_file():
+        from mlxspec.drafter.formats import convert_published  # a published checkpoint?
+
+        return convert_published(directory, model, decoder)
+    try:
+        raw = json.loads(spec_file.read_text())
+        if raw.pop("format", None) != FORMAT:
+            raise HeadError(f"{spec_file} is not an mlxspec head ({FORMAT})")
+        spec = HeadSpec(**raw)
+        weights = mx.load(str(weights_file))
+    except (OSError, ValueError, TypeError) as err:
+        raise HeadError(f"cannot read the head in {directory}: {err}") from None
+    check_fits(spec, decoder, directory)
+    vocab = weights.pop("vocab").astype(mx.int32)
+    head = DraftHead(spec, family_block(model), vocab)
+    try:
+        head.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=True)
+    except ValueError as err:
+        raise HeadError(
+            f"the head in {directory} does not match this target's layers: {err}"
+        ) from None
+    return head
+
+
+def check_fits(spec: HeadSpec, decoder: Decoder, where: Path) -> None:
+    d = decoder.norm.weight.shape[0]
+    vocab = decoder.embed.weight.shape[0]
+    if spec.hidden_size != d or spec.vocab_size != vocab:
+        raise HeadError(
+            f"the head in {where} was made for a model of width {spec.hidden_size} and "
+            f"vocabulary {spec.vocab_size}; this target has {d} and {vocab}"
+            + (f" (it was trained for '{spec.target}')" if spec.target else "")
+        )

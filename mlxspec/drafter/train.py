@@ -1,0 +1,248 @@
+"""Training a drafter head on cached teacher data (see `data.py`).
+
+Loss per position i (the head sees h_i and x_{i+1}, and guesses h_{i+1}):
+KL(teacher || head) over the draft vocabulary, where the teacher's logits are the
+target's LM head rows applied to h_{i+1}, plus a small smooth-L1 pull of g_i towards
+h_{i+1} (EAGLE's feature loss), which is what lets later draft steps feed g back in.
+
+The budget is wall-clock minutes; the learning rate follows a cosine over it. A
+checkpoint (weights, optimizer state, progress) is written every few minutes and a run
+with the same output folder resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxspec.anatomy import Decoder
+from mlxspec.drafter.data import Shard
+from mlxspec.drafter.head import DraftHead, lm_rows
+
+CHECKPOINT = "checkpoint"
+
+
+@dataclass
+class TrainSettings:
+    budget_minutes: float = 30.0
+    batch: int = 8
+    window: int = 256
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50
+    feature_weight: float = 0.1  # smooth-L1 on g vs the next hidden state
+    eval_every_seconds: float = 120.0
+    checkpoint_every_seconds: float = 300.0
+    seed: int = 0
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    seconds: float = 0.0
+    positions: int = 0
+    curve: list[dict] = field(default_factory=list)  # held-out acceptance over time
+
+
+def choose_vocab(shards: list[Shard], size: int, vocab_size: int, always: set[int]) -> mx.array:
+    """The `size` ids the target itself emits most (answers count, prompts do not), plus
+    `always` (end-of-text): as EAGLE-3 / FR-Spec do, a small draft vocabulary covers
+    nearly every token a chat answer uses."""
+    counts: Counter[int] = Counter()
+    for shard in shards:
+        for tokens, _, prompt_length in shard.sequences():
+            counts.update(tokens[max(prompt_length, 1) :].tolist())
+    chosen = [t for t in always if t < vocab_size]
+    for token, _ in counts.most_common():
+        if len(chosen) >= min(size, vocab_size):
+            break
+        if token not in always:
+            chosen.append(token)
+    for token in range(vocab_size):  # too little data: fill up with the lowest ids
+        if len(chosen) >= min(size, vocab_size):
+            break
+        if token not in counts and token not in always:
+            chosen.append(token)
+    return mx.array(sorted(chosen), dtype=mx.int32)
+
+
+def coverage(shards: list[Shard], vocab: mx.array) -> float:
+    """Share of answer tokens that are in the draft vocabulary."""
+    inside, total = 0, 0
+    chosen = set(np.asarray(vocab).tolist())
+    for shard in shards:
+        for tokens, _, prompt_length in shard.sequences():
+            answer = tokens[max(prompt_length, 1) :].tolist()
+            inside += sum(t in chosen for t in answer)
+            total += len(answer)
+    return inside / max(total, 1)
+
+
+class Batches:
+    """Random windows of the training sequences, as fixed-shape arrays."""
+
+    def __init__(self, shards: list[Shard], window: int, batch: int, seed: int):
+        self.items = [(t, h) for s in shards for t, h, _ in s.sequences() if len(t) >= 3]
+        if not self.items:
+            raise ValueError("no training sequences; make data first")
+        self.lengths = np.array([len(t) for t, _ in self.items], dtype=np.float64)
+        self.window, self.batch = window, batch
+        self.rng = np.random.default_rng(seed)
+
+    def next(self) -> tuple[mx.array, mx.array, mx.array]:
+        """tokens (B, W), hidden (B, W, d) float32, mask (B, W) of real positions."""
+        picks = self.rng.choice(len(self.items), self.batch, p=self.lengths / self.lengths.sum())
+        d = self.items[0][1].shape[-1]
+        tokens = np.zeros((self.batch, self.window), np.int32)
+        hidden = np.zeros((self.batch, self.window, d), np.float16)
+        mask = np.zeros((self.batch, self.window), np.float32)
+        for row, i in enumerate(picks):
+            t, h = self.items[i]
+            start = int(self.rng.integers(0, max(1, len(t) - self.window + 1)))
+            n = min(self.window, len(t) - start)
+            tokens[row, :n], hidden[row, :n], mask[row, :n] = (
+                t[start : start + n],
+                h[start : start + n],
+                1,
+            )
+        return mx.array(tokens), mx.array(hidden).astype(mx.float32), mx.array(mask)
+
+
+def make_loss(head: DraftHead, decoder: Decoder, rows: mx.array, feature_weight: float):
+    def loss_fn(model: DraftHead, tokens, hidden, mask):
+        h_in, h_next = hidden[:, :-2], hidden[:, 1:-1]
+        embeds = decoder.embed(tokens[:, 1:-1])
+        valid = mask[:, 2:]  # the token the head predicts must exist
+        g = model(h_in, embeds, "causal")
+        student = nn.log_softmax(model.logits(g, rows), axis=-1)
+        teacher = mx.stop_gradient(nn.log_softmax(h_next @ rows.T, axis=-1))
+        kl = (mx.exp(teacher) * (teacher - student)).sum(-1)
+        feature = nn.losses.smooth_l1_loss(g, mx.stop_gradient(h_next), reduction="none").mean(-1)
+        per_position = kl + feature_weight * feature
+        return (per_position * valid).sum() / mx.maximum(valid.sum(), 1)
+
+    return loss_fn
+
+
+def agreement(
+    head: DraftHead, decoder: Decoder, rows: mx.array, shards: list[Shard], limit: int = 64
+) -> dict:
+    """Held-out first-draft acceptance under greedy decoding: how often the head's
+    argmax equals the target's argmax, on answer tokens only."""
+    hits = total = 0
+    for shard in shards:
+        for tokens, hidden, prompt_length in shard.sequences():
+            if total >= limit * 150 or len(tokens) < 3:
+                continue
+            h = mx.array(hidden[None]).astype(mx.float32)
+            g = head(h[:, :-2], decoder.embed(mx.array(tokens[None, 1:-1])), "causal")
+            guess = head.vocab[mx.argmax(head.logits(g, rows), axis=-1)]
+            target_logits = decoder.head(h[:, 1:-1])  # the target's real choice, full vocabulary
+            truth = mx.argmax(target_logits, axis=-1)
+            start = max(prompt_length - 1, 0)  # positions predicting answer tokens
+            same = np.asarray(guess == truth)[0, start:]
+            hits += int(same.sum())
+            total += len(same)
+    return {"first_token_acceptance": round(hits / max(total, 1), 4), "positions": total}
+
+
+def train(
+    head: DraftHead,
+    decoder: Decoder,
+    train_shards: list[Shard],
+    eval_shards: list[Shard],
+    out: Path,
+    settings: TrainSettings,
+    report: Callable[[Progress, dict | None], None] = lambda progress, metrics: None,
+) -> Progress:
+    """Train `head` in place for the budget; resumes from `out/checkpoint` if present."""
+    rows = lm_rows(decoder, head.vocab)
+    mx.eval(rows)
+    budget = settings.budget_minutes * 60
+    schedule = _Schedule(settings, budget)
+    optimizer = optim.AdamW(learning_rate=settings.learning_rate, weight_decay=0.0)
+    progress = _resume(head, optimizer, out / CHECKPOINT)
+    batches = Batches(train_shards, settings.window, settings.batch, settings.seed + progress.step)
+    loss_and_grad = nn.value_and_grad(head, make_loss(head, decoder, rows, settings.feature_weight))
+
+    def step(tokens, hidden, mask):
+        loss, grads = loss_and_grad(head, tokens, hidden, mask)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(head, grads)
+        return loss
+
+    last_eval = last_checkpoint = time.perf_counter()
+    if not progress.curve:
+        progress.curve.append(
+            {"step": 0, "seconds": 0.0, **agreement(head, decoder, rows, eval_shards)}
+        )
+        report(progress, progress.curve[-1])
+    began, done_before = time.perf_counter(), progress.seconds
+    losses: list[float] = []
+    while progress.seconds < budget:
+        optimizer.learning_rate = schedule(progress.step, progress.seconds)
+        tokens, hidden, mask = batches.next()
+        loss = step(tokens, hidden, mask)
+        mx.eval(loss, head.parameters(), optimizer.state)
+        losses.append(loss.item())
+        progress.step += 1
+        progress.positions += int(mask[:, 2:].sum().item())
+        progress.seconds = done_before + time.perf_counter() - began
+        now = time.perf_counter()
+        metrics = None
+        if now - last_eval >= settings.eval_every_seconds or progress.seconds >= budget:
+            metrics = {
+                "step": progress.step,
+                "seconds": round(progress.seconds, 1),
+                "loss": round(float(np.mean(losses[-50:])), 4),
+                **agreement(head, decoder, rows, eval_shards),
+            }
+            progress.curve.append(metrics)
+            last_eval = time.perf_counter()
+        report(progress, metrics)
+        if now - last_checkpoint >= settings.checkpoint_every_seconds:
+            _save_checkpoint(head, optimizer, progress, out / CHECKPOINT)
+            last_checkpoint = time.perf_counter()
+    _save_checkpoint(head, optimizer, progress, out / CHECKPOINT)
+    return progress
+
+
+class _Schedule:
+    """Linear warm-up, then a cosine over the wall-clock budget down to 10%."""
+
+    def __init__(self, settings: TrainSettings, budget: float):
+        self.settings, self.budget = settings, budget
+
+    def __call__(self, step: int, seconds: float) -> float:
+        warm = min(1.0, (step + 1) / self.settings.warmup_steps)
+        done = min(1.0, seconds / self.budget)
+        return self.settings.learning_rate * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+
+
+def _save_checkpoint(head: DraftHead, optimizer, progress: Progress, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "weights.safetensors"), dict(tree_flatten(head.parameters())))
+    state = dict(tree_flatten(optimizer.state))
+    mx.save_safetensors(str(folder / "optimizer.safetensors"), state)
+    tmp = folder / ".progress.json.tmp"
+    tmp.write_text(json.dumps(progress.__dict__))
+    tmp.replace(folder / "progress.json")
+
+
+def _resume(head: DraftHead, optimizer, folder: Path) -> Progress:
+    if not (folder / "progress.json").is_file():
+        return Progress()
+    head.load_weights(list(mx.load(str(folder / "weights.safetensors")).items()))
+    optimizer.init(head.trainable_parameters())
+    optimizer.state = tree_unflatten(list(mx.load(str(folder / "optimizer.safetensors")).items()))
+    return Progress(**json.loads((folder / "progress.json").read_text()))

@@ -1,0 +1,282 @@
+"""Drafter heads: training on a tiny random target, lossless drafting, saving, loading
+published layouts, and registering the result."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from lossless import assert_lossless, plain_greedy
+from mlx.utils import tree_flatten
+from tiny_models import VOCAB, byte_tokenizer, tiny_model
+
+from mlxspec.anatomy import split_decoder
+from mlxspec.drafter.data import DataStore, teacher_hidden
+from mlxspec.drafter.formats import convert_published
+from mlxspec.drafter.head import HeadError, HeadSpec, build_head, lm_rows, load_head, save_head
+from mlxspec.drafter.train import Batches, TrainSettings, choose_vocab, make_loss, train
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.proposers import Chain, PromptLookup
+from mlxspec.proposers.head import HeadProposer
+from mlxspec.sampling import SamplingSettings
+
+EOS = VOCAB - 1
+
+
+def target_sequences(model, n: int, seed: int, length: int = 48) -> list[list[int]]:
+    """Random prompts continued by the target's own greedy choices (self-distillation)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [rng.randrange(256) for _ in range(rng.randrange(4, 12))]
+        out.append(prompt + plain_greedy(model, prompt, length, {EOS}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny llama target and a head trained on it for a few seconds, with its record."""
+    model = tiny_model("llama", seed=3)
+    decoder = split_decoder(model)
+    store = DataStore(tmp_path_factory.mktemp("data"), "tiny", 64)
+    train_seqs, held_seqs = target_sequences(model, 32, seed=0), target_sequences(model, 6, seed=1)
+    store.add("self-distill", train_seqs, teacher_hidden(decoder, train_seqs), [8] * 32, 32)
+    store.add("held-out", held_seqs, teacher_hidden(decoder, held_seqs), [8] * 6, 6)
+    vocab = choose_vocab(store.shards("self-distill"), 200, VOCAB, {EOS})
+    head = build_head(HeadSpec(hidden_size=64, vocab_size=VOCAB), model, vocab)
+    settings = TrainSettings(
+        budget_minutes=0.25, batch=8, window=48, learning_rate=3e-3, warmup_steps=10
+    )
+    loss = make_loss(head, decoder, lm_rows(decoder, vocab), settings.feature_weight)
+    batch = Batches(store.shards("held-out"), 48, 6, seed=0).next()
+    before = loss(head, *batch).item()
+    out = tmp_path_factory.mktemp("head")
+    progress = train(
+        head, decoder, store.shards("self-distill"), store.shards("held-out"), out, settings
+    )
+    after = loss(head, *batch).item()
+    return model, head, progress, (before, after), out
+
+
+def test_training_lowers_the_loss_and_raises_held_out_acceptance(trained):
+    _, _, progress, (before, after), _ = trained
+    start, end = progress.curve[0], progress.curve[-1]
+    print(f"held-out loss {before:.3f} -> {after:.3f}; acceptance {start} -> {end}")
+    assert after < 0.5 * before
+    assert end["first_token_acceptance"] > start["first_token_acceptance"] + 0.1
+    assert progress.step > 20 and progress.positions > 1000
+
+
+def test_draft_vocabulary_is_the_targets_most_used_tokens():
+    model = tiny_model("llama", seed=3)
+    decoder = split_decoder(model)
+    store = DataStore.__new__(DataStore)  # only the shard reader is needed
+    seqs = target_sequences(model, 8, seed=2)
+    from mlxspec.drafter.data import Shard
+
+    hidden = teacher_hidden(decoder, seqs)
+    lengths = [len(s) for s in seqs]
+    shard = Shard(
+        np.concatenate([np.array(s) for s in seqs]),
+        np.concatenate(hidden),
+        np.concatenate([[0], np.cumsum(lengths)]),
+        np.array([4] * len(seqs)),
+    )
+    del store
+    vocab = choose_vocab([shard], 10, VOCAB, {EOS})
+    answers = [t for s in seqs for t in s[4:]]
+    most = {t for t, _ in __import__("collections").Counter(answers).most_common(9)}
+    assert EOS in vocab.tolist() and len(vocab.tolist()) == 10
+    assert most <= set(vocab.tolist())
+
+
+def lossless_check(model, proposer, prompts, max_tokens=40, **settings):
+    engine = Engine(model, byte_tokenizer(), "tiny", [proposer])
+    for prompt in prompts:
+        events = list(
+            engine.stream(prompt, GenerationSettings(max_tokens=max_tokens, **settings), "head")
+        )
+        got = list(events[-1].token_ids)
+        reference = plain_greedy(model, prompt, max_tokens, {EOS})
+        assert_lossless(model, prompt, reference, got, f"head on {prompt[:4]}")
+    return engine, events[-1].record
+
+
+def test_trained_head_drafts_losslessly_and_gets_accepted(trained):
+    model, head, *_ = trained
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    proposer = HeadProposer(head, engine.target, k_max=6)
+    prompts = [s[:10] for s in target_sequences(model, 6, seed=9, length=0)]
+    _, record = lossless_check(model, proposer, prompts)
+    assert record.drafted > 0 and record.accepted > 0
+    print(f"acceptance {record.accepted}/{record.drafted}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_untrained_head_is_lossless_with_many_rejections(family):
+    model = tiny_model(family, seed=5)
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    head = build_head(HeadSpec(hidden_size=64, vocab_size=VOCAB), model, mx.arange(VOCAB))
+    proposer = HeadProposer(head, engine.target, k_max=4)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (1, 5, 17)]
+    lossless_check(model, proposer, prompts, k=3)  # a fixed k: it drafts every round
+
+
+def test_head_follows_a_growing_conversation_and_a_chain(trained):
+    """Second turn reuses the target's cache (only new hidden states arrive); a chain
+    keeps the head fed while lookup drafts."""
+    model, head, *_ = trained
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    proposer = HeadProposer(head, engine.target, k_max=4)
+    chain = Chain([PromptLookup("lookup", 3, 1, 4), proposer], name="head")
+    engine.add_proposer(chain)
+    first = [5, 6, 7, 8, 9, 5, 6, 7]
+    out1 = list(engine.stream(first, GenerationSettings(max_tokens=20, k=3), "head"))[-1]
+    second = first + list(out1.token_ids) + [10, 11, 12]
+    out2 = list(engine.stream(second, GenerationSettings(max_tokens=30, k=3), "head"))[-1]
+    assert out2.record.reused_prompt_tokens > len(first)
+    reference = plain_greedy(model, second, 30, {EOS})
+    assert_lossless(model, second, reference, list(out2.token_ids), "second turn")
+    assert proposer.base == 0  # no gap: the head kept every hidden state
+
+
+def test_sampling_with_a_head_gives_full_width_draft_probabilities(trained):
+    model, head, *_ = trained
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    engine.add_proposer(HeadProposer(head, engine.target, k_max=4))
+    settings = GenerationSettings(
+        max_tokens=30, k=3, sampling=SamplingSettings(temperature=0.8, seed=1)
+    )
+    done = list(engine.stream([1, 2, 3, 4], settings, "head"))[-1]
+    assert done.record.drafted > 0 and len(done.token_ids) > 0
+
+
+def test_saved_head_loads_back_in_fp16(trained, tmp_path):
+    model, head, *_ = trained
+    save_head(head, tmp_path)
+    assert (tmp_path / "head.safetensors").stat().st_size < 200_000
+    decoder = split_decoder(model)
+    loaded = load_head(tmp_path, model, decoder)
+    assert loaded.vocab.tolist() == head.vocab.tolist()
+    h, e = mx.random.normal((1, 5, 64)), mx.random.normal((1, 5, 64))
+    assert mx.allclose(loaded(h, e, "causal"), head(h, e, "causal"), atol=2e-2)
+
+
+def test_a_head_for_another_target_is_refused(trained, tmp_path):
+    _, head, *_ = trained
+    save_head(head, tmp_path)
+    other = tiny_model("llama", seed=3)
+    other_decoder = split_decoder(other)
+    spec = (tmp_path / "head.json").read_text().replace('"hidden_size": 64', '"hidden_size": 96')
+    (tmp_path / "head.json").write_text(spec)
+    with pytest.raises(HeadError, match="width 96"):
+        load_head(tmp_path, other, other_decoder)
+    with pytest.raises(HeadError, match="no drafter head"):
+        load_head(tmp_path / "missing", other, other_decoder)
+
+
+# --- Published layouts, written as random checkpoints in their own names ---------------
+
+
+def block_weights(model, prefix: str, skip_input_norm: bool = False) -> dict[str, mx.array]:
+    fresh = {k: mx.random.normal(v.shape) for k, v in tree_flatten(model.layers[0].parameters())}
+    if skip_input_norm:
+        fresh.pop("input_layernorm.weight")
+    return {prefix + k: v for k, v in fresh.items()}
+
+
+def rms(x, w, eps=1e-5):
+    return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+LAYOUTS = {
+    "eagle-1": lambda m: {
+        "fc.weight": mx.random.normal((64, 128)),
+        "fc.bias": mx.random.normal((64,)),
+        "embed_tokens.weight": mx.zeros((VOCAB, 64)),  # EAGLE ships a copy: ignored
+        **block_weights(m, "layers.0.", skip_input_norm=True),
+    },
+    "deepseek-mtp": lambda m: {
+        "model.layers.3.eh_proj.weight": mx.random.normal((64, 128)),
+        "model.layers.3.enorm.weight": mx.random.normal((64,)),
+        "model.layers.3.hnorm.weight": mx.random.normal((64,)),
+        "model.layers.3.shared_head.norm.weight": mx.random.normal((64,)),
+        "model.layers.3.shared_head.head.weight": mx.random.normal((VOCAB, 64)),
+        "model.layers.0.mlp.up_proj.weight": mx.zeros((128, 64)),  # the target's own: ignored
+        **block_weights(m, "model.layers.3."),
+    },
+    "mimo-mtp": lambda m: {
+        "model.mtp_layers.0.input_proj.weight": mx.random.normal((64, 128)),
+        "model.mtp_layers.0.token_layernorm.weight": mx.random.normal((64,)),
+        "model.mtp_layers.0.hidden_layernorm.weight": mx.random.normal((64,)),
+        "model.mtp_layers.0.final_layernorm.weight": mx.random.normal((64,)),
+        **block_weights(m, "model.mtp_layers.0."),
+    },
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_published_layouts_map_into_the_head(layout, tmp_path):
+    model = tiny_model("llama", seed=1)
+    decoder = split_decoder(model)
+    mx.random.seed(7)
+    weights = LAYOUTS[layout](model)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    head = convert_published(tmp_path, model, decoder)
+    assert head.spec.source_format == layout
+
+    # Every block weight landed where it belongs.
+    mine = dict(tree_flatten(head.block.parameters()))
+    theirs = {k.split(".", 3 if layout != "eagle-1" else 2)[-1]: v for k, v in weights.items()}
+    for key, value in mine.items():
+        assert mx.array_equal(value, theirs[key]), key
+    if layout == "eagle-1":
+        assert "input_layernorm" not in mine and "input_layernorm.weight" not in mine
+
+    # The fusion in front of the block, written out by hand from the raw weights.
+    h, e = mx.random.normal((1, 3, 64)), mx.random.normal((1, 3, 64))
+    if layout == "eagle-1":
+        fused = mx.concatenate([e, h], -1) @ weights["fc.weight"].T + weights["fc.bias"]
+    else:
+        p = "model.layers.3." if layout == "deepseek-mtp" else "model.mtp_layers.0."
+        names = (
+            ("enorm", "hnorm", "eh_proj")
+            if layout == "deepseek-mtp"
+            else ("token_layernorm", "hidden_layernorm", "input_proj")
+        )
+        e_n, h_n = (
+            rms(e, weights[f"{p}{names[0]}.weight"]),
+            rms(h, weights[f"{p}{names[1]}.weight"]),
+        )
+        parts = [e_n, h_n] if layout == "deepseek-mtp" else [h_n, e_n]
+        fused = mx.concatenate(parts, -1) @ weights[f"{p}{names[2]}.weight"].T
+    expected = head.block(fused, "causal")
+    assert mx.allclose(head(h, e, "causal"), expected, atol=1e-4)
+
+    # Draft logits: MTP normalises and may use its own LM head; EAGLE-1 the target's.
+    g = head(h, e, "causal")
+    rows = lm_rows(decoder, head.vocab)
+    if layout == "deepseek-mtp":
+        ref = (
+            rms(g, weights["model.layers.3.shared_head.norm.weight"])
+            @ weights["model.layers.3.shared_head.head.weight"].T
+        )
+    elif layout == "mimo-mtp":
+        ref = rms(g, weights["model.mtp_layers.0.final_layernorm.weight"]) @ rows.T
+    else:
+        ref = g @ rows.T
+    assert mx.allclose(head.logits(g, rows), ref, atol=1e-3)
+
+
+def test_eagle3_and_unknown_checkpoints_get_a_clear_refusal(tmp_path):
+    model = tiny_model("llama", seed=1)
+    decoder = split_decoder(model)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"midlayer.fc": mx.zeros((2,))})
+    with pytest.raises(HeadError, match="EAGLE-3"):
+        convert_published(tmp_path, model, decoder)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"something.else": mx.zeros((2,))})
+    with pytest.raises(HeadError, match="no drafter head"):
+        convert_published(tmp_path, model, decoder)
