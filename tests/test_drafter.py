@@ -3,6 +3,7 @@ published layouts, and registering the result."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import mlx.core as mx
@@ -280,3 +281,45 @@ def test_eagle3_and_unknown_checkpoints_get_a_clear_refusal(tmp_path):
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"something.else": mx.zeros((2,))})
     with pytest.raises(HeadError, match="no drafter head"):
         convert_published(tmp_path, model, decoder)
+
+
+def test_train_drafter_command_trains_registers_and_generates(tmp_path, monkeypatch):
+    """One command from nothing to a registered head that `generate` drafts with."""
+    from click.testing import CliRunner
+    from test_loading import save_tiny_llama
+
+    from mlxspec.cli import main
+
+    save_tiny_llama(tmp_path / "tiny")
+    models = tmp_path / "models.toml"
+    models.write_text(f'[models.tiny]\ntarget = "{tmp_path / "tiny"}"\n')
+    monkeypatch.setenv("MLXSPEC_MODELS", str(models))
+    out = tmp_path / "head"
+    args = ["--model", "tiny", "--out", str(out), "--budget", "0.1", "--prompts", "8"]
+    result = CliRunner().invoke(main, ["train-drafter", *args, "--text-tokens", "600"])
+    assert result.exit_code == 0, result.output
+    assert "registered as proposer 'head'" in result.output
+    record = json.loads((out / "head.json").read_text())["record"]
+    assert record["data"]["self_distill_tokens"] > 0 and record["data"]["text_tokens"] >= 600
+    assert record["steps"] > 0 and len(record["curve"]) >= 2
+
+    def generate(proposer):
+        args = ["generate", "hello there", "-m", "tiny", "-p", proposer, "-n", "24", "--json"]
+        result = CliRunner().invoke(main, [*args, "--k", "3"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    spec, plain = generate("head"), generate("none")
+    assert spec["record"]["proposer"] == "head" and spec["record"]["drafted"] > 0
+    assert spec["token_ids"] == plain["token_ids"]
+
+
+def test_train_drafter_refuses_bad_input_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from mlxspec.cli import main
+
+    args = ["train-drafter", "--out", str(tmp_path / "h"), "--no-self-distill"]
+    result = CliRunner().invoke(main, [*args, "--text-tokens", "0"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert result.output.count("Error:") == 1 and "no training data" in result.output

@@ -12,6 +12,7 @@ from mlxspec.registry import (
     RegistryError,
     load_registry,
     parse_registry_text,
+    register_proposer,
 )
 
 ENTRY = '[models.foo]\ntarget = "owner/name"\n'
@@ -77,6 +78,37 @@ def test_user_file_from_env_extends_overrides_and_sets_default(tmp_path, monkeyp
     assert (replaced.target, replaced.source) == ("me/smol", user)
     assert replaced.proposer_names == ["prompt-lookup", "none"]
     assert registry.get("qwen3-8b").source == SHIPPED_FILE
+
+
+def test_user_entry_without_target_extends_the_shipped_one(isolated_config, tmp_path):
+    write(
+        isolated_config,
+        "[models.smollm2-135m.defaults]\nmax_tokens = 99\n"
+        '[models.smollm2-135m.proposers.mine]\nkind = "head"\npath = "./heads/mine"\n',
+    )
+    shipped = parse_registry_text(SHIPPED_FILE.read_text(), SHIPPED_FILE)[0]["smollm2-135m"]
+    extended = load_registry().get("smollm2-135m")
+    assert extended.target == shipped.target and extended.description == shipped.description
+    assert extended.proposer_names == [*shipped.proposers, "mine", "none"]
+    assert extended.proposer("mine").options["path"] == str(isolated_config.parent / "heads/mine")
+    assert extended.defaults.max_tokens == 99
+    assert extended.defaults.context == shipped.defaults.context
+    with pytest.raises(RegistryError, match="missing target"):  # a new name needs a target
+        parse_registry_text("[models.newname.defaults]\nmax_tokens = 3\n", tmp_path / "x.toml")
+
+
+def test_register_proposer_adds_then_replaces_its_table(isolated_config):
+    write(isolated_config, '# my models\n[models.tiny]\ntarget = "me/tiny"\n')
+    register_proposer("smollm2-135m", "head", {"kind": "head", "path": "/a"}, "first")
+    register_proposer("smollm2-135m", "head", {"kind": "head", "path": "/b"}, "second")
+    text = isolated_config.read_text()
+    assert text.startswith("# my models") and text.count("proposers.head]") == 1
+    registry = load_registry()
+    assert registry.get("smollm2-135m").proposer("head").options["path"] == "/b"
+    assert registry.get("tiny").target == "me/tiny"
+    with pytest.raises(RegistryError):  # an invalid result is refused, the file kept
+        register_proposer("smollm2-135m", "head", {"kind": "head"}, "broken")
+    assert isolated_config.read_text() == text
 
 
 def test_user_file_from_xdg_config_dir(isolated_config):
