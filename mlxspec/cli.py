@@ -442,3 +442,133 @@ def bench(
         raise click.ClickException(str(err)) from None
     if written:
         say(f"wrote {', '.join(map(str, written))}")
+
+
+@main.command("train-drafter")
+@click.option("--model", "-m", help="Entry in models.toml whose target the head drafts for.")
+@click.option(
+    "--kind",
+    type=click.Choice(["head"]),
+    default="head",
+    show_default=True,
+    help="head: one transformer layer reading the target's hidden state (EAGLE/MTP style).",
+)
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder for the head (and its checkpoint: rerun to resume).",
+)
+@click.option(
+    "--budget",
+    type=click.FloatRange(min=0.05),
+    default=30.0,
+    show_default=True,
+    help="Training minutes (data making comes on top, once).",
+)
+@click.option(
+    "--data",
+    "extra_text",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help='Your own text to train on too: .txt, or .jsonl with a "text" field.',
+)
+@click.option(
+    "--self-distill/--no-self-distill",
+    default=True,
+    show_default=True,
+    help="Train on the target's own answers to a built-in prompt set.",
+)
+@click.option(
+    "--prompts",
+    type=click.IntRange(min=1),
+    help="Use only the first N built-in prompts (default: all 560; for a quick trial).",
+)
+@click.option(
+    "--text-tokens",
+    type=click.IntRange(min=0),
+    default=100_000,
+    show_default=True,
+    help="Tokens of offline documentation (Python's, installed packages') to add.",
+)
+@click.option(
+    "--vocab",
+    type=click.IntRange(min=16),
+    default=8192,
+    show_default=True,
+    help="Draft vocabulary: the target's most used tokens.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where the teacher data is cached (default: OUT/data).",
+)
+@click.option(
+    "--register/--no-register",
+    default=True,
+    show_default=True,
+    help="Add the head to your models.toml as a proposer of MODEL.",
+)
+@click.option(
+    "--name",
+    "proposer_name",
+    default="head",
+    show_default=True,
+    help="Proposer name to register it under.",
+)
+@fail_cleanly
+def train_drafter(
+    model,
+    kind,
+    out,
+    budget,
+    extra_text,
+    self_distill,
+    prompts,
+    text_tokens,
+    vocab,
+    data_dir,
+    register,
+    proposer_name,
+):
+    """Train a drafter head for a model, on this machine, and register it.
+
+    \b
+    Example:
+      mlxspec train-drafter --model smollm2-135m --budget 30 --out ~/heads/smollm2
+      mlxspec chat --model smollm2-135m --proposer head
+    """
+    from mlxspec.drafter.command import DrafterJob
+    from mlxspec.drafter.command import train_drafter as run_job
+    from mlxspec.drafter.head import HeadError
+    from mlxspec.drafter.train import TrainSettings
+    from mlxspec.loading import load_model
+
+    entry = load_registry().get(model)
+    if not self_distill and not text_tokens and extra_text is None:
+        raise click.ClickException(
+            "no training data: keep --self-distill, or give --text-tokens or --data"
+        )
+    say(f"loading {entry.name} ({entry.target})")
+    loaded = load_model(entry.target)
+    job = DrafterJob(
+        out=out,
+        data_dir=data_dir or out / "data",
+        self_distill=self_distill,
+        prompts=prompts,
+        text_tokens=text_tokens,
+        extra_text=extra_text,
+        vocab=vocab,
+        train=TrainSettings(budget_minutes=budget),
+        register=register,
+        proposer_name=proposer_name,
+    )
+    try:
+        record = run_job(entry, loaded, job, say)
+    except (HeadError, ValueError, OSError) as err:
+        raise click.ClickException(str(err)) from None
+    first, last = (record["curve"][i]["first_token_acceptance"] for i in (0, -1))
+    say(
+        f"saved {out}: held-out first-token acceptance {first} -> {last} "
+        f"after {record['train_seconds']:.0f} s of training"
+    )
