@@ -222,9 +222,7 @@ class Engine:
             if needs_hidden:  # rows of the tokens the cache just kept
                 hidden = hidden_rows[: n_accepted + 1]
             if draft_tokens:
-                record.drafted += len(draft_tokens)
-                record.accepted += n_accepted
-                record.verify_steps += 1
+                record.count_round(len(draft_tokens), n_accepted)
                 policy.update(situation, len(draft_tokens), n_accepted, draft_seconds)
             new_tokens = [*draft_tokens[:n_accepted], own_token]
             kinds = ["accepted"] * n_accepted + [

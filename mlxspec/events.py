@@ -65,6 +65,9 @@ class RunRecord:
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0
+    # Per draft position j (0 = first): rounds that drafted it, rounds that kept it.
+    drafted_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
     time_to_first_token: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # after the first round (which prefill and TTFT cover)
@@ -104,10 +107,25 @@ class RunRecord:
             return 0.0
         return decoded / self.decode_seconds
 
+    def count_round(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_steps += 1
+        for counts, n in (
+            (self.drafted_by_position, drafted),
+            (self.accepted_by_position, accepted),
+        ):
+            counts.extend([0] * (drafted - len(counts)))
+            for j in range(n):
+                counts[j] += 1
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["acceptance_rate"] = round(self.acceptance_rate, 4)
         data["mean_accepted_length"] = round(self.mean_accepted_length, 4)
+        data["acceptance_by_position"] = [  # P(kept | drafted) at each position
+            round(a / d, 4) for a, d in zip(self.accepted_by_position, self.drafted_by_position)
+        ]
         data["tokens_per_second"] = round(self.tokens_per_second, 3)
         data["collective_seconds_per_round"] = round(
             self.collective_seconds / self.collective_rounds if self.collective_rounds else 0.0, 6

@@ -163,6 +163,10 @@ def test_record_is_truthful():
     assert record["speculative"] is True and record["proposer"] == "prompt-lookup"
     assert record["lossless"] is True and record["k_policy"] == "adaptive"
     assert record["acceptance_rate"] == round(record["accepted"] / max(record["drafted"], 1), 4)
+    assert sum(record["accepted_by_position"]) == record["accepted"]
+    assert sum(record["drafted_by_position"]) == record["drafted"]
+    assert record["drafted_by_position"][0] == record["verify_steps"]
+    assert all(0 <= p <= 1 for p in record["acceptance_by_position"])
     assert record["device"]["device"] in ("cpu", "metal", "cuda")
     plain = list(engine.stream([1, 2, 3], GenerationSettings(max_tokens=5)))[-1].record
     assert plain.speculative is False and plain.drafted == 0 and plain.k_policy == "off"
