@@ -184,9 +184,8 @@ class Engine:
         while finished is None:
             # 1. Draft.
             ctx = ProposalContext(sequence, scorer, rng, self.target, hidden)
-            situation = proposer.situation(ctx) if proposer else None
-            limit = min(max_tokens - len(produced) - 1, proposer.k_max if proposer else 0)
-            k = policy.choose(situation, limit)
+            left = max_tokens - len(produced) - 1
+            situation, k = policy.choose_among(candidates(proposer, ctx), left)
             draft_start = time.perf_counter()
             draft = situation.source.propose(ctx, k) if k else None
             draft_tokens = draft.tokens[:k] if draft else []
@@ -266,6 +265,17 @@ class Engine:
         record.completion_tokens = len(emitted)
         record.decode_seconds = time.perf_counter() - first_token_at
         yield Done(record, text.text, tuple(emitted))
+
+
+def candidates(proposer: Proposer | None, ctx: ProposalContext) -> list:
+    """The situations this round could draft in: a chain offers each member's, and the
+    policy picks the one with the best expected speed."""
+    if proposer is None:
+        return []
+    if hasattr(proposer, "situations"):
+        return proposer.situations(ctx)
+    found = proposer.situation(ctx)
+    return [found] if found is not None else []
 
 
 def _match_width(probs: mx.array | None, width: int) -> np.ndarray | None:

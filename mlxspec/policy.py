@@ -151,10 +151,33 @@ class Policy:
 
     def choose(self, situation: Situation | None, limit: int) -> int:
         """Draft length for this round; `limit` caps it (tokens left, proposer's k_max)."""
-        if situation is None or limit <= 0:
-            return 0
+        return self.choose_among([situation] if situation else [], limit)[1]
+
+    def choose_among(self, situations: list[Situation], limit: int) -> tuple[Situation | None, int]:
+        """The situation (of several proposers) and draft length with the best expected
+        tokens per second; `limit` caps k (tokens left), as does each source's k_max.
+        With a fixed k, the first situation drafts (a plain fallback chain)."""
+        if not situations or limit <= 0:
+            return (situations[0] if situations else None), 0
         if self.fixed_k is not None:
-            return min(self.fixed_k, limit)
+            return situations[0], min(
+                self.fixed_k, limit, getattr(situations[0].source, "k_max", limit)
+            )
+        plans = [self._plan(s, min(limit, getattr(s.source, "k_max", limit))) for s in situations]
+        best = max(range(len(plans)), key=lambda i: plans[i][1])
+        situation, (k, _) = situations[best], plans[best]
+        if k == 0:  # keep probing now and then, or a bad start would stick forever
+            situation = situations[0]
+            key = self._key(situation)
+            idle = self._idle_rounds.get(key, 0) + 1
+            self._idle_rounds[key] = idle
+            if idle >= self.explore_every:
+                self._idle_rounds[key] = 0
+                return situation, 1
+        return situation, k
+
+    def _plan(self, situation: Situation, limit: int) -> tuple[int, float]:
+        """(best k, its expected speed relative to plain decoding) for one situation."""
         key = self._key(situation)
         rate = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
         per_draft = self.draft_cost.get(situation.source.name, situation.source.cost_hint)
@@ -163,13 +186,7 @@ class Policy:
             speed = expected_tokens(rate, k) / (self.verify_cost(k + 1) + k * per_draft)
             if speed > best_speed:
                 best_k, best_speed = k, speed
-        if best_k == 0:  # keep probing now and then, or a bad start would stick forever
-            idle = self._idle_rounds.get(key, 0) + 1
-            self._idle_rounds[key] = idle
-            if idle >= self.explore_every:
-                self._idle_rounds[key] = 0
-                return 1
-        return best_k
+        return best_k, best_speed
 
     def update(
         self, situation: Situation, drafted: int, accepted: int, draft_seconds: float

@@ -69,6 +69,24 @@ class Named:
         self.name, self.cost_hint = name, cost_hint
 
 
+def test_a_chain_drafts_with_the_member_expected_to_be_fastest():
+    """A weak lookup match must not shut out a head that is usually right, nor the
+    head a long verbatim match."""
+    policy = Policy(CPU_LIKE_COST)
+    weak = Situation(Named("lookup"), "match>=2", prior=0.5)
+    head = Situation(Named("head", cost_hint=0.06), "head", prior=0.5)
+    for _ in range(20):
+        policy.update(weak, 4, 0, 0.0)
+        policy.update(head, 3, 2, 0.0)
+    chosen, k = policy.choose_among([weak, head], 32)
+    assert chosen is head and k >= 1
+    strong = Situation(Named("lookup"), "match>=16", prior=0.95)
+    chosen, k = policy.choose_among([strong, head], 32)
+    assert chosen is strong and k > 4
+    fixed = Policy(CPU_LIKE_COST, fixed_k=3)
+    assert fixed.choose_among([weak, head], 32) == (weak, 3)  # fixed k: first member
+
+
 def test_policy_drafts_long_when_acceptance_is_high_and_not_at_all_when_low():
     policy = Policy(CPU_LIKE_COST)
     good, bad = Situation(Named("copying"), "match>=16"), Situation(Named("chatting"), "match>=2")

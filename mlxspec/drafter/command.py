@@ -37,15 +37,16 @@ class DrafterJob:
 
 
 def _bar(description: str) -> Callable[[int, int], None]:
-    bar: dict[str, tqdm] = {}
+    """A progress callback (done, total) drawing a tqdm bar; the bar starts at the first
+    report, at what an earlier run already did, so its rate counts only this run."""
+    bar: list[tqdm] = []
 
     def update(done: int, total: int) -> None:
-        if "bar" not in bar:
-            bar["bar"] = tqdm(total=total, desc=description, unit="seq", leave=True)
-        bar["bar"].n = done
-        bar["bar"].refresh()
+        if not bar:
+            bar.append(tqdm(total=total, initial=done, desc=description, unit="seq"))
+        bar[0].update(done - bar[0].n)
         if done >= total:
-            bar["bar"].close()
+            bar[0].close()
 
     return update
 

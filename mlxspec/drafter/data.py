@@ -257,6 +257,7 @@ def self_distill(
     """The target's greedy answers to `prompts`, with its hidden states, into `store`."""
     from mlx_lm.generate import batch_generate
 
+    progress(store.done(source), len(prompts))
     for start in range(store.done(source), len(prompts), batch):
         group = prompts[start : start + batch]
         encoded = [encode_prompt(tokenizer, p) for p in group]
@@ -289,6 +290,7 @@ def add_text(
 ) -> None:
     """Teacher-forced windows of offline text into `store`, up to `limit_tokens`."""
     windows = text_sequences(tokenizer, length, limit_tokens)
+    progress(store.done("text"), len(windows))
     for start in range(store.done("text"), len(windows), per_shard):
         group = windows[start : start + per_shard]
         store.add("text", group, teacher_hidden(decoder, group), [0] * len(group), len(group))
@@ -316,6 +318,7 @@ def add_file(
         for ids in (tokenizer.encode(text) for text in texts)
         for start in range(0, max(len(ids) - 2, 1), length)
     ]
+    progress(store.done("file"), len(windows))
     for start in range(store.done("file"), len(windows), per_shard):
         group = windows[start : start + per_shard]
         store.add("file", group, teacher_hidden(decoder, group), [0] * len(group), len(group))

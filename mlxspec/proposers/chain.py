@@ -33,6 +33,12 @@ class Chain:
         self._current = chosen.source if chosen else None
         return chosen
 
+    def situations(self, ctx: ProposalContext) -> list[Situation]:
+        """Every member's situation this round (the engine's policy picks among them by
+        expected speed, so a weak lookup match does not shut out a good head)."""
+        found = [member.situation(ctx) for member in self.members]
+        return [s for s in found if s is not None]
+
     def observe(self, ctx: ProposalContext) -> None:
         for member in self.members:
             if member.needs_hidden:
