@@ -120,6 +120,10 @@ def test_outcome_names_the_rank_that_died_not_those_stopped_after_it():
     assert outcome.message(["mac1", "mac2", "mac3"]) == (
         "rank 1 on mac2 was killed before the answer was complete; every rank stopped"
     )
+    # Rank 0 may notice the lost peer before mlx.launch stops it: the cause still wins.
+    outcome.read("Error: lost the connection to another rank ([ring] ...); every rank stopped\n")
+    outcome.read("\x1b[33m[WARN] Node with rank 2 exited with code 1 \x1b[0m\n")
+    assert outcome.message([]).startswith("rank 1 was killed")
 
 
 # --- Real ranks on tiny models ------------------------------------------------------------------

@@ -26,6 +26,7 @@ MARKER = re.compile(r"\x1emlxspec-rank-exit (-?\d+) (-?\d+)")
 NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was (killed))")
 # MLX's own per-socket chatter when a peer goes away; the summary line says it better.
 NOISE = re.compile(r"^(\x1b\[\d+m)?\s*(\[ring\]|\[jaccl\]|\[mpi\]|\[WARN\]|\[INFO\]|\x1b\[0m)")
+LOST = "lost the connection to another rank"
 LAUNCH = "from mlx._distributed_utils.launch import main; main()"
 
 
@@ -140,13 +141,16 @@ class Outcome:
         return 0 if ok else 1
 
     def message(self, hosts: list[str]) -> str:
-        """The one line that says why the run failed, rank 0's own words first."""
-        front = [e for e in self.errors if not e.startswith("rank ")]
-        if front or self.errors:
-            return (front or self.errors)[0]
+        """The one line that says why the run failed: a rank's own words first, then the
+        rank whose death cut the others off (not their "connection lost" echo of it)."""
+        lost = [e for e in self.errors if LOST in e]
+        said = [e for e in self.errors if LOST not in e]
+        front = [e for e in said if not e.startswith("rank ")]
+        if said:
+            return (front or said)[0]
         for rank, code in self.node_exits:
-            if code == "-15":
-                continue  # stopped by mlx.launch after another rank failed
+            if code in ("-15", "1") and lost:
+                continue  # stopped by mlx.launch, or gave up after another rank failed
             where = f" on {hosts[rank]}" if rank < len(hosts) else ""
             if code == "255" and hosts:
                 return f"could not reach rank {rank}'s host{where} over ssh; every rank stopped"
@@ -154,6 +158,8 @@ class Outcome:
             if code.startswith("-") and code != "-9":
                 how = f"died from signal {code[1:]}"
             return f"rank {rank}{where} {how} before the answer was complete; every rank stopped"
+        if lost:
+            return lost[0]
         missing = sorted(set(range(self.size)) - set(self.codes))
         return f"rank(s) {', '.join(map(str, missing))} ended without reporting; every rank stopped"
 

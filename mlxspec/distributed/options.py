@@ -14,6 +14,7 @@ import click
 
 from mlxspec.distributed.config import BACKENDS, PARALLEL_MODES, RankConfig
 from mlxspec.distributed.errors import DistributedError
+from mlxspec.distributed.launch import LOST
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -137,7 +138,7 @@ def _run_rank(config, func, args, kwargs) -> None:
 def _explain(err: Exception) -> str:
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if "[ring]" in text or "[jaccl]" in text or "connection" in text:
-        return f"lost the connection to another rank ({text}); every rank stopped"
+        return f"{LOST} ({text}); every rank stopped"
     return text
 
 
