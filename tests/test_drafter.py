@@ -46,9 +46,10 @@ def trained(tmp_path_factory):
     store.add("self-distill", train_seqs, teacher_hidden(decoder, train_seqs), [8] * 32, 32)
     store.add("held-out", held_seqs, teacher_hidden(decoder, held_seqs), [8] * 6, 6)
     vocab = choose_vocab(store.shards("self-distill"), 200, VOCAB, {EOS})
-    head = build_head(HeadSpec(hidden_size=64, vocab_size=VOCAB), model, vocab)
+    spec = HeadSpec(hidden_size=64, vocab_size=VOCAB, final_norm=True, feed_normed=True)
+    head = build_head(spec, model, vocab)  # as `mlxspec train-drafter` makes them
     settings = TrainSettings(
-        budget_minutes=0.25, batch=8, window=48, learning_rate=3e-3, warmup_steps=10
+        budget_minutes=5, max_steps=300, batch=8, window=48, learning_rate=3e-3, warmup_steps=10
     )
     loss = make_loss(head, decoder, lm_rows(decoder, vocab), settings.feature_weight)
     batch = Batches(store.shards("held-out"), 48, 6, seed=0).next()
@@ -67,7 +68,7 @@ def test_training_lowers_the_loss_and_raises_held_out_acceptance(trained):
     print(f"held-out loss {before:.3f} -> {after:.3f}; acceptance {start} -> {end}")
     assert after < 0.5 * before
     assert end["first_token_acceptance"] > start["first_token_acceptance"] + 0.1
-    assert progress.step > 20 and progress.positions > 1000
+    assert progress.step == 300 and progress.positions > 1000
 
 
 def test_draft_vocabulary_is_the_targets_most_used_tokens():
@@ -95,6 +96,7 @@ def test_draft_vocabulary_is_the_targets_most_used_tokens():
 
 def lossless_check(model, proposer, prompts, max_tokens=40, **settings):
     engine = Engine(model, byte_tokenizer(), "tiny", [proposer])
+    drafted = accepted = 0
     for prompt in prompts:
         events = list(
             engine.stream(prompt, GenerationSettings(max_tokens=max_tokens, **settings), "head")
@@ -102,7 +104,9 @@ def lossless_check(model, proposer, prompts, max_tokens=40, **settings):
         got = list(events[-1].token_ids)
         reference = plain_greedy(model, prompt, max_tokens, {EOS})
         assert_lossless(model, prompt, reference, got, f"head on {prompt[:4]}")
-    return engine, events[-1].record
+        drafted += events[-1].record.drafted
+        accepted += events[-1].record.accepted
+    return drafted, accepted
 
 
 def test_trained_head_drafts_losslessly_and_gets_accepted(trained):
@@ -110,9 +114,9 @@ def test_trained_head_drafts_losslessly_and_gets_accepted(trained):
     engine = Engine(model, byte_tokenizer(), "tiny")
     proposer = HeadProposer(head, engine.target, k_max=6)
     prompts = [s[:10] for s in target_sequences(model, 6, seed=9, length=0)]
-    _, record = lossless_check(model, proposer, prompts)
-    assert record.drafted > 0 and record.accepted > 0
-    print(f"acceptance {record.accepted}/{record.drafted}")
+    drafted, accepted = lossless_check(model, proposer, prompts, k=3)
+    print(f"acceptance {accepted}/{drafted}")
+    assert accepted > 0.03 * drafted  # measured 0.05; an untrained head: ~1/257
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

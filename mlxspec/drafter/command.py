@@ -104,7 +104,11 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
     vocab_size = decoder.embed.weight.shape[0]
     vocab = choose_vocab(answers, job.vocab, vocab_size, set(loaded.tokenizer.eos_token_ids))
     spec = HeadSpec(
-        hidden_size=decoder.norm.weight.shape[0], vocab_size=vocab_size, target=entry.target
+        hidden_size=decoder.norm.weight.shape[0],
+        vocab_size=vocab_size,
+        target=entry.target,
+        final_norm=True,
+        feed_normed=True,
     )
     head = build_head(spec, loaded.model, vocab)
     resume = job.out / CHECKPOINT

@@ -46,6 +46,7 @@ class HeadSpec:
     final_norm: bool = False  # MTP: a norm before the LM head
     own_lm_head: bool = False  # EAGLE-3/MTP checkpoints may ship their own LM head rows
     embedding_first: bool = True  # fc input order: [embedding, hidden] (MiMo: reversed)
+    feed_normed: bool = False  # later draft steps read norm(g) instead of g (our heads)
     norm_eps: float = 1e-5
     source_format: str = FORMAT
     record: dict[str, Any] = field(default_factory=dict)  # how it was trained
@@ -119,10 +120,17 @@ class DraftHead(nn.Module):
         x = self.fc(mx.concatenate(parts, axis=-1))
         return self.block(x, mask, cache)
 
+    def features(self, g: mx.array) -> mx.array:
+        """What the LM head reads: g, through the final norm where the head has one."""
+        return self.norm(g) if self.spec.final_norm else g
+
+    def feedback(self, g: mx.array) -> mx.array:
+        """What the next draft step reads in place of the target's hidden state."""
+        return self.features(g) if self.spec.feed_normed else g
+
     def logits(self, g: mx.array, rows: mx.array) -> mx.array:
         """Draft logits over the draft vocabulary; `rows` are the target LM head's rows."""
-        if self.spec.final_norm:
-            g = self.norm(g)
+        g = self.features(g)
         if self.spec.own_lm_head:
             return self.lm_head(g)
         return g @ rows.T
@@ -141,8 +149,13 @@ def save_head(head: DraftHead, directory: Path, dtype=mx.float16) -> None:
 
 def build_head(spec: HeadSpec, model: nn.Module, vocab: mx.array) -> DraftHead:
     """A head for `model` with fresh weights: the block starts as a copy of the target's
-    last layer where the shapes allow (a far better start than random)."""
+    last layer where the shapes allow (a far better start than random). That layer's
+    output is on the residual stream's scale (large), so our heads have a final norm."""
     head = DraftHead(spec, family_block(model), vocab)
+    if spec.final_norm:  # the target's own final norm: g starts on the target's scale
+        norm = getattr(getattr(model, "model", None), "norm", None)
+        if norm is not None and "weight" in norm:
+            head.norm.weight = mx.array(norm.weight).astype(mx.float32)
     last = dict(tree_flatten(model.layers[-1].parameters()))
     mine = dict(tree_flatten(head.block.parameters()))
     same = [(k, last[k]) for k, v in mine.items() if k in last and last[k].shape == v.shape]

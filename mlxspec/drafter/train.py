@@ -2,8 +2,9 @@
 
 Loss per position i (the head sees h_i and x_{i+1}, and guesses h_{i+1}):
 KL(teacher || head) over the draft vocabulary, where the teacher's logits are the
-target's LM head rows applied to h_{i+1}, plus a small smooth-L1 pull of g_i towards
-h_{i+1} (EAGLE's feature loss), which is what lets later draft steps feed g back in.
+target's LM head rows applied to h_{i+1}, plus a small smooth-L1 pull of the head's
+features towards h_{i+1} (EAGLE's feature loss), which is what lets later draft steps
+feed them back in place of the target's hidden state.
 
 The budget is wall-clock minutes; the learning rate follows a cosine over it. A
 checkpoint (weights, optimizer state, progress) is written every few minutes and a run
@@ -44,6 +45,7 @@ class TrainSettings:
     eval_every_seconds: float = 120.0
     checkpoint_every_seconds: float = 300.0
     seed: int = 0
+    max_steps: int | None = None  # stop after this many steps too (tests: reproducible)
 
 
 @dataclass
@@ -127,7 +129,9 @@ def make_loss(head: DraftHead, decoder: Decoder, rows: mx.array, feature_weight:
         student = nn.log_softmax(model.logits(g, rows), axis=-1)
         teacher = mx.stop_gradient(nn.log_softmax(h_next @ rows.T, axis=-1))
         kl = (mx.exp(teacher) * (teacher - student)).sum(-1)
-        feature = nn.losses.smooth_l1_loss(g, mx.stop_gradient(h_next), reduction="none").mean(-1)
+        feature = nn.losses.smooth_l1_loss(
+            model.features(g), mx.stop_gradient(h_next), reduction="none"
+        ).mean(-1)
         per_position = kl + feature_weight * feature
         return (per_position * valid).sum() / mx.maximum(valid.sum(), 1)
 
@@ -189,7 +193,12 @@ def train(
         report(progress, progress.curve[-1])
     began, done_before = time.perf_counter(), progress.seconds
     losses: list[float] = []
-    while progress.seconds < budget:
+
+    def finished() -> bool:
+        steps_done = settings.max_steps is not None and progress.step >= settings.max_steps
+        return steps_done or progress.seconds >= budget
+
+    while not finished():
         optimizer.learning_rate = schedule(progress.step, progress.seconds)
         tokens, hidden, mask = batches.next()
         loss = step(tokens, hidden, mask)
@@ -200,7 +209,7 @@ def train(
         progress.seconds = done_before + time.perf_counter() - began
         now = time.perf_counter()
         metrics = None
-        if now - last_eval >= settings.eval_every_seconds or progress.seconds >= budget:
+        if now - last_eval >= settings.eval_every_seconds or finished():
             metrics = {
                 "step": progress.step,
                 "seconds": round(progress.seconds, 1),

@@ -118,7 +118,8 @@ class HeadProposer:
             rows.append(probs)
             history.append(token)
             if i + 1 < k:
-                g = self.head(g, self.decoder.embed(mx.array([[token]])), None, self.cache)
+                embed = self.decoder.embed(mx.array([[token]]))
+                g = self.head(self.head.feedback(g), embed, None, self.cache)
         if k > 1:
             self.cache.trim(k - 1)  # the draft entries were made from guesses, not the target
         probs = None if ctx.scorer.settings.greedy else mx.concatenate(rows, axis=0)
