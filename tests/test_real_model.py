@@ -33,6 +33,8 @@ def runtime(smollm2):
         ("self-spec", 3),
         ("draft-model", 3),
         ("auto", None),
+        ("head", 4),
+        ("head", None),
     ],
 )
 def test_every_proposer_is_lossless_on_smollm2(runtime, smollm2, proposer, k):
@@ -63,3 +65,16 @@ def test_copying_prompt_accepts_most_lookup_drafts(runtime):
     )[-1]
     assert "kiwis" in done.text
     assert done.record.acceptance_rate > 0.5, done.record.to_dict()
+
+
+def test_shipped_head_is_accepted_on_open_chat(runtime):
+    """The packaged head was trained on the target's own answers; on a question it never
+    saw (where lookup finds nothing to copy) some first drafts are right. Measured 0.11
+    here (a head that does not fit the target: ~0; the shipped head is weak, see README)."""
+    engine = runtime.engine
+    name = runtime.proposer("head")
+    messages = [{"role": "user", "content": "Why do cats purr? Answer in a short paragraph."}]
+    done = list(engine.stream(messages, GenerationSettings(max_tokens=MAX_TOKENS, k=3), name))[-1]
+    record = done.record.to_dict()
+    print(record["acceptance_by_position"], record["acceptance_rate"])
+    assert record["acceptance_by_position"][0] > 0.05, record
