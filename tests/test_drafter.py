@@ -300,11 +300,15 @@ def test_train_drafter_command_trains_registers_and_generates(tmp_path, monkeypa
     monkeypatch.setenv("MLXSPEC_MODELS", str(models))
     out = tmp_path / "head"
     args = ["--model", "tiny", "--out", str(out), "--budget", "0.1", "--prompts", "8"]
-    result = CliRunner().invoke(main, ["train-drafter", *args, "--text-tokens", "600"])
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"text": "my own notes about tiny models"}\n{"text": "and more"}\n')
+    args += ["--text-tokens", "600", "--data", str(mine)]
+    result = CliRunner().invoke(main, ["train-drafter", *args])
     assert result.exit_code == 0, result.output
     assert "registered as proposer 'head'" in result.output
     record = json.loads((out / "head.json").read_text())["record"]
     assert record["data"]["self_distill_tokens"] > 0 and record["data"]["text_tokens"] >= 600
+    assert record["data"]["file_tokens"] == len("my own notes about tiny models") + len("and more")
     assert record["steps"] > 0 and len(record["curve"]) >= 2
 
     def generate(proposer):

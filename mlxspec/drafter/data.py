@@ -290,11 +290,7 @@ def add_text(
 ) -> None:
     """Teacher-forced windows of offline text into `store`, up to `limit_tokens`."""
     windows = text_sequences(tokenizer, length, limit_tokens)
-    progress(store.done("text"), len(windows))
-    for start in range(store.done("text"), len(windows), per_shard):
-        group = windows[start : start + per_shard]
-        store.add("text", group, teacher_hidden(decoder, group), [0] * len(group), len(group))
-        progress(min(start + per_shard, len(windows)), len(windows))
+    _add_windows(decoder, store, "text", windows, per_shard, progress)
 
 
 def add_file(
@@ -318,8 +314,20 @@ def add_file(
         for ids in (tokenizer.encode(text) for text in texts)
         for start in range(0, max(len(ids) - 2, 1), length)
     ]
-    progress(store.done("file"), len(windows))
-    for start in range(store.done("file"), len(windows), per_shard):
+    _add_windows(decoder, store, "file", windows, per_shard, progress)
+
+
+def _add_windows(
+    decoder: Decoder,
+    store: DataStore,
+    source: str,
+    windows: list[list[int]],
+    per_shard: int,
+    progress: Callable[[int, int], None],
+) -> None:
+    """Teacher states of text windows (no prompt part), a shard at a time, resumable."""
+    progress(store.done(source), len(windows))
+    for start in range(store.done(source), len(windows), per_shard):
         group = windows[start : start + per_shard]
-        store.add("file", group, teacher_hidden(decoder, group), [0] * len(group), len(group))
+        store.add(source, group, teacher_hidden(decoder, group), [0] * len(group), len(group))
         progress(min(start + per_shard, len(windows)), len(windows))
