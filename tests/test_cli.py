@@ -81,7 +81,7 @@ def test_models_lists_the_registry_as_json():
 
 
 def test_every_command_has_help_with_an_example():
-    for command in ["generate", "models", "pull"]:
+    for command in ["generate", "models", "pull", "train-drafter"]:
         result = run(command, "--help")
         assert result.exit_code == 0
         assert "Example" in result.output and "mlxspec" in result.output
