@@ -120,6 +120,10 @@ class Policy:
     draft_cost: dict[str, float] = field(default_factory=dict)  # per token, in target steps
     _full_streak: dict[str, bool] = field(default_factory=dict)
     _idle_rounds: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Probes that found nothing double the wait before the next one (up to 16x), so a
+    # useless proposer costs ever less; an accepted probe resets it.
+    _probe_wait: dict[tuple[str, str], int] = field(default_factory=dict)
+    _probing: set[tuple[str, str]] = field(default_factory=set)
     # Online correction of the calibrated curve, from the rounds actually run: the
     # machine may be busier (or the context longer) than when it was calibrated.
     step_seconds: float | None = None  # recent one-token step time
@@ -171,8 +175,9 @@ class Policy:
             key = self._key(situation)
             idle = self._idle_rounds.get(key, 0) + 1
             self._idle_rounds[key] = idle
-            if idle >= self.explore_every:
+            if idle >= self._probe_wait.get(key, self.explore_every):
                 self._idle_rounds[key] = 0
+                self._probing.add(key)
                 return situation, 1
         return situation, k
 
@@ -194,6 +199,12 @@ class Policy:
         if drafted == 0:
             return
         key = self._key(situation)
+        if key in self._probing:
+            self._probing.discard(key)
+            wait = self._probe_wait.get(key, self.explore_every)
+            self._probe_wait[key] = (
+                self.explore_every if accepted else min(2 * wait, 16 * self.explore_every)
+            )
         self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).update(
             drafted, accepted, self.decay
         )

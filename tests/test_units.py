@@ -103,6 +103,18 @@ def test_policy_counts_draft_cost_and_keeps_probing():
     assert policy.choose(costly, 8) == 0  # a draft token dearer than a target step never pays
     choices = [policy.choose(costly, 8) for _ in range(8)]
     assert choices.count(1) == 2  # one probe every 4 idle rounds
+    waits = []
+    for _ in range(4):  # every probe is rejected: the wait doubles
+        rounds = 1
+        while policy.choose(costly, 8) == 0:
+            rounds += 1
+        waits.append(rounds)
+        policy.update(costly, 1, 0, 0.1)  # a draft token as dear as 2 target steps
+    assert waits == [3, 8, 16, 32]  # (the first: 1 idle round left over from above)
+    while policy.choose(costly, 8) == 0:
+        pass
+    policy.update(costly, 1, 1, 0.1)  # an accepted probe: back to the start
+    assert [policy.choose(costly, 8) for _ in range(4)].count(1) == 1
     acceptance = Acceptance()
     acceptance.update(4, 4, decay=0.5)
     assert acceptance.rate > 0.5
