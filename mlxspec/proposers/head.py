@@ -3,7 +3,7 @@
 The head keeps a KV cache of its own with one entry per position i of the sequence,
 made from the target's hidden state h_i and the token x_{i+1}. The engine hands over
 the hidden states of the tokens the target cache took in each round (from the same
-verify pass: no extra target forward). Drafting k tokens runs the head k times: the
+prefill or verify pass: no extra target forward). Drafting k tokens runs the head k times: the
 first step from the target's last hidden state, later ones from the head's own output,
 then cuts those draft entries off again.
 """
@@ -23,7 +23,12 @@ class HeadProposer:
     needs_hidden = True
 
     def __init__(
-        self, head: DraftHead, target: Target, name: str = "head", k_max: int = 8, cost_hint=0.07
+        self,
+        head: DraftHead,
+        target: Target,
+        name: str = "head",
+        k_max: int = 8,
+        cost_hint: float = 0.07,  # one layer + an 8k-row LM head vs a target step
     ):
         self.name, self.head, self.k_max, self.cost_hint = name, head, k_max, cost_hint
         self.decoder = target.decoder
