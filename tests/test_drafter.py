@@ -51,7 +51,7 @@ def trained(tmp_path_factory):
     settings = TrainSettings(
         budget_minutes=5, max_steps=300, batch=8, window=48, learning_rate=3e-3, warmup_steps=10
     )
-    loss = make_loss(head, decoder, lm_rows(decoder, vocab), settings.feature_weight)
+    loss = make_loss(decoder, lm_rows(decoder, vocab), settings.feature_weight)
     batch = Batches(store.shards("held-out"), 48, 6, seed=0).next()
     before = loss(head, *batch).item()
     out = tmp_path_factory.mktemp("head")

@@ -11,8 +11,8 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from mlxspec import device
-from mlxspec.anatomy import split_decoder
-from mlxspec.drafter.data import DataStore, add_text, chat_prompts, self_distill
+from mlxspec.anatomy import Decoder, split_decoder
+from mlxspec.drafter.data import DataStore, add_file, add_text, chat_prompts, self_distill
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
 from mlxspec.drafter.train import CHECKPOINT, Progress, TrainSettings, choose_vocab, coverage, train
 from mlxspec.loading import LoadedModel
@@ -51,9 +51,10 @@ def _bar(description: str) -> Callable[[int, int], None]:
     return update
 
 
-def make_data(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) -> DataStore:
+def make_data(
+    entry: ModelEntry, loaded: LoadedModel, decoder: Decoder, job: DrafterJob, say
+) -> DataStore:
     """Teacher data into `job.data_dir`; what is already there is kept (resumable)."""
-    decoder = split_decoder(loaded.model)
     store = DataStore(job.data_dir, entry.target, decoder.norm.weight.shape[0])
     tokenizer = loaded.tokenizer
     held_out = chat_prompts(held_out=True)[: job.prompts]
@@ -87,8 +88,6 @@ def make_data(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) -> D
         say(f"teacher states on up to {job.text_tokens} tokens of offline documentation")
         add_text(decoder, tokenizer, store, job.text_tokens, progress=_bar("text"))
     if job.extra_text is not None:
-        from mlxspec.drafter.data import add_file
-
         add_file(decoder, tokenizer, store, job.extra_text, progress=_bar(job.extra_text.name))
     return store
 
@@ -96,8 +95,8 @@ def make_data(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) -> D
 def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) -> dict:
     """The whole job; returns the training record that is also saved with the head."""
     started = time.perf_counter()
-    store = make_data(entry, loaded, job, say)
     decoder = split_decoder(loaded.model)
+    store = make_data(entry, loaded, decoder, job, say)
     training = [s for src in ("self-distill", "text", "file") for s in store.shards(src)]
     answers = store.shards("self-distill") or training
     eval_shards = store.shards(HELD_OUT)

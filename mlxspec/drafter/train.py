@@ -120,7 +120,7 @@ class Batches:
         return mx.array(tokens), mx.array(hidden).astype(mx.float32), mx.array(mask)
 
 
-def make_loss(head: DraftHead, decoder: Decoder, rows: mx.array, feature_weight: float):
+def make_loss(decoder: Decoder, rows: mx.array, feature_weight: float):
     def loss_fn(model: DraftHead, tokens, hidden, mask):
         h_in, h_next = hidden[:, :-2], hidden[:, 1:-1]
         embeds = decoder.embed(tokens[:, 1:-1])
@@ -177,7 +177,7 @@ def train(
     optimizer = optim.AdamW(learning_rate=settings.learning_rate, weight_decay=0.0)
     progress = _resume(head, optimizer, out / CHECKPOINT)
     batches = Batches(train_shards, settings.window, settings.batch, settings.seed + progress.step)
-    loss_and_grad = nn.value_and_grad(head, make_loss(head, decoder, rows, settings.feature_weight))
+    loss_and_grad = nn.value_and_grad(head, make_loss(decoder, rows, settings.feature_weight))
 
     def step(tokens, hidden, mask):
         loss, grads = loss_and_grad(head, tokens, hidden, mask)

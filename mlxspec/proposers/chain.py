@@ -23,15 +23,11 @@ class Chain:
             getattr(member, "reset", lambda: None)()
 
     def situation(self, ctx: ProposalContext) -> Situation | None:
-        """The first member's case that has one. Members that read the target's hidden
-        states are asked anyway: they must see every round's states to stay in sync."""
-        chosen = None
-        for member in self.members:
-            if chosen is None or member.needs_hidden:
-                found = member.situation(ctx)
-                chosen = chosen or found
-        self._current = chosen.source if chosen else None
-        return chosen
+        """The first member's case, where one has one (every member is asked: those that
+        read the target's hidden states must see every round's states to stay in sync)."""
+        found = self.situations(ctx)
+        self._current = found[0].source if found else None
+        return found[0] if found else None
 
     def situations(self, ctx: ProposalContext) -> list[Situation]:
         """Every member's situation this round (the engine's policy picks among them by
