@@ -36,18 +36,22 @@ CHECK_FIELDS = ("cache offset", "cached tokens", "drafted", "accepted", "last-to
 
 
 class AgreedPolicy(Policy):
-    """The adaptive policy, with every rank taking rank 0's draft length: a rank's own
-    choice depends on its own timings, and ranks must run verify passes of one shape."""
+    """The adaptive policy, with every rank taking rank 0's draft length (and, in a chain,
+    its member): a rank's own choice depends on its own timings, and ranks must run
+    verify passes of one shape."""
 
     def __init__(self, inner: Policy, collectives: Collectives):
         super().__init__(**{f: getattr(inner, f) for f in inner.__dataclass_fields__})
         self.collectives = collectives
 
-    def choose(self, situation, limit: int) -> int:
-        k = super().choose(situation, limit)
-        if self.fixed_k is not None:
-            return k  # the same on every rank already
-        return self.collectives.broadcast_ints([k], "agreeing on the draft length")[0]
+    def choose_among(self, situations, limit: int):
+        """Rank 0's pick of chain member and draft length (`choose` goes through here)."""
+        situation, k = super().choose_among(situations, limit)
+        if self.fixed_k is not None or not situations:
+            return situation, k  # the same on every rank already
+        index = situations.index(situation) if situation in situations else 0
+        index, k = self.collectives.broadcast_ints([index, k], "agreeing on the draft length")
+        return situations[index], k
 
 
 class RankEngine(Engine):
