@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mlxspec.bench import BenchError
+from mlxspec.engine import candidates
 from mlxspec.policy import Policy
 from mlxspec.proposers import ProposalContext
 from mlxspec.runtime import Runtime
@@ -72,8 +73,9 @@ def replay(runtime: Runtime, proposer: str, turns: list[tuple[list, list]]) -> d
         position = 0
         while position < len(answer):
             ctx = ProposalContext(prompt + answer[:position], scorer, rng, engine.target)
-            situation = source.situation(ctx)
-            k = policy.choose(situation, min(len(answer) - position - 1, source.k_max))
+            situation, k = policy.choose_among(
+                candidates(source, ctx), len(answer) - position - 1
+            )  # as the engine chooses: a chain's best member
             draft, started = [], time.perf_counter()
             if k:
                 draft = situation.source.propose(ctx, k).tokens[:k]
