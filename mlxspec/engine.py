@@ -23,6 +23,7 @@ from mlxspec.proposers.base import ProposalContext, Proposer
 from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
 from mlxspec.target import Target
 from mlxspec.text import TextStream
+from mlxspec.tree import DraftTree, best_size, chain, greedy_walk, keep_best, sample_walk
 
 EVENT_FOR_KIND = {"accepted": Accepted, "corrected": Corrected, "bonus": Bonus}
 
@@ -38,12 +39,16 @@ class GenerationSettings:
     stop: Sequence[str] = ()
     k: int | None = None  # None: adaptive; an int: fixed draft length (0 = plain)
     context: int = 8192  # prompt + completion tokens the model may see
+    tree: bool = False  # verify a tree of candidates per round instead of one line
+    tree_nodes: int = 32  # most draft nodes a tree may have (its verify cost prunes it)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise GenerationError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.k is not None and self.k < 0:
             raise GenerationError(f"k must be >= 0, got {self.k}")
+        if self.tree_nodes < 1:
+            raise GenerationError(f"tree_nodes must be >= 1, got {self.tree_nodes}")
 
 
 class Engine:
@@ -169,6 +174,11 @@ class Engine:
         eos = set(self.tokenizer.eos_token_ids)
         text = TextStream(self.tokenizer, settings.stop)
         needs_hidden = bool(proposer and proposer.needs_hidden)
+        use_tree = settings.tree and proposer is not None
+        if use_tree and self.target.tree_unsupported:
+            record.tree_unavailable = self.target.tree_unsupported
+            use_tree = False
+        record.tree = use_tree
 
         start = time.perf_counter()
         record.reused_prompt_tokens, hidden = self.target.prepare(
@@ -182,50 +192,61 @@ class Engine:
         first_token_at = None
         finished = None
         while finished is None:
-            # 1. Draft.
+            # 1. Draft: a line of k tokens, or a tree at most k deep.
             ctx = ProposalContext(sequence, scorer, rng, self.target, hidden)
             left = max_tokens - len(produced) - 1
             situation, k = policy.choose_among(candidates(proposer, ctx), left)
             draft_start = time.perf_counter()
-            draft = situation.source.propose(ctx, k) if k else None
-            draft_tokens = draft.tokens[:k] if draft else []
+            if use_tree and k:
+                tree = self._draft_tree(situation.source, ctx, k, settings.tree_nodes, policy)
+                draft = None
+            else:
+                draft = situation.source.propose(ctx, k) if k else None
+                tree = chain(draft.tokens[:k] if draft else [])
             draft_seconds = time.perf_counter() - draft_start
 
-            # 2. Verify all drafts in one target pass.
-            verified = [sequence[-1], *draft_tokens]
+            # 2. Verify every draft in one target pass.
             round_start = time.perf_counter()
-            logits, hidden_rows = self.target.verify(verified, with_hidden=needs_hidden)
-            processed = scorer.process(logits, sequence, draft_tokens)
-            mx.eval(processed)
-            policy.observe_verify(len(verified), time.perf_counter() - round_start)
-
-            # 3. Accept.
-            if sampling.greedy:
-                choices = scorer.greedy_tokens(processed)
-                n_accepted = 0
-                while (
-                    n_accepted < len(draft_tokens)
-                    and draft_tokens[n_accepted] == choices[n_accepted]
-                ):
-                    n_accepted += 1
-                own_token = choices[n_accepted]
+            pending = sequence[-1]
+            if tree.is_chain:
+                logits, hidden_rows = self.target.verify([pending, *tree.tokens], needs_hidden)
             else:
+                logits, hidden_rows = self.target.verify_tree(pending, tree, needs_hidden)
+                record.tree_rounds += 1
+                record.tree_nodes += len(tree)
+            processed = scorer.process_tree(logits, sequence, tree)
+            mx.eval(processed)
+            policy.observe_verify(len(tree) + 1, time.perf_counter() - round_start)
+
+            # 3. Accept: a path of the tree (for a line, a prefix of it).
+            if sampling.greedy:
+                path, own_token = greedy_walk(tree, scorer.greedy_tokens(processed))
+            elif draft is not None and draft.probs is not None:  # a drafter's own q
                 target_probs = np.asarray(scorer.probabilities(processed))
-                draft_probs = _match_width(draft.probs, target_probs.shape[-1]) if draft else None
-                n_accepted, own_token = rejection_sample(
-                    draft_tokens, draft_probs, target_probs, rng
+                draft_probs = _match_width(draft.probs, target_probs.shape[-1])
+                n, own_token = rejection_sample(tree.tokens, draft_probs, target_probs, rng)
+                path = list(range(1, n + 1))
+            else:  # candidates without q: multi-candidate rejection, exact for any tree
+                path, own_token = sample_walk(
+                    tree, np.asarray(scorer.probabilities(processed)), rng
                 )
+            n_accepted = len(path)
+            draft_tokens = tree.tokens
 
             # 4. Roll back what was refused, then emit.
-            self.target.keep(verified, 1 + n_accepted)
+            if tree.is_chain:
+                self.target.keep([pending, *tree.tokens], 1 + n_accepted)
+            else:
+                self.target.keep_nodes(pending, tree, path)
             if needs_hidden:  # rows of the tokens the cache just kept
-                hidden = hidden_rows[: n_accepted + 1]
+                hidden = hidden_rows[mx.array([0, *path])]
+            depth = max(tree.depths)
             if draft_tokens:
-                record.count_round(len(draft_tokens), n_accepted)
-                policy.update(situation, len(draft_tokens), n_accepted, draft_seconds)
-            new_tokens = [*draft_tokens[:n_accepted], own_token]
+                record.count_round(depth, n_accepted)
+                policy.update(situation, depth, n_accepted, draft_seconds)
+            new_tokens = [*tree.path_tokens(path[-1] if path else 0), own_token]
             kinds = ["accepted"] * n_accepted + [
-                "bonus" if n_accepted == len(draft_tokens) else "corrected"
+                "bonus" if not tree.children()[path[-1] if path else 0] else "corrected"
             ]
             for token, kind in zip(new_tokens, kinds):
                 if token in eos:
@@ -242,8 +263,8 @@ class Engine:
                 record.time_to_first_token = first_token_at - start
                 record.first_round_tokens = len(produced)
 
-            if n_accepted < len(draft_tokens):
-                rejected = tuple(draft_tokens[n_accepted:])
+            rejected = tuple(_refused_line(tree, path))
+            if rejected:
                 yield Rejected(rejected, self.tokenizer.decode(list(rejected)))
             if finished is not None:
                 text.finish()
@@ -265,6 +286,29 @@ class Engine:
         record.completion_tokens = len(emitted)
         record.decode_seconds = time.perf_counter() - first_token_at
         yield Done(record, text.text, tuple(emitted))
+
+    def _draft_tree(
+        self, source: Proposer, ctx: ProposalContext, depth: int, budget: int, policy: Policy
+    ) -> DraftTree:
+        """The source's tree (a line for proposers that cannot branch), cut to the nodes
+        whose expected gain pays for their share of the verify pass."""
+        if hasattr(source, "propose_tree"):
+            tree = source.propose_tree(ctx, depth, budget)
+        else:
+            tree = chain(source.propose(ctx, depth).tokens[:depth])
+        if tree.scores is None:
+            return tree
+        return keep_best(tree, best_size(tree, policy.verify_cost))
+
+
+def _refused_line(tree: DraftTree, path: list[int]) -> list[int]:
+    """The drafts the target refused, for display: below the last accepted node, the
+    line the drafter rated best (its first child at every step)."""
+    kids, node, line = tree.children(), path[-1] if path else 0, []
+    while kids[node]:
+        node = kids[node][0]
+        line.append(tree.tokens[node - 1])
+    return line
 
 
 def candidates(proposer: Proposer | None, ctx: ProposalContext) -> list:

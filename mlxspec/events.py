@@ -66,8 +66,18 @@ class RunRecord:
     accepted: int = 0
     verify_steps: int = 0
     # Per draft position j (0 = first): rounds that drafted it, rounds that kept it.
+    # For a draft tree a position is a depth, and `drafted` counts the tree's depth.
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    # Rounds by accepted drafts: accepted_lengths[n] rounds kept n drafts (speculative
+    # rounds only): the acceptance-length distribution, chain or tree.
+    accepted_lengths: list[int] = field(default_factory=list)
+    # Draft trees (--tree): whether asked for, rounds verified as a tree, nodes verified
+    # in them (the pending token excluded), and why not where the model cannot.
+    tree: bool = False
+    tree_rounds: int = 0
+    tree_nodes: int = 0
+    tree_unavailable: str = ""
     time_to_first_token: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # after the first round (which prefill and TTFT cover)
@@ -111,6 +121,8 @@ class RunRecord:
         self.drafted += drafted
         self.accepted += accepted
         self.verify_steps += 1
+        self.accepted_lengths.extend([0] * (accepted + 1 - len(self.accepted_lengths)))
+        self.accepted_lengths[accepted] += 1
         for counts, n in (
             (self.drafted_by_position, drafted),
             (self.accepted_by_position, accepted),
@@ -127,6 +139,9 @@ class RunRecord:
             round(a / d, 4) for a, d in zip(self.accepted_by_position, self.drafted_by_position)
         ]
         data["tokens_per_second"] = round(self.tokens_per_second, 3)
+        data["mean_tree_nodes"] = round(
+            self.tree_nodes / self.tree_rounds if self.tree_rounds else 0.0, 3
+        )
         data["collective_seconds_per_round"] = round(
             self.collective_seconds / self.collective_rounds if self.collective_rounds else 0.0, 6
         )

@@ -8,11 +8,16 @@ what makes rejection sampling reproduce the target's distribution exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
+
+if TYPE_CHECKING:
+    from mlxspec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -58,11 +63,18 @@ class TokenScorer:
 
     def process(self, logits: mx.array, history: list[int], continuation: list[int]) -> mx.array:
         """Logits (m, V) → processed logits (m, V); m-1 <= len(continuation)."""
+        return self._process_rows(logits, lambda i: history + continuation[:i])
+
+    def process_tree(self, logits: mx.array, history: list[int], tree: DraftTree) -> mx.array:
+        """Rows of a tree verify: row i follows the path from the root to node i."""
+        return self._process_rows(logits, lambda i: history + tree.path_tokens(i))
+
+    def _process_rows(self, logits: mx.array, prefix: Callable[[int], list[int]]) -> mx.array:
         if not self.processors:
             return logits
         rows = []
         for i in range(logits.shape[0]):
-            seen = mx.array(history + continuation[:i], mx.int32)
+            seen = mx.array(prefix(i), mx.int32)
             row = logits[i : i + 1]
             for processor in self.processors:
                 row = processor(seen, row)

@@ -22,7 +22,9 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from mlxspec import tree_attention
 from mlxspec.anatomy import Decoder, split_decoder
+from mlxspec.tree import DraftTree
 
 ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
 PREFILL_CHUNK = 512
@@ -106,6 +108,14 @@ class Target:
         ]
         self._decoder: Decoder | None = None
         self._snapshot: list[Any] | None = None
+        self._tree_reason: str | None | bool = False  # False: not checked yet
+
+    @property
+    def tree_unsupported(self) -> str | None:
+        """Why this target cannot verify draft trees (None: it can)."""
+        if self._tree_reason is False:
+            self._tree_reason = tree_attention.unsupported_reason(self.model, self.cache)
+        return self._tree_reason
 
     @property
     def strategy(self) -> str:
@@ -122,15 +132,18 @@ class Target:
         self.cache = make_prompt_cache(self.model)
         self.cached_tokens = []
 
-    def forward(self, tokens: list[int], with_hidden: bool = False) -> tuple[mx.array, Any]:
+    def forward(
+        self, tokens: list[int], with_hidden: bool = False, cache: list[Any] | None = None
+    ) -> tuple[mx.array, Any]:
         """Run the target over `tokens` (appending to the cache): logits (m, V), hidden."""
         inputs = mx.array([tokens])
+        cache = self.cache if cache is None else cache
         if with_hidden:
-            hidden = self.decoder.hidden(inputs, self.cache)
+            hidden = self.decoder.hidden(inputs, cache)
             logits = self.decoder.head(hidden)
             self.cached_tokens.extend(tokens)
             return logits[0], hidden[0]
-        logits = self.model(inputs, cache=self.cache)
+        logits = self.model(inputs, cache=cache)
         self.cached_tokens.extend(tokens)
         return logits[0], None
 
@@ -167,6 +180,25 @@ class Target:
         if self.snapshot_layers and len(tokens) > 1:
             self._snapshot = [_copy_state(self.cache[i].state) for i in self.snapshot_layers]
         return self.forward(tokens, with_hidden)
+
+    def verify_tree(
+        self, pending: int, tree: DraftTree, with_hidden: bool = False
+    ) -> tuple[mx.array, Any]:
+        """One forward over the pending token and every node of `tree`: logits (n+1, V)
+        where row i predicts the token after node i's path."""
+        reason = self.tree_unsupported
+        if reason:
+            raise ValueError(f"this model cannot verify draft trees: {reason}")
+        cache = tree_attention.tree_caches(self.cache, tree)
+        with tree_attention.tree_positions(self.model, tree):
+            return self.forward([pending, *tree.tokens], with_hidden, cache)
+
+    def keep_nodes(self, pending: int, tree: DraftTree, path: list[int]) -> None:
+        """After `verify_tree`, keep the root's and the accepted path's entries only."""
+        verified = len(tree) + 1
+        tree_attention.keep_nodes(self.cache, verified, [0, *path])
+        del self.cached_tokens[len(self.cached_tokens) - verified :]
+        self.cached_tokens.extend([pending, *(tree.tokens[i - 1] for i in path)])
 
     def keep(self, verified: list[int], n_keep: int) -> None:
         """After verifying `verified`, keep the cache entries of its first `n_keep` tokens."""

@@ -119,6 +119,18 @@ def test_trained_head_drafts_losslessly_and_gets_accepted(trained):
     assert accepted > 0.03 * drafted  # measured 0.05; an untrained head: ~1/257
 
 
+def test_trained_head_drafts_trees_losslessly(trained):
+    """The head grows a tree (its state re-run per branch) and the target verifies it
+    in one pass; the output stays the target's and the head stays in sync."""
+    model, head, *_ = trained
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    proposer = HeadProposer(head, engine.target, k_max=6)
+    prompts = [s[:10] for s in target_sequences(model, 6, seed=9, length=0)]
+    drafted, accepted = lossless_check(model, proposer, prompts, k=3, tree=True)
+    print(f"tree acceptance {accepted}/{drafted} (depths)")
+    assert accepted > 0.03 * drafted
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_untrained_head_is_lossless_with_many_rejections(family):
     model = tiny_model(family, seed=5)

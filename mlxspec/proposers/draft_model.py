@@ -10,7 +10,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
+from mlxspec.proposers.growth import grow
 from mlxspec.target import catch_up
+from mlxspec.tree import DraftTree
 
 
 class VocabularyMismatch(ValueError):
@@ -97,3 +99,9 @@ class DraftModel:
                 self.cached_tokens.append(token)
         probs = None if ctx.scorer.settings.greedy else mx.concatenate(rows, axis=0)
         return Draft(tokens, probs)
+
+    def propose_tree(self, ctx: ProposalContext, depth: int, budget: int) -> DraftTree:
+        """A tree grown best first; moving between branches trims the draft cache back
+        to the branch point and feeds the new path in one pass."""
+        history = list(ctx.tokens)
+        return grow(ctx, lambda path: self._catch_up(history + path), depth, budget)

@@ -16,7 +16,9 @@ from mlx_lm.models.cache import KVCache
 
 from mlxspec.drafter.head import DraftHead, lm_rows
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
+from mlxspec.proposers.growth import grow
 from mlxspec.target import Target, common_prefix_len
+from mlxspec.tree import DraftTree
 
 
 class HeadProposer:
@@ -129,3 +131,23 @@ class HeadProposer:
             self.cache.trim(k - 1)  # the draft entries were made from guesses, not the target
         probs = None if ctx.scorer.settings.greedy else mx.concatenate(rows, axis=0)
         return Draft(tokens, probs)
+
+    def propose_tree(self, ctx: ProposalContext, depth: int, budget: int) -> DraftTree:
+        """A tree grown best first. A node's head state comes from re-running its path
+        in one head pass (inputs: its ancestors' outputs, memoised this round), after
+        which the path's entries are cut off again."""
+        outputs = {(): self._catch_up()}  # path -> head output at the path's last token
+
+        def next_logits(path: list[int]) -> mx.array:
+            key = tuple(path)
+            if key not in outputs:
+                hidden = mx.concatenate(
+                    [self.head.feedback(outputs[key[:i]]) for i in range(len(key))], axis=1
+                )
+                embeds = self.decoder.embed(mx.array([path]))
+                mask = create_attention_mask(hidden, self.cache)
+                outputs[key] = self.head(hidden, embeds, mask, self.cache)[:, -1:]
+                self.cache.trim(len(key))
+            return self._full_logits(outputs[key])
+
+        return grow(ctx, next_logits, depth, budget)

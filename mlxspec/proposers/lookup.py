@@ -10,11 +10,17 @@ labels the case, so the policy learns that long verbatim matches deserve long dr
 from __future__ import annotations
 
 from mlxspec.proposers.base import Draft, ProposalContext, Situation
+from mlxspec.tree import DraftTree, from_paths, keep_best
 
 MATCH_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # case labels: match length rounded down to these
 # Acceptance to expect per bucket before evidence: short matches in open text are
 # mostly coincidences, long verbatim matches mostly copies.
 PRIORS = {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4, 8: 0.6, 16: 0.75, 32: 0.85}
+RECENT = 4  # occurrences remembered per n-gram: the branches a draft tree can take
+
+
+def bucket(length: int) -> int:
+    return max(b for b in MATCH_BUCKETS if b <= length)
 
 
 class PromptLookup:
@@ -28,7 +34,8 @@ class PromptLookup:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}..{ngram_max}")
         self.name, self.ngram_max, self.ngram_min, self.k_max = name, ngram_max, ngram_min, k_max
         self._seen: list[int] = []
-        self._follow: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after it
+        # n-gram -> indices of the tokens after its latest occurrences (most recent last)
+        self._follow: dict[tuple[int, ...], list[int]] = {}
         self._match: tuple[int, int] | None = None  # (follow index, match length) of this round
 
     def _sync(self, tokens: list[int]) -> None:
@@ -38,30 +45,59 @@ class PromptLookup:
         for end in range(max(len(self._seen) - 1, 0), len(tokens) - 1):
             for n in range(self.ngram_min, self.ngram_max + 1):
                 if end + 1 >= n:
-                    self._follow[tuple(tokens[end + 1 - n : end + 1])] = end + 1
+                    recent = self._follow.setdefault(tuple(tokens[end + 1 - n : end + 1]), [])
+                    recent.append(end + 1)
+                    del recent[:-RECENT]
         self._seen = list(tokens)
 
     def situation(self, ctx: ProposalContext) -> Situation | None:
         tokens = ctx.tokens
         self._sync(tokens)
         self._match = None
-        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            follow = self._follow.get(tuple(tokens[len(tokens) - n :]))
-            if follow is not None:
-                length = n
-                while (
-                    length < MATCH_BUCKETS[-1]
-                    and follow - length - 1 >= 0
-                    and tokens[follow - length - 1] == tokens[len(tokens) - length - 1]
-                ):
-                    length += 1
-                self._match = (follow, length)
-                bucket = max(b for b in MATCH_BUCKETS if b <= length)
-                return Situation(self, f"match>={bucket}", PRIORS[bucket])
+        for n in self._orders(tokens):
+            recent = self._follow.get(tuple(tokens[len(tokens) - n :]))
+            if recent:
+                length = _match_length(tokens, recent[-1], n)
+                self._match = (recent[-1], length)
+                return Situation(self, f"match>={bucket(length)}", PRIORS[bucket(length)])
         return None
+
+    def _orders(self, tokens: list[int]) -> range:
+        """The n-gram lengths to look up, longest first."""
+        return range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1)
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
         if self._match is None or k <= 0:
             return Draft([])
         follow, _ = self._match
         return Draft(ctx.tokens[follow : follow + k])
+
+    def propose_tree(self, ctx: ProposalContext, depth: int, budget: int) -> DraftTree:
+        """A trie of what followed the suffix's latest occurrences (longest n-grams
+        first), so a verify tries several earlier continuations at once. A node's score
+        is its match's prior acceptance per token, to the power of its depth, shared
+        down for older, less specific matches."""
+        tokens, paths, scores, starts = ctx.tokens, [], [], set()
+        for n in self._orders(tokens):
+            for follow in reversed(self._follow.get(tuple(tokens[len(tokens) - n :]), [])):
+                path = tokens[follow : follow + depth]
+                if follow in starts or not path:
+                    continue
+                starts.add(follow)
+                rate = PRIORS[bucket(_match_length(tokens, follow, n))]
+                share = 1.0 / (1 + len(paths))
+                paths.append(path)
+                scores.append([share * rate ** (j + 1) for j in range(len(path))])
+        return keep_best(from_paths(paths[:RECENT], scores[:RECENT]), budget)
+
+
+def _match_length(tokens: list[int], follow: int, n: int) -> int:
+    """How far the match of the last n tokens ending before `follow` extends backwards."""
+    length = n
+    while (
+        length < MATCH_BUCKETS[-1]
+        and follow - length - 1 >= 0
+        and tokens[follow - length - 1] == tokens[len(tokens) - length - 1]
+    ):
+        length += 1
+    return length
