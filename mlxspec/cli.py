@@ -20,6 +20,11 @@ from mlxspec.events import Accepted, Bonus, Corrected, Done
 from mlxspec.registry import RegistryError, load_registry
 
 COLOURS = {Accepted: "green", Corrected: None, Bonus: None}
+TREE_OPTION = click.option(
+    "--tree/--no-tree",
+    default=None,
+    help="Verify a tree of candidate drafts per round (default: the model's `tree` setting).",
+)
 
 
 def say(message: str) -> None:
@@ -71,6 +76,7 @@ def main() -> None:
 @click.option(
     "--k", "fixed_k", type=click.IntRange(min=0), help="Fixed draft length (default: adaptive)."
 )
+@TREE_OPTION
 @click.option("--chat/--raw", default=True, help="Apply the chat template (default) or not.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the run record.")
 @click.option(
@@ -89,6 +95,7 @@ def generate(
     seed,
     stop,
     fixed_k,
+    tree,
     chat,
     as_json,
     color,
@@ -98,6 +105,7 @@ def generate(
     \b
     Examples:
       mlxspec generate "Summarise: ..." --proposer prompt-lookup
+      mlxspec generate "Tell me about owls" --proposer head --tree --json
       echo "Rename x to count in: ..." | mlxspec generate - --json
       mlxspec generate "Repeat: a, b, c" --ranks 3 --json     # target sharded over 3 ranks
     """
@@ -127,6 +135,8 @@ def generate(
         stop=stop,
         k=fixed_k,
         context=defaults.context,
+        tree=defaults.tree if tree is None else tree,
+        tree_nodes=defaults.tree_nodes,
     )
     request = [{"role": "user", "content": prompt}] if chat else prompt
     colour = sys.stdout.isatty() if color is None else color
@@ -170,8 +180,9 @@ def generate(
 @click.option(
     "--color/--no-color", default=None, help="--plain: colour accepted drafts (default: on a TTY)."
 )
+@TREE_OPTION
 @fail_cleanly
-def chat(model, proposer, plain, color):
+def chat(model, proposer, plain, color, tree):
     """Chat with a model and watch speculation at work.
 
     Accepted drafts are coloured as they stream in; the status bar shows the proposer,
@@ -183,7 +194,7 @@ def chat(model, proposer, plain, color):
       mlxspec chat --model qwen3-8b --proposer draft-model
       printf 'Name three primes\\n/quit\\n' | mlxspec chat --plain
     """
-    registry = load_registry()
+    registry = load_registry().with_defaults(tree=tree)
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
@@ -303,13 +314,14 @@ def pull(name):
     type=click.IntRange(min=1),
     help="Largest max_tokens a request may ask for.",
 )
+@TREE_OPTION
 @fail_cleanly
-def serve(model, host, port, api_key, max_waiting, max_tokens_limit):
+def serve(model, host, port, api_key, max_waiting, max_tokens_limit, tree):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
     One generation runs at a time; the others wait in line. Requests may name any
     registry model (one is in memory at a time) and pass {"mlxspec": {"proposer": ...,
-    "k": ..., "provenance": true}}; answers carry the run record as x_mlxspec.
+    "k": ..., "tree": ..., "provenance": true}}; answers carry the run record as x_mlxspec.
 
     \b
     Examples:
@@ -319,7 +331,8 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit):
     """
     from mlxspec.server import RegistryProvider, ServerLimits, create_app, run_server
 
-    provider = RegistryProvider(load_registry(), default=model, notify=say)
+    registry = load_registry().with_defaults(tree=tree)
+    provider = RegistryProvider(registry, default=model, notify=say)
     limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting)
     app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

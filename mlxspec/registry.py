@@ -50,6 +50,8 @@ class Defaults:
     top_k: int = 0
     max_tokens: int = 256
     context: int = 8192
+    tree: bool = False  # draft trees instead of lines (where the model supports them)
+    tree_nodes: int = 32
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,18 @@ class Registry:
     default: str
     files: tuple[Path, ...]  # the files that were read, shipped first
     user_file: Path | None = None  # where the user adds entries (None: user_file_path())
+
+    def with_defaults(self, **changes: Any) -> Registry:
+        """Every entry with some defaults replaced (command-line flags such as --tree
+        that hold for whichever model a chat or server switches to); None keeps a value."""
+        given = {key: value for key, value in changes.items() if value is not None}
+        if not given:
+            return self
+        entries = {
+            name: replace(entry, defaults=replace(entry.defaults, **given))
+            for name, entry in self.entries.items()
+        }
+        return replace(self, entries=entries)
 
     def get(self, name: str | None = None) -> ModelEntry:
         chosen = self.default if name is None else name
@@ -139,6 +153,8 @@ _DEFAULTS_OPTIONS = {
     "top_k": _int(0, None, " (0 = off)"),
     "max_tokens": _int(1, None),
     "context": _int(1, None),
+    "tree": _Option(bool, "true or false", None),
+    "tree_nodes": _int(1, None),
 }
 _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
     kind: {**options, "k_max": _int(1, 32)}

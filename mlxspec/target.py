@@ -117,6 +117,10 @@ class Target:
             self._tree_reason = tree_attention.unsupported_reason(self.model, self.cache)
         return self._tree_reason
 
+    def refuse_trees(self, reason: str) -> None:
+        """Verify lines only (e.g. a sharded target, whose ranks must agree on every shape)."""
+        self._tree_reason = reason
+
     @property
     def strategy(self) -> str:
         """'trim' when every layer's cache can be cut back, else 'snapshot'."""

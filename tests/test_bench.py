@@ -56,6 +56,8 @@ ROW_FIELDS = {
     "time_to_first_token",
     "acceptance_rate",
     "mean_accepted_length",
+    "mean_tree_nodes",
+    "accepted_lengths",
     "mean_draft_length",
     "speedup",
     "token_match",
@@ -167,6 +169,7 @@ def test_every_row_has_its_fields_and_matches_plain_mlx_lm(tiny_entry, tiny_resu
         assert row["repeats"] == 2
         assert row["tokens_per_second_min"] <= row["tokens_per_second"]
         assert row["tokens_per_second"] <= row["tokens_per_second_max"]
+    assert any(r["method"].endswith("@tree") for r in rows)
     plain = [r for r in rows if r["method"] == PLAIN]
     assert all(r["speedup"] == 1.0 and r["acceptance_rate"] is None for r in plain)
     lookup = next(r for r in rows if r["method"] == "mlxspec:prompt-lookup@k=4")
@@ -258,6 +261,8 @@ def test_a_divergence_is_reported_with_position_and_gap(tiny_runtime, log, monke
         ("mlxspec:draft-model", Method("mlxspec", "draft-model")),
         ("none", Method("mlxspec", "none", 0)),
         ("mlx-lm-speculative@k=5", Method("mlx-lm-speculative", k=5)),
+        ("prompt-lookup@tree", Method("mlxspec", "prompt-lookup", tree=True)),
+        ("draft-model@k=3@tree", Method("mlxspec", "draft-model", 3, True)),
     ],
 )
 def test_methods_parse_and_plain_comes_first(tiny_entry, text, method):
@@ -287,6 +292,9 @@ def test_quick_runs_the_core_methods_once_and_other_suites_all_three_times(tiny_
         ("telepathy", "unknown method 'telepathy'; known: core, all, plain-mlx-lm"),
         ("prompt-lookup@k=0", "@k=N with N >= 1"),
         ("none@k=3", "takes no @k"),
+        ("none@tree", "takes no @k or @tree"),
+        ("plain-mlx-lm@tree", "only mlxspec methods verify trees"),
+        ("prompt-lookup@k=2@k=3", "at most once"),
         (" , ", "empty"),
     ],
 )

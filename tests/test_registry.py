@@ -9,6 +9,7 @@ import pytest
 from mlxspec.registry import (
     SHIPPED_FILE,
     Defaults,
+    Registry,
     RegistryError,
     load_registry,
     parse_registry_text,
@@ -191,6 +192,17 @@ def test_partial_defaults_keep_builtin_values_and_ints_become_floats(tmp_path):
     defaults = parse_registry_text(text, tmp_path / "models.toml")[0]["foo"].defaults
     assert defaults == Defaults(temperature=1.0, max_tokens=64)
     assert isinstance(defaults.temperature, float)
+
+
+def test_tree_defaults_parse_and_flags_override_them_for_every_entry(tmp_path):
+    text = ENTRY + "[models.foo.defaults]\ntree = true\ntree_nodes = 12\n"
+    entries = parse_registry_text(text, tmp_path / "models.toml")[0]
+    assert entries["foo"].defaults == Defaults(tree=True, tree_nodes=12)
+    with pytest.raises(RegistryError, match="tree in .* must be true or false, got a string"):
+        parse_registry_text(ENTRY + '[models.foo.defaults]\ntree = "yes"\n', tmp_path / "m.toml")
+    registry = Registry(entries, "foo", ())
+    assert registry.with_defaults(tree=None) is registry
+    assert registry.with_defaults(tree=False).get("foo").defaults.tree is False
 
 
 def test_unknown_model_names_the_known_ones_and_the_user_file(isolated_config):

@@ -163,6 +163,15 @@ def test_lists_the_providers_models(client):
         client.models.retrieve("huge")
 
 
+def test_a_request_can_ask_for_draft_trees(client):
+    response = chat(client, ECHO, max_tokens=40, extra_body={"mlxspec": {"tree": True}})
+    record = response.model_extra["x_mlxspec"]
+    assert record["tree"] is True and record["tree_unavailable"] == ""
+    assert response.choices[0].message.content == direct_answer(
+        [{"role": "user", "content": ECHO}], 40
+    )
+
+
 def test_chat_answer_is_the_engines_with_usage_and_run_record(client):
     response = chat(client, ECHO, max_tokens=40, extra_body={"mlxspec": {"k": 4}})
     answer = response.choices[0].message.content

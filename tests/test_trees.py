@@ -214,3 +214,18 @@ def test_sampled_tree_runs_reproduce_with_a_seed_and_stay_in_the_model():
     first, again = sample(21), sample(21)
     assert first.token_ids == again.token_ids and first.record.tree_rounds > 0
     assert sample(22).token_ids != first.token_ids
+
+
+def test_the_bench_runner_verifies_trees_and_reports_them():
+    from mlxspec.bench.runners import run_mlxspec
+    from mlxspec.proposers import DraftModel, truncated_model
+
+    model = tiny_model("llama", seed=1)
+    engine = Engine(model, byte_tokenizer(), "llama", verify_cost=CPU_LIKE_COST)
+    engine.add_proposer(DraftModel(truncated_model(model, 2), name="draft"))
+    line = run_mlxspec(engine, [3, 4, 5, 6], 24, "draft", 3)
+    tree = run_mlxspec(engine, [3, 4, 5, 6], 24, "draft", 3, tree=True)
+    assert line.tree_rounds == 0 and tree.tree_rounds > 0
+    assert tree.tree_nodes > 3 * tree.tree_rounds  # more than a line of 3 per round
+    assert sum(tree.accepted_lengths) == tree.verify_steps
+    assert tree.tokens == line.tokens

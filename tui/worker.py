@@ -36,6 +36,8 @@ def generation_settings(entry: ModelEntry, temperature: float | None = None) -> 
             top_k=defaults.top_k,
         ),
         context=defaults.context,
+        tree=defaults.tree,
+        tree_nodes=defaults.tree_nodes,
     )
 
 

@@ -5,11 +5,13 @@ Method names, as `--proposers` takes them (comma-separated):
     plain-mlx-lm               mlx-lm's generate_step: the baseline every speedup is against
     mlx-lm-speculative[@k=N]   mlx-lm's speculative_generate_step with the entry's draft model
     [mlxspec:]none             mlxspec's own loop without drafts (its overhead vs mlx-lm)
-    [mlxspec:]NAME[@k=N]       mlxspec with proposer NAME; adaptive k unless @k=N is given
+    [mlxspec:]NAME[@k=N][@tree] mlxspec with proposer NAME; adaptive k unless @k=N is given;
+                               @tree verifies a draft tree per round (k: its depth)
     core                       plain-mlx-lm, mlx-lm-speculative, mlxspec:none, mlxspec with the
                                entry's default proposer (adaptive and fixed k) and with the
                                draft pair (adaptive)
-    all                        core, plus every proposer adaptive and at a fixed k
+    all                        core, plus every proposer adaptive and at a fixed k, and
+                               every proposer that can branch as a tree
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ MLX_LM_DRAFT_TOKENS = 3
 # One fixed-k row per kind beside the adaptive one; draft models at mlx-lm's k, so the
 # mlx-lm and mlxspec rows of the same pair differ only in the loop around it.
 FIXED_K = {"prompt-lookup": 4, "draft-model": MLX_LM_DRAFT_TOKENS, "head": 3}
+BRANCHING = ("prompt-lookup", "draft-model", "head", "chain")  # kinds whose trees branch
 
 
 @dataclass(frozen=True)
@@ -32,11 +35,13 @@ class Method:
     runner: str  # "plain-mlx-lm" | "mlx-lm-speculative" | "mlxspec"
     proposer: str | None = None  # mlxspec: a proposer of the entry, or "none"
     k: int | None = None  # fixed draft length; None: adaptive (mlx-lm: its default, 3)
+    tree: bool = False  # mlxspec: verify a draft tree per round
 
     @property
     def name(self) -> str:
         base = f"mlxspec:{self.proposer}" if self.runner == "mlxspec" else self.runner
-        return base if self.k is None or self.k == 0 else f"{base}@k={self.k}"
+        base = base if self.k is None or self.k == 0 else f"{base}@k={self.k}"
+        return f"{base}@tree" if self.tree else base
 
     @property
     def k_label(self) -> int | str:
@@ -85,6 +90,8 @@ def all_methods(entry: ModelEntry) -> list[Method]:
         methods.append(Method("mlxspec", config.name))
         if config.kind in FIXED_K:
             methods.append(Method("mlxspec", config.name, FIXED_K[config.kind]))
+        if config.kind in BRANCHING:
+            methods.append(Method("mlxspec", config.name, tree=True))
     return list(dict.fromkeys(methods))
 
 
@@ -104,8 +111,14 @@ def parse_methods(text: str, entry: ModelEntry) -> list[Method]:
 
 
 def _method(item: str, entry: ModelEntry) -> Method:
-    name, _, k_text = item.partition("@")
-    k = _k(k_text, item) if k_text else None
+    name, *options = item.split("@")
+    tree = "tree" in options
+    k_texts = [o for o in options if o != "tree"]
+    if len(k_texts) > 1:
+        raise BenchError(f"{item!r}: give @k=N at most once (and @tree at most once)")
+    k = _k(k_texts[0], item) if k_texts else None
+    if name in (PLAIN, MLX_LM_SPECULATIVE) and tree:
+        raise BenchError(f"{item!r}: only mlxspec methods verify trees")
     if name == PLAIN:
         if k is not None:
             raise BenchError(f"{item!r}: plain-mlx-lm takes no @k")
@@ -122,10 +135,10 @@ def _method(item: str, entry: ModelEntry) -> Method:
         known += [f"mlxspec:{p}" for p in entry.proposer_names]
         raise BenchError(f"unknown method {item!r}; known: {', '.join(known)} (add @k=N to fix k)")
     if proposer == NONE:
-        if k:
-            raise BenchError(f"{item!r}: mlxspec:none drafts nothing, so it takes no @k")
+        if k or tree:
+            raise BenchError(f"{item!r}: mlxspec:none drafts nothing, so it takes no @k or @tree")
         return Method("mlxspec", NONE, 0)
-    return Method("mlxspec", proposer, k)
+    return Method("mlxspec", proposer, k, tree)
 
 
 def _k(text: str, item: str) -> int:

@@ -67,6 +67,10 @@ def _row(group: list[Run], plain_speed: float | None) -> dict[str, Any]:
             _ratio(accepted, verify_steps) if first.method.speculative else None
         ),
         "mean_draft_length": _ratio(drafted, verify_steps) if first.method.speculative else None,
+        "mean_tree_nodes": _ratio(
+            sum(m.tree_nodes for m in measurements), sum(m.tree_rounds for m in measurements)
+        ),
+        "accepted_lengths": first.measurement.accepted_lengths,
         "speedup": _ratio(speed, plain_speed) if speed is not None and plain_speed else None,
         "token_match": divergence is None,
         "divergence": asdict(divergence) if divergence else None,

@@ -115,4 +115,6 @@ class Bench:
             return run_mlx_lm_speculative(
                 loaded.model, self._draft, loaded.tokenizer, prompt, max_tokens, method.k_label
             )
-        return run_mlxspec(self.runtime.engine, prompt, max_tokens, method.proposer, method.k)
+        return run_mlxspec(
+            self.runtime.engine, prompt, max_tokens, method.proposer, method.k, method.tree
+        )

@@ -14,7 +14,7 @@ front end must), and reports the same `Measurement`:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +33,9 @@ class Measurement:
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0  # rounds that verified at least one draft
+    tree_rounds: int = 0  # rounds verified as a branching tree (mlxspec @tree)
+    tree_nodes: int = 0  # draft nodes verified in them
+    accepted_lengths: list[int] = field(default_factory=list)  # rounds by drafts kept
 
     @property
     def decode_tokens(self) -> int:
@@ -116,10 +119,17 @@ def run_mlx_lm_speculative(
 
 
 def run_mlxspec(
-    engine: Engine, prompt: list[int], max_tokens: int, proposer: str, k: int | None
+    engine: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    proposer: str,
+    k: int | None,
+    tree: bool = False,
 ) -> Measurement:
     cold_start(engine)
-    settings = GenerationSettings(max_tokens=max_tokens, k=k, context=len(prompt) + max_tokens)
+    settings = GenerationSettings(
+        max_tokens=max_tokens, k=k, context=len(prompt) + max_tokens, tree=tree
+    )
     clock = Clock()
     done = None
     for event in engine.stream(prompt, settings, proposer):
@@ -133,6 +143,9 @@ def run_mlxspec(
         drafted=record.drafted,
         accepted=record.accepted,
         verify_steps=record.verify_steps,
+        tree_rounds=record.tree_rounds,
+        tree_nodes=record.tree_nodes,
+        accepted_lengths=record.accepted_lengths,
     )
 
 

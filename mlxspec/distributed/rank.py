@@ -156,6 +156,8 @@ class RankSession:
             f"{entry.name}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
             f"|{self.config.parallel} x{self.size} {self.config.backend}"
         )
+        # Tree shapes are pruned by each rank's own cost estimates, which may differ.
+        engine.target.refuse_trees("a sharded target verifies lines only, for now")
         runtime.engine = engine
         return runtime
 

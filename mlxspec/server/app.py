@@ -218,6 +218,8 @@ def _settings(body: GenerationRequest, info: ModelInfo, limits: ServerLimits) ->
             stop=body.stop_strings,
             k=body.mlxspec.k,
             context=defaults.context,
+            tree=defaults.tree if body.mlxspec.tree is None else body.mlxspec.tree,
+            tree_nodes=defaults.tree_nodes,
         )
     except (GenerationError, ValueError) as err:
         raise ApiError(400, str(err), code="invalid_value") from None

@@ -34,6 +34,7 @@ class MlxspecOptions(BaseModel):
 
     proposer: str | None = Field(None, description="A proposer of the model, or 'none'.")
     k: int | None = Field(None, ge=0, le=256, description="Fixed draft length; omit: adaptive.")
+    tree: bool | None = Field(None, description="Verify draft trees; omit: the model's setting.")
     provenance: bool = Field(False, description="Mark each streamed piece accepted/target.")
 
 
