@@ -63,13 +63,14 @@ class TokenScorer:
 
     def process(self, logits: mx.array, history: list[int], continuation: list[int]) -> mx.array:
         """Logits (m, V) → processed logits (m, V); m-1 <= len(continuation)."""
-        return self._process_rows(logits, lambda i: history + continuation[:i])
+        return self.process_rows(logits, lambda i: history + continuation[:i])
 
     def process_tree(self, logits: mx.array, history: list[int], tree: DraftTree) -> mx.array:
         """Rows of a tree verify: row i follows the path from the root to node i."""
-        return self._process_rows(logits, lambda i: history + tree.path_tokens(i))
+        return self.process_rows(logits, lambda i: history + tree.path_tokens(i))
 
-    def _process_rows(self, logits: mx.array, prefix: Callable[[int], list[int]]) -> mx.array:
+    def process_rows(self, logits: mx.array, prefix: Callable[[int], list[int]]) -> mx.array:
+        """Row i of `logits` follows the tokens `prefix(i)`."""
         if not self.processors:
             return logits
         rows = []

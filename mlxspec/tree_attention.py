@@ -26,14 +26,17 @@ from mlxspec.tree import DraftTree, attention_mask
 
 
 class DepthRope(nn.Module):
-    """The model's RoPE applied at `offset + depth` to each depth slice of the nodes."""
+    """The model's RoPE applied at `offset + depth` to each depth slice of the nodes
+    (with `base`, at `base + depth` whatever offset the caller passes)."""
 
-    def __init__(self, rope: nn.Module, slices: list[tuple[int, int, int]]):
+    def __init__(self, rope: nn.Module, slices: list[tuple[int, int, int]], base: int | None):
         super().__init__()
         self.rope = rope
         self.slices = slices  # (start, stop, depth)
+        self.base = base
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        offset = offset if self.base is None else self.base
         parts = []
         for start, stop, depth in self.slices:
             # RoPE numbers a sequence's tokens consecutively; nodes of one depth share a
@@ -90,12 +93,20 @@ def depth_slices(tree: DraftTree) -> list[tuple[int, int, int]]:
 @contextmanager
 def tree_positions(model: nn.Module, tree: DraftTree) -> Iterator[None]:
     """Within the block, the model's attention applies RoPE at the tree's depths."""
+    with rope_positions(model, depth_slices(tree)):
+        yield
+
+
+@contextmanager
+def rope_positions(
+    model: nn.Module, slices: list[tuple[int, int, int]], base: int | None = None
+) -> Iterator[None]:
+    """Within the block, RoPE positions are given per slice (see DepthRope)."""
     modules = attention_modules(model)
     originals = [m.rope for m in modules]
-    slices = depth_slices(tree)
     try:
         for module, rope in zip(modules, originals):
-            module.rope = DepthRope(rope, slices)
+            module.rope = DepthRope(rope, slices, base)
         yield
     finally:
         for module, rope in zip(modules, originals):

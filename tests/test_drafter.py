@@ -20,8 +20,9 @@ from mlxspec.drafter.head import HeadError, HeadSpec, build_head, lm_rows, load_
 from mlxspec.drafter.train import Batches, TrainSettings, choose_vocab, make_loss, train
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.proposers import Chain, PromptLookup
+from mlxspec.proposers.base import ProposalContext
 from mlxspec.proposers.head import HeadProposer
-from mlxspec.sampling import SamplingSettings
+from mlxspec.sampling import SamplingSettings, TokenScorer
 
 EOS = VOCAB - 1
 
@@ -129,6 +130,34 @@ def test_trained_head_drafts_trees_losslessly(trained):
     drafted, accepted = lossless_check(model, proposer, prompts, k=3, tree=True)
     print(f"tree acceptance {accepted}/{drafted} (depths)")
     assert accepted > 0.03 * drafted
+
+
+def test_a_one_branch_head_tree_is_the_heads_own_line(trained, monkeypatch):
+    """With one child per node and one node per level, the level-wise tree pass (tree
+    mask, positions by depth) must reproduce the line the head drafts step by step."""
+    import mlxspec.proposers.head as head_module
+
+    model, head, *_ = trained
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    proposer = HeadProposer(head, engine.target, k_max=6)
+    prompt = target_sequences(model, 1, seed=9, length=0)[0][:10]
+    _, hidden = engine.target.prepare(prompt, with_hidden=True)
+    ctx = ProposalContext(prompt, TokenScorer(SamplingSettings()), None, engine.target, hidden)
+    assert proposer.situation(ctx) is not None
+    line = proposer.propose(ctx, 5).tokens
+    monkeypatch.setattr(head_module, "BRANCH", 1)
+    monkeypatch.setattr(head_module, "BEAM", 1)
+    tree = proposer.propose_tree(ctx, 5, 32)
+    assert tree.is_chain and tree.tokens == line
+    assert proposer.cache.offset == proposer.entries  # the draft entries were cut off
+    monkeypatch.setattr(head_module, "BRANCH", 3)
+    monkeypatch.setattr(head_module, "BEAM", 4)
+    wide = proposer.propose_tree(ctx, 5, 64)
+    first = max(wide.children()[0], key=lambda n: wide.scores[n - 1])
+    assert wide.tokens[first - 1] == line[0] and not wide.is_chain
+    best_child = max(wide.children()[first], key=lambda n: wide.scores[n - 1])
+    assert wide.tokens[best_child - 1] == line[1]  # a level pass gives the line's 2nd token
+    assert proposer.propose(ctx, 5).tokens == line
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -27,30 +27,37 @@ def runtime(smollm2):
 
 
 @pytest.mark.parametrize(
-    "proposer,k",
+    "proposer,k,tree",
     [
-        ("prompt-lookup", None),
-        ("self-spec", 3),
-        ("draft-model", 3),
-        ("auto", None),
-        ("head", 4),
-        ("head", None),
+        ("prompt-lookup", None, False),
+        ("self-spec", 3, False),
+        ("draft-model", 3, False),
+        ("auto", None, False),
+        ("head", 4, False),
+        ("head", None, False),
+        ("prompt-lookup", None, True),
+        ("head", 4, True),
+        ("lookup-head", None, True),
     ],
 )
-def test_every_proposer_is_lossless_on_smollm2(runtime, smollm2, proposer, k):
+def test_every_proposer_is_lossless_on_smollm2(runtime, smollm2, proposer, k, tree):
     engine = runtime.engine
     name = runtime.proposer(proposer)
     eos = set(smollm2.tokenizer.eos_token_ids)
-    drafted = 0
+    drafted = tree_rounds = 0
     for text in PROMPTS:
         prompt = engine.encode_chat([{"role": "user", "content": text}])
         reference = plain_greedy(smollm2.model, prompt, MAX_TOKENS, eos)
-        done = list(engine.stream(prompt, GenerationSettings(max_tokens=MAX_TOKENS, k=k), name))[-1]
+        settings = GenerationSettings(max_tokens=MAX_TOKENS, k=k, tree=tree)
+        done = list(engine.stream(prompt, settings, name))[-1]
         assert_lossless(
             smollm2.model, prompt, reference, list(done.token_ids), f"{name} {text[:30]}"
         )
         drafted += done.record.drafted
+        tree_rounds += done.record.tree_rounds
     assert drafted > 0, "the proposer never drafted: nothing was tested"
+    if tree and k is not None:  # a fixed depth keeps every node: the trees branch
+        assert tree_rounds > 0, "no branching tree was verified"
 
 
 def test_copying_prompt_accepts_most_lookup_drafts(runtime):

@@ -29,7 +29,8 @@ def grow(
 ) -> DraftTree:
     """A tree of at most `budget` nodes and `depth` levels. `next_logits(path)` gives
     the drafter's (1, V) logits after `ctx.tokens + path`. `expansions` caps the calls
-    (default: depth + depth // 2: the main line plus a few side branches)."""
+    (default: depth + depth // 2: the main line plus a few side branches); the best
+    `budget` of all the nodes they produce are kept."""
     limit = expansions if expansions is not None else depth + depth // 2
     tokens: list[int] = []
     parents: list[int] = []
@@ -37,7 +38,7 @@ def grow(
     paths: dict[int, list[int]] = {0: []}
     frontier = [(-1.0, 0)]  # (-score, node): nodes that may be expanded
     done = 0
-    while frontier and done < limit and len(tokens) < budget:
+    while frontier and done < limit:
         negative, node = heapq.heappop(frontier)
         path = paths[node]
         logits = next_logits(path)
@@ -46,8 +47,8 @@ def grow(
             probs = mx.softmax(processed.astype(mx.float32), axis=-1)[0]
         else:
             probs = ctx.scorer.probabilities(processed)[0]
-        top = mx.argsort(-probs)[:branch]
-        for token, p in zip(top.tolist(), probs[top].tolist()):
+        top = mx.argpartition(-probs, branch - 1)[:branch]
+        for token, p in sorted(zip(top.tolist(), probs[top].tolist()), key=lambda c: -c[1]):
             if p <= 0:
                 break
             tokens.append(token)

@@ -11,14 +11,18 @@ then cuts those draft entries off again.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from mlxspec.drafter.head import DraftHead, lm_rows
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
-from mlxspec.proposers.growth import grow
 from mlxspec.target import Target, common_prefix_len
-from mlxspec.tree import DraftTree
+from mlxspec.tree import DraftTree, from_nodes, keep_best
+from mlxspec.tree_attention import rope_positions
+
+BRANCH = 3  # children offered per expanded node
+BEAM = 4  # nodes expanded per level
 
 
 class HeadProposer:
@@ -133,21 +137,78 @@ class HeadProposer:
         return Draft(tokens, probs)
 
     def propose_tree(self, ctx: ProposalContext, depth: int, budget: int) -> DraftTree:
-        """A tree grown best first. A node's head state comes from re-running its path
-        in one head pass (inputs: its ancestors' outputs, memoised this round), after
-        which the path's entries are cut off again."""
-        outputs = {(): self._catch_up()}  # path -> head output at the path's last token
+        """EAGLE-2's dynamic tree: level by level, the BEAM nodes of highest cumulative
+        draft probability are expanded together in ONE head pass (a tree mask over the
+        head's cache, all of them at their level's position), each offering its BRANCH
+        likeliest children; the best `budget` nodes of the whole tree are kept. So a
+        tree costs about the head passes of a line of the same depth."""
+        history = list(ctx.tokens)
+        outputs = {0: self._catch_up()}  # node -> head output (1, 1, d) at the node
+        real = self.cache.offset  # entries made from the target's own hidden states
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = [1.0]  # scores[n] for node n (the root's is 1)
+        paths: dict[int, list[int]] = {0: []}
+        slots: dict[int, int] = {}  # node -> its place among this round's head entries
+        level = [0]
+        for d in range(1, depth + 1):
+            g = mx.concatenate([outputs[n] for n in level], axis=1)
+            probs = self._probs(ctx, g, [history + paths[n] for n in level])
+            top = mx.argpartition(-probs, BRANCH - 1, axis=-1)[:, :BRANCH]
+            chosen = mx.take_along_axis(probs, top, axis=-1)
+            children = []
+            for row, node in enumerate(level):
+                for token, p in zip(top[row].tolist(), chosen[row].tolist()):
+                    if p > 0:
+                        tokens.append(token)
+                        parents.append(node)
+                        scores.append(scores[node] * p)
+                        paths[len(tokens)] = [*paths[node], token]
+                        children.append(len(tokens))
+            if d == depth or not children:
+                break
+            level = sorted(children, key=lambda n: -scores[n])[:BEAM]
+            outputs.update(self._expand(level, parents, tokens, slots, outputs, real, d))
+        self.cache.trim(self.cache.offset - real)
+        return keep_best(from_nodes(tokens, parents, scores[1:]), budget)
 
-        def next_logits(path: list[int]) -> mx.array:
-            key = tuple(path)
-            if key not in outputs:
-                hidden = mx.concatenate(
-                    [self.head.feedback(outputs[key[:i]]) for i in range(len(key))], axis=1
-                )
-                embeds = self.decoder.embed(mx.array([path]))
-                mask = create_attention_mask(hidden, self.cache)
-                outputs[key] = self.head(hidden, embeds, mask, self.cache)[:, -1:]
-                self.cache.trim(len(key))
-            return self._full_logits(outputs[key])
+    def _probs(self, ctx: ProposalContext, g: mx.array, prefixes: list[list[int]]) -> mx.array:
+        """Draft distributions (F, V) at F nodes, under the sampling settings."""
+        small = self.head.logits(g, self.rows)[0]
+        full = mx.full((small.shape[0], self.vocab_size), -mx.inf, dtype=small.dtype)
+        full[:, self.head.vocab] = small
+        processed = ctx.scorer.process_rows(full, lambda i: prefixes[i])
+        if ctx.scorer.settings.greedy:
+            return mx.softmax(processed.astype(mx.float32), axis=-1)
+        return ctx.scorer.probabilities(processed)
 
-        return grow(ctx, next_logits, depth, budget)
+    def _expand(
+        self,
+        level: list[int],
+        parents: list[int],
+        tokens: list[int],
+        slots: dict[int, int],
+        outputs: dict[int, mx.array],
+        real: int,
+        depth: int,
+    ) -> dict[int, mx.array]:
+        """Head outputs of the `level` nodes (all at `depth`), in one pass that appends
+        their entries; each attends the real entries, its ancestors' entries and itself."""
+        appended = self.cache.offset - real
+        sees = np.zeros((len(level), appended + len(level)), dtype=bool)
+        for row, node in enumerate(level):
+            sees[row, appended + row] = True
+            ancestor = parents[node - 1]
+            while ancestor:
+                sees[row, slots[ancestor]] = True
+                ancestor = parents[ancestor - 1]
+            slots[node] = appended + row
+        mask = mx.array(np.concatenate([np.ones((len(level), real), dtype=bool), sees], axis=1))
+        hidden = mx.concatenate(
+            [self.head.feedback(outputs[parents[n - 1]]) for n in level], axis=1
+        )
+        embeds = self.decoder.embed(mx.array([[tokens[n - 1] for n in level]]))
+        # Every node of a level sits where a line's draft of that depth would.
+        with rope_positions(self.head, [(0, len(level), 0)], base=real + depth - 1):
+            g = self.head(hidden, embeds, mask, self.cache)
+        return {node: g[:, row : row + 1] for row, node in enumerate(level)}
