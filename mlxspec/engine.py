@@ -174,10 +174,10 @@ class Engine:
         eos = set(self.tokenizer.eos_token_ids)
         text = TextStream(self.tokenizer, settings.stop)
         needs_hidden = bool(proposer and proposer.needs_hidden)
-        use_tree = settings.tree and proposer is not None
-        if use_tree and self.target.tree_unsupported:
+        can_tree = not self.target.tree_unsupported
+        use_tree = settings.tree and proposer is not None and can_tree
+        if settings.tree and not can_tree:
             record.tree_unavailable = self.target.tree_unsupported
-            use_tree = False
         record.tree = use_tree
 
         start = time.perf_counter()
@@ -197,7 +197,7 @@ class Engine:
             left = max_tokens - len(produced) - 1
             situation, k = policy.choose_among(candidates(proposer, ctx), left)
             draft_start = time.perf_counter()
-            if use_tree and k:
+            if k and (use_tree or (can_tree and getattr(situation.source, "always_tree", False))):
                 tree = self._draft_tree(situation.source, ctx, k, settings.tree_nodes, policy)
                 draft = None
             else:
@@ -219,8 +219,11 @@ class Engine:
             policy.observe_verify(len(tree) + 1, time.perf_counter() - round_start)
 
             # 3. Accept: a path of the tree (for a line, a prefix of it).
+            choices = scorer.greedy_tokens(processed) if sampling.greedy else None
+            if tree.tokens and hasattr(situation.source, "verified"):
+                situation.source.verified(tree, choices or scorer.greedy_tokens(processed))
             if sampling.greedy:
-                path, own_token = greedy_walk(tree, scorer.greedy_tokens(processed))
+                path, own_token = greedy_walk(tree, choices)
             elif draft is not None and draft.probs is not None:  # a drafter's own q
                 target_probs = np.asarray(scorer.probabilities(processed))
                 draft_probs = _match_width(draft.probs, target_probs.shape[-1])

@@ -187,8 +187,11 @@ class Policy:
         rate = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
         per_draft = self.draft_cost.get(situation.source.name, situation.source.cost_hint)
         best_k, best_speed = 0, 1.0
+        # A source may verify more nodes than the depth it drafts (lookahead's window).
+        nodes = getattr(situation.source, "verify_nodes", lambda k: k)
         for k in range(1, limit + 1):
-            speed = expected_tokens(rate, k) / (self.verify_cost(k + 1) + k * per_draft)
+            cost = self.verify_cost(nodes(k) + 1) + k * per_draft
+            speed = expected_tokens(rate, k) / cost
             if speed > best_speed:
                 best_k, best_speed = k, speed
         return best_k, best_speed

@@ -18,6 +18,7 @@ from mlxspec.loading import LoadedModel, LoadError, fetch_weights, load_model
 from mlxspec.proposers import (
     Chain,
     DraftModel,
+    Lookahead,
     PromptLookup,
     Proposer,
     SelfSpeculation,
@@ -66,6 +67,10 @@ class Runtime:
                 return self._draft_model(config)
             if config.kind == "head":
                 return self._head(config)
+            if config.kind == "lookahead":
+                return Lookahead(
+                    config.name, options["window"], options["ngram"], options["guesses"]
+                )
             if config.kind == "chain":
                 members = [
                     self.engine.proposers.get(m) or self._build(self.entry.proposer(m))

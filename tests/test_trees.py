@@ -14,7 +14,7 @@ from test_sampling import CRITICAL_DF5, P, chi_square
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.engine import Engine, GenerationSettings
-from mlxspec.proposers import PromptLookup, Situation
+from mlxspec.proposers import Lookahead, PromptLookup, ProposalContext, Situation
 from mlxspec.sampling import SamplingSettings, sample_from
 from mlxspec.target import Target
 from mlxspec.tree import (
@@ -229,3 +229,40 @@ def test_the_bench_runner_verifies_trees_and_reports_them():
     assert tree.tree_nodes > 3 * tree.tree_rounds  # more than a line of 3 per round
     assert sum(tree.accepted_lengths) == tree.verify_steps
     assert tree.tokens == line.tokens
+
+
+def test_lookahead_takes_the_next_jacobi_iterate_and_its_ngrams():
+    look = Lookahead(window=3, ngram=2, guesses=2)
+    ctx = ProposalContext([1, 2, 3], None, None, None)
+    tree = look.propose_tree(ctx, 3, 32)
+    assert tree.tokens == [3, 3, 3] and tree.is_chain  # a fresh window repeats the pending
+    look.verified(tree, [7, 8, 9, 4])  # target outputs at the root and the three guesses
+    assert look.guess == [7, 8, 9]
+    assert look.pool[7] and list(look.pool[8]) == [(9,)]
+    # Two tokens later (one accepted, one corrected) the window has moved on by two.
+    ctx = ProposalContext([1, 2, 3, 7, 5], None, None, None)
+    tree = look.propose_tree(ctx, 3, 32)
+    assert tree.path_tokens(3) == [9, 9, 9]
+    with pytest.raises(ValueError):
+        Lookahead(window=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "lfm2"])
+def test_lookahead_is_lossless_and_gets_drafts_accepted(family):
+    tokenizer = byte_tokenizer()
+    model = tiny_model(family, seed=2)
+    engine = Engine(model, tokenizer, family, [Lookahead()], verify_cost=CPU_LIKE_COST)
+    eos = set(tokenizer.eos_token_ids)
+    accepted = tree_rounds = 0
+    for prompt in prompts_for(5):
+        reference = plain_greedy(model, prompt, MAX_TOKENS, eos)
+        for k in [4, None]:
+            settings = GenerationSettings(max_tokens=MAX_TOKENS, k=k)
+            done = list(engine.stream(prompt, settings, "lookahead"))[-1]
+            label = f"{family} lookahead k={k} prompt={prompt[:5]}..."
+            assert_lossless(model, prompt, reference, list(done.token_ids), label)
+            accepted += done.record.accepted
+            tree_rounds += done.record.tree_rounds
+    if family != "gemma3_text":  # its random output never repeats: nothing to guess
+        assert accepted > 0, "lookahead never guessed right on a looping random model"
+    assert (tree_rounds > 0) == (family in ("llama", "qwen3"))  # others: the window as a line

@@ -3,6 +3,7 @@
 from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation
 from mlxspec.proposers.chain import Chain
 from mlxspec.proposers.draft_model import DraftModel, check_same_vocabulary, truncated_model
+from mlxspec.proposers.lookahead import Lookahead
 from mlxspec.proposers.lookup import PromptLookup
 from mlxspec.proposers.self_spec import SelfSpeculation
 
@@ -10,6 +11,7 @@ __all__ = [
     "Chain",
     "Draft",
     "DraftModel",
+    "Lookahead",
     "PromptLookup",
     "ProposalContext",
     "Proposer",
