@@ -14,7 +14,15 @@ from mlxspec import device
 from mlxspec.anatomy import Decoder, split_decoder
 from mlxspec.drafter.data import DataStore, add_file, add_text, chat_prompts, self_distill
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
-from mlxspec.drafter.train import CHECKPOINT, Progress, TrainSettings, choose_vocab, coverage, train
+from mlxspec.drafter.train import (
+    CHECKPOINT,
+    HeadStudent,
+    Progress,
+    TrainSettings,
+    choose_vocab,
+    coverage,
+    train,
+)
 from mlxspec.loading import LoadedModel
 from mlxspec.registry import ModelEntry, register_proposer
 
@@ -125,7 +133,8 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
             )
         bar.refresh()
 
-    progress = train(head, decoder, training, eval_shards, job.out, job.train, report)
+    student = HeadStudent(head, decoder, job.train.feature_weight)
+    progress = train(student, training, eval_shards, job.out, job.train, report)
     bar.close()
     record = {
         "target": entry.target,
