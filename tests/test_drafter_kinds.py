@@ -1,8 +1,9 @@
-"""train-drafter's other kinds: an exit head for self-speculation, trained on a tiny
-random target; it drafts losslessly."""
+"""train-drafter's other kinds: a distilled draft model and an exit head for
+self-speculation, trained on a tiny random target; the exit head drafts losslessly."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from lossless import assert_lossless, plain_greedy
 from test_drafter import target_sequences
@@ -10,6 +11,7 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.anatomy import split_decoder
 from mlxspec.drafter.data import DataStore, teacher_hidden
+from mlxspec.drafter.distill import ModelStudent
 from mlxspec.drafter.exit import ExitError, ExitStudent, build_exit, load_exit, save_exit
 from mlxspec.drafter.train import Batches, TrainSettings, choose_vocab, train
 from mlxspec.engine import Engine, GenerationSettings
@@ -76,3 +78,16 @@ def test_self_spec_with_an_exit_head_is_lossless_and_reloads(teacher, exit_head,
         SelfSpeculation(engine.target, 2, exit_head=loaded)
     with pytest.raises(ExitError, match="no exit head"):
         load_exit(tmp_path / "missing", decoder)
+
+
+def test_distilled_student_learns_with_frozen_embedding(teacher, tmp_path):
+    model, decoder, store, vocab = teacher
+    student = ModelStudent(model, decoder, 1, vocab)
+    embedding = mx.array(student.module.model.embed_tokens.weight)
+    before, after, progress = fit(student, store, tmp_path, 100)
+    start, end = progress.curve[0], progress.curve[-1]
+    print(f"loss {before:.3f} -> {after:.3f}; acceptance {start} -> {end}")
+    assert after < 0.7 * before
+    assert end["first_token_acceptance"] > start["first_token_acceptance"]
+    assert mx.array_equal(student.module.model.embed_tokens.weight, embedding)
+    assert not mx.array_equal(student.module.model.norm.weight, model.model.norm.weight)
