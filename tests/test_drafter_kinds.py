@@ -1,15 +1,21 @@
-"""train-drafter's other kinds: a distilled draft model and an exit head for
-self-speculation, trained on a tiny random target; the exit head drafts losslessly."""
+"""train-drafter's other kinds: a distilled draft model (mlx-lm format) and an exit head
+for self-speculation, trained on a tiny random target; both draft losslessly."""
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import pytest
+from click.testing import CliRunner
 from lossless import assert_lossless, plain_greedy
+from test_cli import assert_one_line_error
 from test_drafter import target_sequences
+from test_loading import save_tiny_llama
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.anatomy import split_decoder
+from mlxspec.cli import main
 from mlxspec.drafter.data import DataStore, teacher_hidden
 from mlxspec.drafter.distill import ModelStudent
 from mlxspec.drafter.exit import ExitError, ExitStudent, build_exit, load_exit, save_exit
@@ -91,3 +97,70 @@ def test_distilled_student_learns_with_frozen_embedding(teacher, tmp_path):
     assert end["first_token_acceptance"] > start["first_token_acceptance"]
     assert mx.array_equal(student.module.model.embed_tokens.weight, embedding)
     assert not mx.array_equal(student.module.model.norm.weight, model.model.norm.weight)
+
+
+def tiny_entry(tmp_path, monkeypatch) -> None:
+    """A saved tiny 2-layer llama as models.toml entry 'tiny'."""
+    save_tiny_llama(tmp_path / "tiny")
+    models = tmp_path / "models.toml"
+    models.write_text(f'[models.tiny]\ntarget = "{tmp_path / "tiny"}"\n')
+    monkeypatch.setenv("MLXSPEC_MODELS", str(models))
+
+
+def train_and_compare(kind: str, out, proposer: str) -> None:
+    """`train-drafter --kind KIND` registers PROPOSER, which drafts in `generate` with
+    output identical to plain decoding."""
+    args = ["--model", "tiny", "--kind", kind, "--layers", "1", "--out", str(out)]
+    args += ["--budget", "0.1", "--prompts", "8", "--text-tokens", "600"]
+    result = CliRunner().invoke(main, ["train-drafter", *args])
+    assert result.exit_code == 0, result.output
+    assert f"registered as proposer '{proposer}'" in result.output
+
+    def generate(proposer):
+        args = ["generate", "hello there", "-m", "tiny", "-p", proposer, "-n", "24", "--json"]
+        result = CliRunner().invoke(main, [*args, "--k", "3"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    spec, plain = generate(proposer), generate("none")
+    assert spec["record"]["proposer"] == proposer and spec["record"]["drafted"] > 0
+    assert spec["token_ids"] == plain["token_ids"]
+
+
+def test_train_drafter_model_kind_saves_an_mlx_lm_draft_model(tmp_path, monkeypatch):
+    """From a target folder to a registered draft model that mlx-lm loads too."""
+    from mlx_lm import load
+
+    tiny_entry(tmp_path, monkeypatch)
+    train_and_compare("model", tmp_path / "draft", "distilled")
+    record = json.loads((tmp_path / "draft" / "training.json").read_text())
+    assert record["kind"] == "model" and record["layers"] == 1 and record["steps"] > 0
+    draft, tokenizer = load(str(tmp_path / "draft"))
+    assert len(draft.layers) == 1
+    assert tokenizer.get_vocab() == byte_tokenizer().get_vocab()
+    assert draft(mx.array([[1, 2, 3]])).shape == (1, 3, VOCAB)
+
+
+def test_train_drafter_exit_kind_registers_self_spec_with_the_head(tmp_path, monkeypatch):
+    tiny_entry(tmp_path, monkeypatch)
+    train_and_compare("exit", tmp_path / "exit", "self-spec-exit")
+    record = json.loads((tmp_path / "exit" / "exit.json").read_text())["record"]
+    assert record["kind"] == "exit" and record["layers"] == 1
+    assert record["layer_skip_acceptance"] == record["curve"][0]["first_token_acceptance"]
+    assert 'exit = "' in (tmp_path / "models.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--kind", "model", "--layers", "2"], "--layers must be in 1..1 for this 2-layer"),
+        (["--kind", "exit", "--layers", "5"], "--layers must be in 1..1 for this 2-layer"),
+        (["--kind", "exit", "--layers", "0"], "--layers"),
+        (["--kind", "head", "--layers", "1"], "--layers is for --kind model and --kind exit"),
+    ],
+)
+def test_train_drafter_refuses_bad_layers_in_one_line(tmp_path, monkeypatch, extra, needle):
+    tiny_entry(tmp_path, monkeypatch)
+    args = ["train-drafter", "--model", "tiny", "--out", str(tmp_path / "d"), *extra]
+    assert_one_line_error(CliRunner().invoke(main, args), needle)
+    assert not (tmp_path / "d" / "data").exists()  # refused before making any data
