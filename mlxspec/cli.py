@@ -458,20 +458,28 @@ def bench(
 
 
 @main.command("train-drafter")
-@click.option("--model", "-m", help="Entry in models.toml whose target the head drafts for.")
+@click.option("--model", "-m", help="Entry in models.toml whose target the drafter drafts for.")
 @click.option(
     "--kind",
-    type=click.Choice(["head"]),
+    type=click.Choice(["head", "model", "exit"]),
     default="head",
     show_default=True,
-    help="head: one transformer layer reading the target's hidden state (EAGLE/MTP style).",
+    help="head: one transformer layer reading the target's hidden state (EAGLE/MTP style); "
+    "model: a small mlx-lm draft model, the target's first --layers layers distilled; "
+    "exit: an exit head after the target's first --layers layers, for self-spec.",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    help="model/exit: how many of the target's layers (default: 1/8 of them for a model, "
+    "half for an exit head).",
 )
 @click.option(
     "--out",
     "out",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Folder for the head (and its checkpoint: rerun to resume).",
+    help="Folder for the drafter (and its checkpoint: rerun to resume).",
 )
 @click.option(
     "--budget",
@@ -520,19 +528,18 @@ def bench(
     "--register/--no-register",
     default=True,
     show_default=True,
-    help="Add the head to your models.toml as a proposer of MODEL.",
+    help="Add the drafter to your models.toml as a proposer of MODEL.",
 )
 @click.option(
     "--name",
     "proposer_name",
-    default="head",
-    show_default=True,
-    help="Proposer name to register it under.",
+    help="Proposer name to register it under (default: head, distilled or self-spec-exit).",
 )
 @fail_cleanly
 def train_drafter(
     model,
     kind,
+    layers,
     out,
     budget,
     extra_text,
@@ -544,17 +551,18 @@ def train_drafter(
     register,
     proposer_name,
 ):
-    """Train a drafter head for a model, on this machine, and register it.
+    """Train a drafter for a model, on this machine, and register it.
 
     \b
-    Example:
+    Examples:
       mlxspec train-drafter --model smollm2-135m --budget 30 --out ~/heads/smollm2
       mlxspec chat --model smollm2-135m --proposer head
+      mlxspec train-drafter -m smollm2-135m --kind model --layers 4 --out ~/drafts/smol4
+      mlxspec train-drafter -m smollm2-135m --kind exit --layers 12 --out ~/exits/smol12
     """
-    from mlxspec.drafter.command import DrafterJob
+    from mlxspec.drafter.command import DrafterJob, train_settings
     from mlxspec.drafter.command import train_drafter as run_job
     from mlxspec.drafter.head import HeadError
-    from mlxspec.drafter.train import TrainSettings
     from mlxspec.loading import load_model
 
     entry = load_registry().get(model)
@@ -572,9 +580,11 @@ def train_drafter(
         text_tokens=text_tokens,
         extra_text=extra_text,
         vocab=vocab,
-        train=TrainSettings(budget_minutes=budget),
+        train=train_settings(kind, budget),
         register=register,
         proposer_name=proposer_name,
+        kind=kind,
+        layers=layers,
     )
     try:
         record = run_job(entry, loaded, job, say)

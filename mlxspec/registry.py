@@ -161,7 +161,10 @@ _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
     for kind, options in {
         "prompt-lookup": {"ngram_max": _int(1, 4), "ngram_min": _int(1, 2)},
         "draft-model": {"draft": _REFERENCE, "draft_layers": _int(1, None)},
-        "self-spec": {"layers": _int(1)},
+        "self-spec": {
+            "layers": _int(1),
+            "exit": _Option(str, "a path or hub repo id of an exit head", None, reference=True),
+        },
         "head": {"path": _Option(str, "a path or hub repo id of a drafter head", reference=True)},
         "chain": {"members": _Option(list, "a non-empty list of proposer names", ok=bool)},
         "lookahead": {"window": _int(1, 5), "ngram": _int(2, 4), "guesses": _int(0, 3)},
@@ -423,7 +426,7 @@ def load_registry(user_file: Path | None = None) -> Registry:
     return Registry(MappingProxyType(entries), default, tuple(files), user or user_file_path())
 
 
-def register_proposer(model: str, proposer: str, options: Mapping[str, str], note: str) -> Path:
+def register_proposer(model: str, proposer: str, options: Mapping[str, Any], note: str) -> Path:
     """Add (or replace) `[models.MODEL.proposers.PROPOSER]` in the user's models.toml.
 
     Written as an extension of the entry (no target), so the shipped entry keeps its

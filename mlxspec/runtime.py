@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxspec.anatomy import UnsupportedModel
+from mlxspec.drafter.exit import EXIT_PATTERNS, load_exit
 from mlxspec.drafter.head import HEAD_PATTERNS, HeadError, load_head
 from mlxspec.engine import Engine
 from mlxspec.loading import LoadedModel, LoadError, fetch_weights, load_model
@@ -60,9 +61,7 @@ class Runtime:
                     config.name, options["ngram_max"], options["ngram_min"], options["k_max"]
                 )
             if config.kind == "self-spec":
-                return SelfSpeculation(
-                    self.engine.target, options["layers"], config.name, options["k_max"]
-                )
+                return self._self_spec(config)
             if config.kind == "draft-model":
                 return self._draft_model(config)
             if config.kind == "head":
@@ -85,6 +84,14 @@ class Runtime:
             f"proposer '{config.name}' is of kind '{config.kind}', which this version of mlxspec "
             "cannot run yet; pick another with --proposer"
         )
+
+    def _self_spec(self, config: ProposerConfig) -> SelfSpeculation:
+        target, options = self.engine.target, config.options
+        exit_head = None
+        if options.get("exit"):
+            path = fetch_weights(options["exit"], patterns=EXIT_PATTERNS)
+            exit_head = load_exit(path, target.decoder)
+        return SelfSpeculation(target, options["layers"], config.name, options["k_max"], exit_head)
 
     def _head(self, config: ProposerConfig) -> HeadProposer:
         target = self.engine.target

@@ -17,7 +17,14 @@ from mlxspec.anatomy import split_decoder
 from mlxspec.drafter.data import DataStore, teacher_hidden
 from mlxspec.drafter.formats import convert_published
 from mlxspec.drafter.head import HeadError, HeadSpec, build_head, lm_rows, load_head, save_head
-from mlxspec.drafter.train import Batches, TrainSettings, choose_vocab, make_loss, train
+from mlxspec.drafter.train import (
+    Batches,
+    HeadStudent,
+    TrainSettings,
+    choose_vocab,
+    make_loss,
+    train,
+)
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.proposers import Chain, PromptLookup
 from mlxspec.proposers.base import ProposalContext
@@ -56,9 +63,8 @@ def trained(tmp_path_factory):
     batch = Batches(store.shards("held-out"), 48, 6, seed=0).next()
     before = loss(head, *batch).item()
     out = tmp_path_factory.mktemp("head")
-    progress = train(
-        head, decoder, store.shards("self-distill"), store.shards("held-out"), out, settings
-    )
+    student = HeadStudent(head, decoder, settings.feature_weight)
+    progress = train(student, store.shards("self-distill"), store.shards("held-out"), out, settings)
     after = loss(head, *batch).item()
     return model, head, progress, (before, after), out
 

@@ -276,7 +276,7 @@ BROKEN = [
         _proposer("self-spec", "layers = 4\nngram_max = 3"),
         True,
         "unknown key 'ngram_max' in [models.foo.proposers.self-spec]; "
-        "known keys: layers, k_max, kind",
+        "known keys: layers, exit, k_max, kind",
     ),
     ("no layers", _proposer("self-spec", ""), True, "self-spec] is missing layers; add"),
     ("no draft", _proposer("draft-model", ""), True, "draft-model] is missing draft"),

@@ -1,4 +1,11 @@
-"""`mlxspec train-drafter`: make teacher data once, train a head, save and register it."""
+"""`mlxspec train-drafter`: make teacher data once, train a drafter, save and register it.
+
+Three kinds share the data, the draft vocabulary and the training loop:
+- `head`: an EAGLE/MTP-style head reading the target's hidden state (proposer kind head);
+- `model`: a small standalone mlx-lm model, the target's first M layers distilled
+  (proposer kind draft-model; mlx-lm can use it too);
+- `exit`: an exit head after the target's first L layers (proposer kind self-spec).
+"""
 
 from __future__ import annotations
 
@@ -12,13 +19,26 @@ from tqdm import tqdm
 
 from mlxspec import device
 from mlxspec.anatomy import Decoder, split_decoder
+from mlxspec.drafter import distill
 from mlxspec.drafter.data import DataStore, add_file, add_text, chat_prompts, self_distill
+from mlxspec.drafter.exit import ExitStudent, build_exit, save_exit
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
-from mlxspec.drafter.train import CHECKPOINT, Progress, TrainSettings, choose_vocab, coverage, train
+from mlxspec.drafter.train import (
+    HeadStudent,
+    Progress,
+    Student,
+    TrainSettings,
+    check_layers,
+    choose_vocab,
+    coverage,
+    train,
+)
 from mlxspec.loading import LoadedModel
 from mlxspec.registry import ModelEntry, register_proposer
 
 HELD_OUT = "held-out"
+KINDS = ("head", "model", "exit")
+PROPOSER_NAMES = {"head": "head", "model": "distilled", "exit": "self-spec-exit"}
 
 
 @dataclass
@@ -33,7 +53,23 @@ class DrafterJob:
     vocab: int = 8192
     train: TrainSettings = None  # type: ignore[assignment]
     register: bool = True
-    proposer_name: str = "head"
+    proposer_name: str | None = None  # None: PROPOSER_NAMES[kind]
+    kind: str = "head"
+    layers: int | None = None  # model / exit: how many of the target's layers (None: default)
+
+
+# Per kind, what differs from TrainSettings' defaults (those suit a head).
+KIND_SETTINGS: dict[str, dict] = {
+    "head": {},
+    # Pretrained layers: gentler steps (1e-3 was no better over 30 steps on SmolLM2, and
+    # bumpier); a held-out measure costs ~25 s on a 2-core CPU (a full-vocabulary head).
+    "model": {"learning_rate": 3e-4, "batch": 4, "eval_every_seconds": 240.0},
+    "exit": {"batch": 4, "window": 128},  # each batch runs L target layers first
+}
+
+
+def train_settings(kind: str, budget_minutes: float) -> TrainSettings:
+    return TrainSettings(budget_minutes=budget_minutes, **KIND_SETTINGS[kind])
 
 
 def _bar(description: str) -> Callable[[int, int], None]:
@@ -92,27 +128,62 @@ def make_data(
     return store
 
 
+def make_student(
+    entry: ModelEntry, loaded: LoadedModel, decoder: Decoder, job: DrafterJob, vocab: mx.array
+) -> Student:
+    """A fresh drafter of `job.kind` (bad --layers raise ValueError)."""
+    total = len(decoder.layers)
+    if job.kind == "head":
+        spec = HeadSpec(
+            hidden_size=decoder.norm.weight.shape[0],
+            vocab_size=decoder.embed.weight.shape[0],
+            target=entry.target,
+            final_norm=True,
+            feed_normed=True,
+        )
+        head = build_head(spec, loaded.model, vocab)
+        return HeadStudent(head, decoder, job.train.feature_weight)
+    if job.kind == "model":
+        layers = distill.default_layers(total) if job.layers is None else job.layers
+        return distill.ModelStudent(loaded.model, decoder, layers, vocab)
+    if job.kind == "exit":
+        layers = total // 2 if job.layers is None else job.layers
+        return ExitStudent(build_exit(decoder, layers, vocab, entry.target), decoder)
+    raise ValueError(f"unknown drafter kind {job.kind!r}; choose one of: {', '.join(KINDS)}")
+
+
+def save_student(student: Student, loaded: LoadedModel, job: DrafterJob, record: dict) -> dict:
+    """Save the trained drafter in its kind's format; the proposer options that use it."""
+    where = str(job.out.resolve())
+    if isinstance(student, HeadStudent):
+        student.module.spec.record = record
+        save_head(student.module, job.out)
+        return {"kind": "head", "path": where}
+    if isinstance(student, distill.ModelStudent):
+        distill.save_draft_model(student.module, loaded, job.out, record)
+        return {"kind": "draft-model", "draft": where}
+    student.module.spec.record = record
+    save_exit(student.module, job.out)
+    return {"kind": "self-spec", "layers": student.layers, "exit": where}
+
+
 def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) -> dict:
-    """The whole job; returns the training record that is also saved with the head."""
+    """The whole job; returns the training record that is also saved with the drafter."""
     started = time.perf_counter()
     decoder = split_decoder(loaded.model)
+    if job.kind == "head" and job.layers is not None:  # before making any data
+        raise ValueError("--layers is for --kind model and --kind exit; a head has none")
+    if job.layers is not None:
+        check_layers(job.layers, len(decoder.layers))
     store = make_data(entry, loaded, decoder, job, say)
     training = [s for src in ("self-distill", "text", "file") for s in store.shards(src)]
     answers = store.shards("self-distill") or training
     eval_shards = store.shards(HELD_OUT)
     vocab_size = decoder.embed.weight.shape[0]
     vocab = choose_vocab(answers, job.vocab, vocab_size, set(loaded.tokenizer.eos_token_ids))
-    spec = HeadSpec(
-        hidden_size=decoder.norm.weight.shape[0],
-        vocab_size=vocab_size,
-        target=entry.target,
-        final_norm=True,
-        feed_normed=True,
-    )
-    head = build_head(spec, loaded.model, vocab)
-    resume = job.out / CHECKPOINT
-    if resume.is_dir():
-        say(f"resuming from {resume}")
+    student = make_student(entry, loaded, decoder, job, vocab)
+    if (job.out / student.checkpoint).is_dir():
+        say(f"resuming from {job.out / student.checkpoint}")
     bar = tqdm(total=round(job.train.budget_minutes * 60), desc="training", unit="s")
 
     def report(progress: Progress, metrics: dict | None) -> None:
@@ -125,9 +196,10 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
             )
         bar.refresh()
 
-    progress = train(head, decoder, training, eval_shards, job.out, job.train, report)
+    progress = train(student, training, eval_shards, job.out, job.train, report)
     bar.close()
     record = {
+        "kind": job.kind,
         "target": entry.target,
         "model": entry.name,
         "trained_on": device.describe(),
@@ -146,15 +218,17 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
         "curve": progress.curve,
         "total_seconds": round(time.perf_counter() - started, 1),
     }
-    head.spec.record = record
-    save_head(head, job.out)
-    mx.eval(head.parameters())
+    if job.kind != "head":
+        record["layers"] = student.layers
+        record["target_layers"] = len(decoder.layers)
+    if isinstance(student, ExitStudent):
+        record["layer_skip_acceptance"] = student.layer_skip_acceptance
+    options = save_student(student, loaded, job, record)
+    mx.eval(student.module.parameters())
     if job.register:
-        path = register_proposer(
-            entry.name,
-            job.proposer_name,
-            {"kind": "head", "path": str(job.out.resolve())},
-            f"added by mlxspec train-drafter on {time.strftime('%Y-%m-%d %H:%M')}",
-        )
-        say(f"registered as proposer '{job.proposer_name}' of '{entry.name}' in {path}")
+        name = job.proposer_name or PROPOSER_NAMES[job.kind]
+        when = time.strftime("%Y-%m-%d %H:%M")
+        note = f"added by mlxspec train-drafter --kind {job.kind} on {when}"
+        path = register_proposer(entry.name, name, options, note)
+        say(f"registered as proposer '{name}' of '{entry.name}' in {path}")
     return record

@@ -1,6 +1,10 @@
-"""Training a drafter head on cached teacher data (see `data.py`).
+"""Training drafters on cached teacher data (see `data.py`).
 
-Loss per position i (the head sees h_i and x_{i+1}, and guesses h_{i+1}):
+One loop (`train`) fits any `Student`: the head below, a small draft model
+(`distill.py`) or an exit head for self-speculation (`exit.py`). Each brings its own
+loss against the teacher's distribution and its own held-out agreement measure.
+
+Head loss per position i (the head sees h_i and x_{i+1}, and guesses h_{i+1}):
 KL(teacher || head) over the draft vocabulary, where the teacher's logits are the
 target's LM head rows applied to h_{i+1}, plus a small smooth-L1 pull of the head's
 features towards h_{i+1} (EAGLE's feature loss), which is what lets later draft steps
@@ -17,9 +21,10 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,6 +37,7 @@ from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import DraftHead, lm_rows
 
 CHECKPOINT = "checkpoint"
+EVAL_POSITIONS = 64 * 150  # held-out answer positions an agreement measure reads (about)
 
 
 @dataclass
@@ -41,11 +47,33 @@ class TrainSettings:
     window: int = 256
     learning_rate: float = 1e-3
     warmup_steps: int = 50
-    feature_weight: float = 0.1  # smooth-L1 on g vs the next hidden state
+    feature_weight: float = 0.1  # heads: smooth-L1 on g vs the next hidden state
     eval_every_seconds: float = 120.0
     checkpoint_every_seconds: float = 300.0
     seed: int = 0
     max_steps: int | None = None  # stop after this many steps too (tests: reproducible)
+
+
+class Student(Protocol):
+    """What `train` fits: a module whose trainable parameters are learnt, a loss on a
+    batch of teacher data, and held-out greedy agreement with the target."""
+
+    module: nn.Module
+    checkpoint: str  # folder under OUT: a run resumes only a run of the same kind
+
+    def loss(
+        self, module: nn.Module, tokens: mx.array, hidden: mx.array, mask: mx.array
+    ) -> mx.array: ...
+
+    def agreement(self, shards: list[Shard]) -> dict: ...
+
+
+def check_layers(layers: int, total: int, what: str = "--layers") -> None:
+    """Drafters made of the target's first layers need at least one and fewer than all."""
+    if not 1 <= layers < total:
+        raise ValueError(
+            f"{what} must be in 1..{total - 1} for this {total}-layer target, got {layers}"
+        )
 
 
 @dataclass
@@ -138,58 +166,79 @@ def make_loss(decoder: Decoder, rows: mx.array, feature_weight: float):
     return loss_fn
 
 
-def agreement(
-    head: DraftHead, decoder: Decoder, rows: mx.array, shards: list[Shard], limit: int = 64
-) -> dict:
+def held_out(
+    shards: list[Shard], positions: int = EVAL_POSITIONS
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """Held-out sequences (tokens, hidden, prompt length) until about `positions` answer
+    tokens: every kind of drafter is measured on the same ones."""
+    seen = 0
+    for shard in shards:
+        for tokens, hidden, prompt_length in shard.sequences():
+            if seen >= positions:
+                return
+            if len(tokens) >= 3:
+                seen += len(tokens) - prompt_length
+                yield tokens, hidden, prompt_length
+
+
+def agreement(head: DraftHead, decoder: Decoder, rows: mx.array, shards: list[Shard]) -> dict:
     """Held-out first-draft acceptance under greedy decoding: how often the head's
     argmax equals the target's argmax, on answer tokens only."""
     hits = total = 0
-    for shard in shards:
-        for tokens, hidden, prompt_length in shard.sequences():
-            if total >= limit * 150 or len(tokens) < 3:
-                continue
-            h = mx.array(hidden[None]).astype(mx.float32)
-            g = head(h[:, :-2], decoder.embed(mx.array(tokens[None, 1:-1])), "causal")
-            guess = head.vocab[mx.argmax(head.logits(g, rows), axis=-1)]
-            target_logits = decoder.head(h[:, 1:-1])  # the target's real choice, full vocabulary
-            truth = mx.argmax(target_logits, axis=-1)
-            start = max(prompt_length - 1, 0)  # positions predicting answer tokens
-            same = np.asarray(guess == truth)[0, start:]
-            hits += int(same.sum())
-            total += len(same)
+    for tokens, hidden, prompt_length in held_out(shards):
+        h = mx.array(hidden[None]).astype(mx.float32)
+        g = head(h[:, :-2], decoder.embed(mx.array(tokens[None, 1:-1])), "causal")
+        guess = head.vocab[mx.argmax(head.logits(g, rows), axis=-1)]
+        target_logits = decoder.head(h[:, 1:-1])  # the target's real choice, full vocabulary
+        truth = mx.argmax(target_logits, axis=-1)
+        start = max(prompt_length - 1, 0)  # positions predicting answer tokens
+        same = np.asarray(guess == truth)[0, start:]
+        hits += int(same.sum())
+        total += len(same)
     return {"first_token_acceptance": round(hits / max(total, 1), 4), "positions": total}
 
 
+class HeadStudent:
+    """A drafter head as a `Student` (the EAGLE-style loss and agreement above)."""
+
+    checkpoint = CHECKPOINT
+
+    def __init__(self, head: DraftHead, decoder: Decoder, feature_weight: float):
+        self.module, self.decoder = head, decoder
+        self.rows = lm_rows(decoder, head.vocab)
+        mx.eval(self.rows)
+        self.loss = make_loss(decoder, self.rows, feature_weight)
+
+    def agreement(self, shards: list[Shard]) -> dict:
+        return agreement(self.module, self.decoder, self.rows, shards)
+
+
 def train(
-    head: DraftHead,
-    decoder: Decoder,
+    student: Student,
     train_shards: list[Shard],
     eval_shards: list[Shard],
     out: Path,
     settings: TrainSettings,
     report: Callable[[Progress, dict | None], None] = lambda progress, metrics: None,
 ) -> Progress:
-    """Train `head` in place for the budget; resumes from `out/checkpoint` if present."""
-    rows = lm_rows(decoder, head.vocab)
-    mx.eval(rows)
+    """Train `student.module` in place for the budget; resumes from its checkpoint."""
+    module, folder = student.module, out / student.checkpoint
     budget = settings.budget_minutes * 60
     schedule = _Schedule(settings, budget)
     optimizer = optim.AdamW(learning_rate=settings.learning_rate, weight_decay=0.0)
-    progress = _resume(head, optimizer, out / CHECKPOINT)
+    progress = _resume(module, optimizer, folder)
     batches = Batches(train_shards, settings.window, settings.batch, settings.seed + progress.step)
-    loss_and_grad = nn.value_and_grad(head, make_loss(decoder, rows, settings.feature_weight))
+    loss_and_grad = nn.value_and_grad(module, student.loss)
 
     def step(tokens, hidden, mask):
-        loss, grads = loss_and_grad(head, tokens, hidden, mask)
+        loss, grads = loss_and_grad(module, tokens, hidden, mask)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
-        optimizer.update(head, grads)
+        optimizer.update(module, grads)
         return loss
 
     last_eval = last_checkpoint = time.perf_counter()
     if not progress.curve:
-        progress.curve.append(
-            {"step": 0, "seconds": 0.0, **agreement(head, decoder, rows, eval_shards)}
-        )
+        progress.curve.append({"step": 0, "seconds": 0.0, **student.agreement(eval_shards)})
         report(progress, progress.curve[-1])
     began, done_before = time.perf_counter(), progress.seconds
     losses: list[float] = []
@@ -202,10 +251,10 @@ def train(
         optimizer.learning_rate = schedule(progress.step, progress.seconds)
         tokens, hidden, mask = batches.next()
         loss = step(tokens, hidden, mask)
-        mx.eval(loss, head.parameters(), optimizer.state)
+        mx.eval(loss, module.parameters(), optimizer.state)
         losses.append(loss.item())
         progress.step += 1
-        progress.positions += int(mask[:, 2:].sum().item())
+        progress.positions += int(mask.sum().item())
         progress.seconds = done_before + time.perf_counter() - began
         now = time.perf_counter()
         metrics = None
@@ -214,15 +263,15 @@ def train(
                 "step": progress.step,
                 "seconds": round(progress.seconds, 1),
                 "loss": round(float(np.mean(losses[-50:])), 4),
-                **agreement(head, decoder, rows, eval_shards),
+                **student.agreement(eval_shards),
             }
             progress.curve.append(metrics)
             last_eval = time.perf_counter()
         report(progress, metrics)
         if now - last_checkpoint >= settings.checkpoint_every_seconds:
-            _save_checkpoint(head, optimizer, progress, out / CHECKPOINT)
+            _save_checkpoint(module, optimizer, progress, folder)
             last_checkpoint = time.perf_counter()
-    _save_checkpoint(head, optimizer, progress, out / CHECKPOINT)
+    _save_checkpoint(module, optimizer, progress, folder)
     return progress
 
 
@@ -238,9 +287,11 @@ class _Schedule:
         return self.settings.learning_rate * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
 
 
-def _save_checkpoint(head: DraftHead, optimizer, progress: Progress, folder: Path) -> None:
+def _save_checkpoint(module: nn.Module, optimizer, progress: Progress, folder: Path) -> None:
+    """Only what is learnt: a draft model's frozen embedding would be most of it."""
     folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "weights.safetensors"), dict(tree_flatten(head.parameters())))
+    weights = dict(tree_flatten(module.trainable_parameters()))
+    mx.save_safetensors(str(folder / "weights.safetensors"), weights)
     state = dict(tree_flatten(optimizer.state))
     mx.save_safetensors(str(folder / "optimizer.safetensors"), state)
     tmp = folder / ".progress.json.tmp"
@@ -248,10 +299,10 @@ def _save_checkpoint(head: DraftHead, optimizer, progress: Progress, folder: Pat
     tmp.replace(folder / "progress.json")
 
 
-def _resume(head: DraftHead, optimizer, folder: Path) -> Progress:
+def _resume(module: nn.Module, optimizer, folder: Path) -> Progress:
     if not (folder / "progress.json").is_file():
         return Progress()
-    head.load_weights(list(mx.load(str(folder / "weights.safetensors")).items()))
-    optimizer.init(head.trainable_parameters())
+    module.load_weights(list(mx.load(str(folder / "weights.safetensors")).items()), strict=False)
+    optimizer.init(module.trainable_parameters())
     optimizer.state = tree_unflatten(list(mx.load(str(folder / "optimizer.safetensors")).items()))
     return Progress(**json.loads((folder / "progress.json").read_text()))

@@ -62,6 +62,14 @@ class Proposer(Protocol):
     # a round that `situation` did not see (the last one of a request).
 
 
+def full_width(logits: mx.array, vocab: mx.array, vocab_size: int) -> mx.array:
+    """Draft-vocabulary logits (1, n) spread over the target's ids (others: -inf), so that
+    the sampling settings (penalties by token id, top-p...) apply unchanged."""
+    full = mx.full((logits.shape[0], vocab_size), -mx.inf, dtype=logits.dtype)
+    full[:, vocab] = logits
+    return full
+
+
 def draw(ctx: ProposalContext, logits: mx.array, history: list[int]) -> tuple[int, mx.array | None]:
     """One draft token from draft logits (1, V) under the target's sampling settings."""
     processed = ctx.scorer.process(logits, history, [])

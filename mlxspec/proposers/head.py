@@ -16,7 +16,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from mlxspec.drafter.head import DraftHead, lm_rows
-from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
+from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw, full_width
 from mlxspec.target import Target, common_prefix_len
 from mlxspec.tree import DraftTree, from_nodes, keep_best
 from mlxspec.tree_attention import rope_positions
@@ -112,12 +112,8 @@ class HeadProposer:
         return self._g
 
     def _full_logits(self, g: mx.array) -> mx.array:
-        """Draft-vocabulary logits spread over the target's ids (others: -inf), so that
-        the sampling settings (penalties by token id, top-p...) apply unchanged."""
         small = self.head.logits(g, self.rows)[:, -1, :]
-        full = mx.full((1, self.vocab_size), -mx.inf, dtype=small.dtype)
-        full[:, self.head.vocab] = small
-        return full
+        return full_width(small, self.head.vocab, self.vocab_size)
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
         history = list(ctx.tokens)
