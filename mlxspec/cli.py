@@ -461,12 +461,20 @@ def bench(
 @click.option("--model", "-m", help="Entry in models.toml whose target the drafter drafts for.")
 @click.option(
     "--kind",
-    type=click.Choice(["head", "model", "exit"]),
+    type=click.Choice(["head", "model", "exit", "medusa"]),
     default="head",
     show_default=True,
     help="head: one transformer layer reading the target's hidden state (EAGLE/MTP style); "
     "model: a small mlx-lm draft model, the target's first --layers layers distilled; "
-    "exit: an exit head after the target's first --layers layers, for self-spec.",
+    "exit: an exit head after the target's first --layers layers, for self-spec; "
+    "medusa: --heads Medusa heads guessing 2..K+1 tokens ahead from one hidden state.",
+)
+@click.option(
+    "--heads",
+    type=click.IntRange(min=1, max=16),
+    default=4,
+    show_default=True,
+    help="medusa: how many heads (tokens ahead).",
 )
 @click.option(
     "--layers",
@@ -539,6 +547,7 @@ def bench(
 def train_drafter(
     model,
     kind,
+    heads,
     layers,
     out,
     budget,
@@ -559,6 +568,7 @@ def train_drafter(
       mlxspec chat --model smollm2-135m --proposer head
       mlxspec train-drafter -m smollm2-135m --kind model --layers 4 --out ~/drafts/smol4
       mlxspec train-drafter -m smollm2-135m --kind exit --layers 12 --out ~/exits/smol12
+      mlxspec train-drafter -m smollm2-135m --kind medusa --heads 4 --out ~/medusa/smol
     """
     from mlxspec.drafter.command import DrafterJob, train_settings
     from mlxspec.drafter.command import train_drafter as run_job
@@ -585,6 +595,7 @@ def train_drafter(
         proposer_name=proposer_name,
         kind=kind,
         layers=layers,
+        heads=heads,
     )
     try:
         record = run_job(entry, loaded, job, say)

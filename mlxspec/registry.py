@@ -168,6 +168,7 @@ _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
         "head": {"path": _Option(str, "a path or hub repo id of a drafter head", reference=True)},
         "chain": {"members": _Option(list, "a non-empty list of proposer names", ok=bool)},
         "lookahead": {"window": _int(1, 5), "ngram": _int(2, 4), "guesses": _int(0, 3)},
+        "medusa": {"path": _Option(str, "a path or hub repo id of Medusa heads", reference=True)},
     }.items()
 }
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 from mlxspec.anatomy import UnsupportedModel
 from mlxspec.drafter.exit import EXIT_PATTERNS, load_exit
 from mlxspec.drafter.head import HEAD_PATTERNS, HeadError, load_head
+from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
 from mlxspec.engine import Engine
 from mlxspec.loading import LoadedModel, LoadError, fetch_weights, load_model
 from mlxspec.proposers import (
@@ -28,6 +29,7 @@ from mlxspec.proposers import (
 )
 from mlxspec.proposers.draft_model import VocabularyMismatch
 from mlxspec.proposers.head import HeadProposer
+from mlxspec.proposers.medusa import MedusaProposer
 from mlxspec.registry import ModelEntry, ProposerConfig
 
 
@@ -66,6 +68,10 @@ class Runtime:
                 return self._draft_model(config)
             if config.kind == "head":
                 return self._head(config)
+            if config.kind == "medusa":
+                path = fetch_weights(options["path"], patterns=MEDUSA_PATTERNS)
+                heads = load_medusa(path, self.engine.target.decoder)
+                return MedusaProposer(heads, self.engine.target, config.name, options["k_max"])
             if config.kind == "lookahead":
                 return Lookahead(
                     config.name, options["window"], options["ngram"], options["guesses"]

@@ -110,7 +110,8 @@ def tiny_entry(tmp_path, monkeypatch) -> None:
 def train_and_compare(kind: str, out, proposer: str) -> None:
     """`train-drafter --kind KIND` registers PROPOSER, which drafts in `generate` with
     output identical to plain decoding."""
-    args = ["--model", "tiny", "--kind", kind, "--layers", "1", "--out", str(out)]
+    size = ["--heads", "2"] if kind == "medusa" else ["--layers", "1"]
+    args = ["--model", "tiny", "--kind", kind, *size, "--out", str(out)]
     args += ["--budget", "0.1", "--prompts", "8", "--text-tokens", "600"]
     result = CliRunner().invoke(main, ["train-drafter", *args])
     assert result.exit_code == 0, result.output
@@ -150,6 +151,15 @@ def test_train_drafter_exit_kind_registers_self_spec_with_the_head(tmp_path, mon
     assert 'exit = "' in (tmp_path / "models.toml").read_text()
 
 
+def test_train_drafter_medusa_kind_registers_medusa_heads(tmp_path, monkeypatch):
+    tiny_entry(tmp_path, monkeypatch)
+    train_and_compare("medusa", tmp_path / "medusa", "medusa")
+    record = json.loads((tmp_path / "medusa" / "medusa.json").read_text())
+    assert record["kind"] == "medusa" and record["heads"] == 2
+    assert len(record["curve"][-1]["by_head"]) == 2
+    assert 'kind = "medusa"' in (tmp_path / "models.toml").read_text()
+
+
 @pytest.mark.parametrize(
     "extra, needle",
     [
@@ -157,6 +167,7 @@ def test_train_drafter_exit_kind_registers_self_spec_with_the_head(tmp_path, mon
         (["--kind", "exit", "--layers", "5"], "--layers must be in 1..1 for this 2-layer"),
         (["--kind", "exit", "--layers", "0"], "--layers"),
         (["--kind", "head", "--layers", "1"], "--layers is for --kind model and --kind exit"),
+        (["--kind", "medusa", "--layers", "1"], "--kind medusa has none"),
     ],
 )
 def test_train_drafter_refuses_bad_layers_in_one_line(tmp_path, monkeypatch, extra, needle):

@@ -261,7 +261,7 @@ BROKEN = [
     ("nan", ENTRY + "[models.foo.defaults]\ntemperature = nan\n", True, "got nan"),
     ("context", ENTRY + "[models.foo.defaults]\ncontext = 0\n", True, "context in [models.foo"),
     ("proposers type", ENTRY + "proposers = []\n", True, "[models.foo.proposers] must be a"),
-    ("kind", _proposer("fast", 'kind = "medusa"'), True, "has kind 'medusa'; set kind = one"),
+    ("kind", _proposer("fast", 'kind = "telepathy"'), True, "has kind 'telepathy'; set kind = one"),
     ("no kind", _proposer("fast", "layers = 4"), True, "proposers.fast] has no kind; set"),
     ("kind type", _proposer("fast", "kind = []"), True, "has kind []; set kind = one of"),
     ("reserved", _proposer("none", 'kind = "self-spec"'), True, "'none' is reserved"),

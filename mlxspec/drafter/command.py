@@ -4,7 +4,8 @@ Three kinds share the data, the draft vocabulary and the training loop:
 - `head`: an EAGLE/MTP-style head reading the target's hidden state (proposer kind head);
 - `model`: a small standalone mlx-lm model, the target's first M layers distilled
   (proposer kind draft-model; mlx-lm can use it too);
-- `exit`: an exit head after the target's first L layers (proposer kind self-spec).
+- `exit`: an exit head after the target's first L layers (proposer kind self-spec);
+- `medusa`: K Medusa heads on the target's last hidden state (proposer kind medusa).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mlxspec.drafter import distill
 from mlxspec.drafter.data import DataStore, add_file, add_text, chat_prompts, self_distill
 from mlxspec.drafter.exit import ExitStudent, build_exit, save_exit
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
+from mlxspec.drafter.medusa import MedusaHeads, MedusaStudent, save_medusa
 from mlxspec.drafter.train import (
     HeadStudent,
     Progress,
@@ -37,8 +39,13 @@ from mlxspec.loading import LoadedModel
 from mlxspec.registry import ModelEntry, register_proposer
 
 HELD_OUT = "held-out"
-KINDS = ("head", "model", "exit")
-PROPOSER_NAMES = {"head": "head", "model": "distilled", "exit": "self-spec-exit"}
+KINDS = ("head", "model", "exit", "medusa")
+PROPOSER_NAMES = {
+    "head": "head",
+    "model": "distilled",
+    "exit": "self-spec-exit",
+    "medusa": "medusa",
+}
 
 
 @dataclass
@@ -56,6 +63,7 @@ class DrafterJob:
     proposer_name: str | None = None  # None: PROPOSER_NAMES[kind]
     kind: str = "head"
     layers: int | None = None  # model / exit: how many of the target's layers (None: default)
+    heads: int = 4  # medusa: how many tokens ahead it guesses
 
 
 # Per kind, what differs from TrainSettings' defaults (those suit a head).
@@ -65,6 +73,7 @@ KIND_SETTINGS: dict[str, dict] = {
     # bumpier); a held-out measure costs ~25 s on a 2-core CPU (a full-vocabulary head).
     "model": {"learning_rate": 3e-4, "batch": 4, "eval_every_seconds": 240.0},
     "exit": {"batch": 4, "window": 128},  # each batch runs L target layers first
+    "medusa": {},
 }
 
 
@@ -149,6 +158,9 @@ def make_student(
     if job.kind == "exit":
         layers = total // 2 if job.layers is None else job.layers
         return ExitStudent(build_exit(decoder, layers, vocab, entry.target), decoder)
+    if job.kind == "medusa":
+        heads = MedusaHeads(decoder.norm.weight.shape[0], job.heads, vocab)
+        return MedusaStudent(heads, decoder)
     raise ValueError(f"unknown drafter kind {job.kind!r}; choose one of: {', '.join(KINDS)}")
 
 
@@ -162,6 +174,9 @@ def save_student(student: Student, loaded: LoadedModel, job: DrafterJob, record:
     if isinstance(student, distill.ModelStudent):
         distill.save_draft_model(student.module, loaded, job.out, record)
         return {"kind": "draft-model", "draft": where}
+    if isinstance(student, MedusaStudent):
+        save_medusa(student.module, job.out, record)
+        return {"kind": "medusa", "path": where}
     student.module.spec.record = record
     save_exit(student.module, job.out)
     return {"kind": "self-spec", "layers": student.layers, "exit": where}
@@ -171,8 +186,10 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
     """The whole job; returns the training record that is also saved with the drafter."""
     started = time.perf_counter()
     decoder = split_decoder(loaded.model)
-    if job.kind == "head" and job.layers is not None:  # before making any data
-        raise ValueError("--layers is for --kind model and --kind exit; a head has none")
+    if job.kind in ("head", "medusa") and job.layers is not None:  # before making any data
+        raise ValueError(
+            f"--layers is for --kind model and --kind exit; --kind {job.kind} has none"
+        )
     if job.layers is not None:
         check_layers(job.layers, len(decoder.layers))
     store = make_data(entry, loaded, decoder, job, say)
@@ -218,7 +235,9 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
         "curve": progress.curve,
         "total_seconds": round(time.perf_counter() - started, 1),
     }
-    if job.kind != "head":
+    if job.kind == "medusa":
+        record["heads"] = job.heads
+    elif job.kind != "head":
         record["layers"] = student.layers
         record["target_layers"] = len(decoder.layers)
     if isinstance(student, ExitStudent):
