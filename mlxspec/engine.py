@@ -301,7 +301,9 @@ class Engine:
             tree = chain(source.propose(ctx, depth).tokens[:depth])
         if tree.scores is None:
             return tree
-        return keep_best(tree, best_size(tree, policy.verify_cost))
+        # A fixed k fixes the depth; the width is still priced on this machine's curve.
+        cost = policy.verify_cost if policy.fixed_k is None else self.verify_cost
+        return keep_best(tree, best_size(tree, cost))
 
 
 def _refused_line(tree: DraftTree, path: list[int]) -> list[int]:
