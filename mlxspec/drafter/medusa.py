@@ -155,11 +155,12 @@ class MedusaStudent:
     def loss(self, heads: MedusaHeads, tokens: mx.array, hidden: mx.array, mask: mx.array):
         total, weight = mx.array(0.0), 0.0
         guesses = heads.logits(hidden, self.rows)
+        teacher_all = mx.stop_gradient(nn.log_softmax(hidden @ self.rows.T, axis=-1))
         for k, logits in enumerate(guesses, start=1):
             if hidden.shape[1] <= k:
                 break
             student = nn.log_softmax(logits[:, :-k], axis=-1)
-            teacher = mx.stop_gradient(nn.log_softmax(hidden[:, k:] @ self.rows.T, axis=-1))
+            teacher = teacher_all[:, k:]  # the target's distribution k places later
             kl = (mx.exp(teacher) * (teacher - student)).sum(-1)
             valid = mask[:, k:]
             total = total + DECAY**k * (kl * valid).sum() / mx.maximum(valid.sum(), 1)
