@@ -236,10 +236,11 @@ def train(
         optimizer.update(module, grads)
         return loss
 
-    last_eval = last_checkpoint = time.perf_counter()
     if not progress.curve:
         progress.curve.append({"step": 0, "seconds": 0.0, **student.agreement(eval_shards)})
         report(progress, progress.curve[-1])
+    # After the first measure, which may spend a while making its held-out inputs.
+    last_eval = last_checkpoint = time.perf_counter()
     began, done_before = time.perf_counter(), progress.seconds
     losses: list[float] = []
 
