@@ -170,9 +170,7 @@ class HeadProposer:
 
     def _probs(self, ctx: ProposalContext, g: mx.array, prefixes: list[list[int]]) -> mx.array:
         """Draft distributions (F, V) at F nodes, under the sampling settings."""
-        small = self.head.logits(g, self.rows)[0]
-        full = mx.full((small.shape[0], self.vocab_size), -mx.inf, dtype=small.dtype)
-        full[:, self.head.vocab] = small
+        full = full_width(self.head.logits(g, self.rows)[0], self.head.vocab, self.vocab_size)
         processed = ctx.scorer.process_rows(full, lambda i: prefixes[i])
         if ctx.scorer.settings.greedy:
             return mx.softmax(processed.astype(mx.float32), axis=-1)

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from mlxspec.drafter.head import lm_rows
 from mlxspec.drafter.medusa import MedusaHeads
-from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
+from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw, full_width
 from mlxspec.target import Target
 from mlxspec.tree import DraftTree, from_paths, keep_best
 
@@ -51,12 +51,10 @@ class MedusaProposer:
 
     def _logits(self, depth: int) -> list[mx.array]:
         """Full-vocabulary logits (1, V) of heads 1..depth (others: -inf)."""
-        out = []
-        for small in self.heads.logits(self._last, self.rows)[:depth]:
-            full = mx.full((1, self.vocab_size), -mx.inf, dtype=small.dtype)
-            full[:, self.heads.vocab] = small
-            out.append(full)
-        return out
+        return [
+            full_width(small, self.heads.vocab, self.vocab_size)
+            for small in self.heads.logits(self._last, self.rows)[:depth]
+        ]
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
         history = list(ctx.tokens)
