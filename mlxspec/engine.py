@@ -308,10 +308,11 @@ class Engine:
 
 def _refused_line(tree: DraftTree, path: list[int]) -> list[int]:
     """The drafts the target refused, for display: below the last accepted node, the
-    line the drafter rated best (its first child at every step)."""
+    line the drafter rated best (its best-scored child at every step; without scores, the
+    first)."""
     kids, node, line = tree.children(), path[-1] if path else 0, []
     while kids[node]:
-        node = kids[node][0]
+        node = max(kids[node], key=lambda c: tree.scores[c - 1] if tree.scores else -c)
         line.append(tree.tokens[node - 1])
     return line
 

@@ -16,7 +16,6 @@ however the candidates were chosen).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -200,8 +199,3 @@ def sample_walk(
             return path, sample_from(p, rng)
         path.append(accepted)
         node = accepted
-
-
-def expected_length(scores: Sequence[float]) -> float:
-    """Expected accepted drafts if scores were calibrated chances (for reports)."""
-    return float(math.fsum(scores))

@@ -44,16 +44,23 @@ def target_sequences(model, n: int, seed: int, length: int = 48) -> list[list[in
     return out
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny llama target and a head trained on it for a few seconds, with its record."""
+def tiny_teacher(folder):
+    """A tiny 3-layer llama target, teacher data from its own greedy answers (32 training,
+    6 held-out sequences) and a 200-token draft vocabulary: (model, decoder, store, vocab)."""
     model = tiny_model("llama", seed=3)
     decoder = split_decoder(model)
-    store = DataStore(tmp_path_factory.mktemp("data"), "tiny", 64)
+    store = DataStore(folder, "tiny", 64)
     train_seqs, held_seqs = target_sequences(model, 32, seed=0), target_sequences(model, 6, seed=1)
     store.add("self-distill", train_seqs, teacher_hidden(decoder, train_seqs), [8] * 32, 32)
     store.add("held-out", held_seqs, teacher_hidden(decoder, held_seqs), [8] * 6, 6)
     vocab = choose_vocab(store.shards("self-distill"), 200, VOCAB, {EOS})
+    return model, decoder, store, vocab
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny llama target and a head trained on it for a few seconds, with its record."""
+    model, decoder, store, vocab = tiny_teacher(tmp_path_factory.mktemp("data"))
     spec = HeadSpec(hidden_size=64, vocab_size=VOCAB, final_norm=True, feed_normed=True)
     head = build_head(spec, model, vocab)  # as `mlxspec train-drafter` makes them
     settings = TrainSettings(

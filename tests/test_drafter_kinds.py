@@ -10,16 +10,14 @@ import pytest
 from click.testing import CliRunner
 from lossless import assert_lossless, plain_greedy
 from test_cli import assert_one_line_error
-from test_drafter import target_sequences
+from test_drafter import target_sequences, tiny_teacher
 from test_loading import save_tiny_llama
-from tiny_models import VOCAB, byte_tokenizer, tiny_model
+from tiny_models import VOCAB, byte_tokenizer
 
-from mlxspec.anatomy import split_decoder
 from mlxspec.cli import main
-from mlxspec.drafter.data import DataStore, teacher_hidden
 from mlxspec.drafter.distill import ModelStudent
 from mlxspec.drafter.exit import ExitError, ExitStudent, build_exit, load_exit, save_exit
-from mlxspec.drafter.train import Batches, TrainSettings, choose_vocab, train
+from mlxspec.drafter.train import Batches, TrainSettings, train
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.proposers import SelfSpeculation
 
@@ -30,14 +28,7 @@ SETTINGS = dict(budget_minutes=5, batch=8, window=48, learning_rate=3e-3, warmup
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
     """A tiny 3-layer llama target and teacher data made from its own greedy answers."""
-    model = tiny_model("llama", seed=3)
-    decoder = split_decoder(model)
-    store = DataStore(tmp_path_factory.mktemp("data"), "tiny", 64)
-    train_seqs, held_seqs = target_sequences(model, 32, seed=0), target_sequences(model, 6, seed=1)
-    store.add("self-distill", train_seqs, teacher_hidden(decoder, train_seqs), [8] * 32, 32)
-    store.add("held-out", held_seqs, teacher_hidden(decoder, held_seqs), [8] * 6, 6)
-    vocab = choose_vocab(store.shards("self-distill"), 200, VOCAB, {EOS})
-    return model, decoder, store, vocab
+    return tiny_teacher(tmp_path_factory.mktemp("data"))
 
 
 def fit(student, store, out, steps: int):

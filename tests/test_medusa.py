@@ -10,11 +10,10 @@ import mlx.core as mx
 import pytest
 from lossless import assert_lossless, plain_greedy
 from mlx.utils import tree_flatten
-from test_drafter import EOS, target_sequences
-from tiny_models import VOCAB, byte_tokenizer, tiny_model
+from test_drafter import EOS, tiny_teacher
+from tiny_models import VOCAB, byte_tokenizer
 
 from mlxspec.anatomy import split_decoder
-from mlxspec.drafter.data import DataStore, teacher_hidden
 from mlxspec.drafter.head import HeadError, lm_rows
 from mlxspec.drafter.medusa import (
     PUBLISHED,
@@ -31,12 +30,7 @@ from mlxspec.proposers.medusa import MedusaProposer
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny llama target and three Medusa heads trained on it for a few seconds."""
-    model = tiny_model("llama", seed=3)
-    decoder = split_decoder(model)
-    store = DataStore(tmp_path_factory.mktemp("data"), "tiny", 64)
-    train_seqs, held_seqs = target_sequences(model, 32, seed=0), target_sequences(model, 6, seed=1)
-    store.add("self-distill", train_seqs, teacher_hidden(decoder, train_seqs), [8] * 32, 32)
-    store.add("held-out", held_seqs, teacher_hidden(decoder, held_seqs), [8] * 6, 6)
+    model, decoder, store, _ = tiny_teacher(tmp_path_factory.mktemp("data"))
     heads = MedusaHeads(64, 3, mx.arange(VOCAB))
     student = MedusaStudent(heads, decoder)
     # Fitting is what a unit test can show: 32 random-model sequences are too few for the

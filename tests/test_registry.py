@@ -40,7 +40,7 @@ def test_shipped_file_loads_with_an_offline_default():
     assert entry.name == registry.default == "smollm2-135m"
     assert entry.target == "smollm2-135m" and entry.source == SHIPPED_FILE
     names = ["prompt-lookup", "self-spec", "draft-model", "head", "auto", "lookup-head"]
-    names += ["lookahead", "none"]
+    names += ["medusa", "lookahead", "none"]
     assert entry.proposer_names == names
     head = Path(entry.proposer("head").options["path"])  # the packaged head, resolved
     assert head == SHIPPED_FILE.parent / "heads" / "smollm2-135m" and (head / "head.json").is_file()

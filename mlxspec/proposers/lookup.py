@@ -74,9 +74,10 @@ class PromptLookup:
 
     def propose_tree(self, ctx: ProposalContext, depth: int, budget: int) -> DraftTree:
         """A trie of what followed the suffix's latest occurrences (longest n-grams
-        first), so a verify tries several earlier continuations at once. A node's score
-        is its match's prior acceptance per token, to the power of its depth, shared
-        down for older, less specific matches."""
+        first), so a verify tries several earlier continuations at once. The first match
+        is the line the policy already sized (score 1: kept whole); an older, less
+        specific match scores its prior acceptance per token to the power of its depth,
+        shared down by its rank, so it is kept only where it pays."""
         tokens, paths, scores, starts = ctx.tokens, [], [], set()
         for n in self._orders(tokens):
             for follow in reversed(self._follow.get(tuple(tokens[len(tokens) - n :]), [])):
@@ -86,8 +87,9 @@ class PromptLookup:
                 starts.add(follow)
                 rate = PRIORS[bucket(_match_length(tokens, follow, n))]
                 share = 1.0 / (1 + len(paths))
+                first = not paths
                 paths.append(path)
-                scores.append([share * rate ** (j + 1) for j in range(len(path))])
+                scores.append([1.0 if first else share * rate ** (j + 1) for j in range(len(path))])
         return keep_best(from_paths(paths[:RECENT], scores[:RECENT]), budget)
 
 
