@@ -394,6 +394,12 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, tree):
     is_flag=True,
     help="Estimate each proposer's acceptance on your saved chats instead (fast, no timing).",
 )
+@click.option(
+    "--tree/--no-tree",
+    default=None,
+    help="--tree: beside every speculative mlxspec row, the same proposer verifying draft "
+    "trees (NAME@tree); --no-tree: lines only.",
+)
 def bench(
     model,
     suite,
@@ -405,6 +411,7 @@ def bench(
     markdown_path,
     plot_path,
     history,
+    tree,
 ):
     """Side by side, same prompts, greedy: mlx-lm, mlx-lm's speculative decoding, mlxspec.
 
@@ -417,6 +424,7 @@ def bench(
       mlxspec bench --suite quick
       mlxspec bench --suite all --json bench.json --markdown bench.md --plot bench.png
       mlxspec bench --prompts mine.jsonl --proposers prompt-lookup,prompt-lookup@k=8
+      mlxspec bench --suite chat --proposers head,medusa,lookahead --tree   # line vs tree
       mlxspec bench --from-history --json history.json
     """
     from mlxspec.bench import BenchError
@@ -443,7 +451,7 @@ def bench(
     try:
         # Everything checkable is checked before the weights load.
         request = plan(
-            entry, suite, prompts_file, proposers, max_tokens, repeats, plot_path is not None
+            entry, suite, prompts_file, proposers, max_tokens, repeats, plot_path is not None, tree
         )
         result = execute(request, open_runtime(entry, notify=say), say, progress)
         click.echo(markdown(result))

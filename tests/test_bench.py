@@ -286,6 +286,22 @@ def test_quick_runs_the_core_methods_once_and_other_suites_all_three_times(tiny_
     assert mine == [*core_methods(tiny_entry), Method("mlxspec", "prompt-lookup", 8)]
 
 
+def test_tree_flag_pairs_every_speculative_row_with_its_tree(tiny_entry):
+    both = plan(
+        tiny_entry, "quick", None, "none,prompt-lookup@k=4,draft-model", 16, None, tree=True
+    )
+    assert [m.name for m in both.methods] == [
+        PLAIN,
+        "mlxspec:none",
+        "mlxspec:prompt-lookup@k=4",
+        "mlxspec:prompt-lookup@k=4@tree",
+        "mlxspec:draft-model",
+        "mlxspec:draft-model@tree",
+    ]
+    lines = plan(tiny_entry, "quick", None, "prompt-lookup@tree", 16, None, tree=False)
+    assert [m.name for m in lines.methods] == [PLAIN, "mlxspec:prompt-lookup"]
+
+
 @pytest.mark.parametrize(
     "text,needle",
     [

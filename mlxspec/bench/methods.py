@@ -16,7 +16,7 @@ Method names, as `--proposers` takes them (comma-separated):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mlxspec.bench import BenchError
 from mlxspec.registry import NONE, ModelEntry, ProposerConfig
@@ -93,6 +93,20 @@ def all_methods(entry: ModelEntry) -> list[Method]:
         if config.kind in BRANCHING:
             methods.append(Method("mlxspec", config.name, tree=True))
     return list(dict.fromkeys(methods))
+
+
+def with_trees(methods: list[Method], tree: bool | None) -> list[Method]:
+    """--tree: every speculative mlxspec row gets a tree twin beside it (line vs tree for
+    each proposer); --no-tree: only lines; None: as listed."""
+    if tree is None:
+        return methods
+    out: list[Method] = []
+    for method in methods:
+        line = replace(method, tree=False)
+        out.append(line)
+        if tree and line.runner == "mlxspec" and line.proposer != NONE:
+            out.append(replace(line, tree=True))
+    return list(dict.fromkeys(out))
 
 
 def parse_methods(text: str, entry: ModelEntry) -> list[Method]:

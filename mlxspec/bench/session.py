@@ -11,7 +11,7 @@ from typing import Any
 
 from mlxspec.bench import BenchError
 from mlxspec.bench.machine import describe_machine, measure_bandwidth, weight_bytes
-from mlxspec.bench.methods import Method, parse_methods
+from mlxspec.bench.methods import Method, parse_methods, with_trees
 from mlxspec.bench.plot import require_matplotlib, save_plot
 from mlxspec.bench.report import document, markdown
 from mlxspec.bench.run import Bench, Progress, Run
@@ -48,6 +48,7 @@ def plan(
     max_tokens: int,
     repeats: int | None,
     plot: bool = False,
+    tree: bool | None = None,
 ) -> BenchRequest:
     """Check everything that can be checked before loading weights."""
     if plot:
@@ -58,7 +59,7 @@ def plan(
         source, prompts = f"suite {suite}", load_suite(suite)
     quick = prompts_file is None and suite == "quick"
     # quick stays a few minutes on a laptop CPU: the headline methods, one repeat.
-    methods = parse_methods(proposers or ("core" if quick else "all"), entry)
+    methods = with_trees(parse_methods(proposers or ("core" if quick else "all"), entry), tree)
     if repeats is None:
         repeats = QUICK_REPEATS if quick else REPEATS
     return BenchRequest(entry, source, prompts, methods, max_tokens, repeats)
