@@ -27,7 +27,7 @@ MLX_LM_DRAFT_TOKENS = 3
 # One fixed-k row per kind beside the adaptive one; draft models at mlx-lm's k, so the
 # mlx-lm and mlxspec rows of the same pair differ only in the loop around it.
 FIXED_K = {"prompt-lookup": 4, "draft-model": MLX_LM_DRAFT_TOKENS, "head": 3}
-BRANCHING = ("prompt-lookup", "draft-model", "head", "chain")  # kinds whose trees branch
+BRANCHING = ("prompt-lookup", "draft-model", "head", "medusa", "chain")  # trees that branch
 
 
 @dataclass(frozen=True)

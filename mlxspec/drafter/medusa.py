@@ -22,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from mlxspec.anatomy import Decoder
 from mlxspec.drafter.data import Shard
@@ -72,6 +73,11 @@ class MedusaHeads(nn.Module):
     def count(self) -> int:
         return len(self.blocks)
 
+    @property
+    def own_lm_heads(self) -> bool:
+        """Published heads carry their own LM heads and need no target rows."""
+        return "lm_heads" in self
+
     def logits(self, hidden: mx.array, rows: mx.array) -> list[mx.array]:
         """Per head k, logits (..., n) over the draft vocabulary for the token k+1 ahead."""
         out = []
@@ -79,23 +85,17 @@ class MedusaHeads(nn.Module):
             x = hidden
             for block in blocks:
                 x = block(x)
-            out.append(self.lm_heads[k](x) if hasattr(self, "lm_heads") else x @ rows.T)
+            out.append(self.lm_heads[k](x) if self.own_lm_heads else x @ rows.T)
         return out
 
 
 def save_medusa(heads: MedusaHeads, directory: Path, record: dict | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.float16) for k, v in _flat(heads).items()}
+    weights = {k: v.astype(mx.float16) for k, v in tree_flatten(heads.parameters())}
     weights["vocab"] = heads.vocab
     mx.save_safetensors(str(directory / WEIGHTS), weights)
     config = {"kind": "medusa", "heads": heads.count, "layers": heads.layers}
     (directory / CONFIG).write_text(json.dumps({**config, **(record or {})}, indent=1))
-
-
-def _flat(heads: MedusaHeads) -> dict[str, mx.array]:
-    from mlx.utils import tree_flatten
-
-    return dict(tree_flatten(heads.parameters()))
 
 
 def load_medusa(directory: Path, decoder: Decoder) -> MedusaHeads:

@@ -34,7 +34,9 @@ class MedusaProposer:
     ):
         self.name, self.heads, self.cost_hint = name, heads, cost_hint
         self.k_max = min(k_max or heads.count, heads.count)
-        self.rows = lm_rows(target.decoder, heads.vocab)
+        # The target's LM-head rows, unless the heads bring their own (a published
+        # checkpoint: a copy of the full LM head would be wasted memory).
+        self.rows = None if heads.own_lm_heads else lm_rows(target.decoder, heads.vocab)
         self.vocab_size = target.decoder.embed.weight.shape[0]
         self._last: mx.array | None = None  # the hidden row that predicted the pending token
         self._length = 0  # len(tokens) when that row was taken
