@@ -4,9 +4,9 @@ The target is the teacher. Its final-normed hidden states are all a head needs: 
 teacher's distribution at position i is its LM head applied to h_i, so storing hidden
 states (fp16) instead of logits keeps the cache small. Sequences come from two
 sources that need no network:
-- `self-distill`: the target's own greedy answers to a built-in set of chat prompts
-  (generated in batches by mlx-lm's `batch_generate`), the distribution a chat drafter
-  faces;
+- `self-distill`: the target's own greedy answers to the built-in chat prompts
+  (`prompts.py`; generated in batches by mlx-lm's `batch_generate`), the distribution a
+  chat drafter faces;
 - `text`: documentation that ships with Python (pydoc's topics) and installed packages'
   descriptions, teacher-forced (fast: prefill only).
 
@@ -17,7 +17,6 @@ interrupted run picks up where it stopped.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
@@ -29,93 +28,6 @@ import numpy as np
 from mlxspec.anatomy import Decoder
 
 MANIFEST = "manifest.json"
-
-TOPICS = [
-    "photosynthesis",
-    "the French Revolution",
-    "black holes",
-    "compound interest",
-    "the water cycle",
-    "machine learning",
-    "the immune system",
-    "climate change",
-    "the Roman Empire",
-    "electric cars",
-    "sleep",
-    "volcanoes",
-    "the internet",
-    "vaccines",
-    "the stock market",
-    "recycling",
-    "the Moon landing",
-    "coffee",
-    "honey bees",
-    "renewable energy",
-    "the printing press",
-    "earthquakes",
-    "healthy eating",
-    "the Great Wall of China",
-    "Python lists",
-    "public speaking",
-    "time management",
-    "the human heart",
-    "rainbows",
-    "ancient Egypt",
-    "learning a new language",
-    "gardening",
-    "the Olympic Games",
-    "inflation",
-    "plate tectonics",
-    "the solar system",
-    "dinosaurs",
-    "democracy",
-    "music theory",
-    "chess",
-    "bread baking",
-    "the theory of evolution",
-    "cybersecurity",
-    "bicycles",
-    "the ocean",
-    "friendship",
-    "job interviews",
-    "meditation",
-    "the Renaissance",
-    "electricity",
-    "tea",
-    "penguins",
-    "budgeting",
-    "rain forests",
-    "airplanes",
-    "the periodic table",
-    "World War II",
-    "running a marathon",
-    "social media",
-    "the brain",
-    "databases",
-    "cloud computing",
-    "Shakespeare",
-    "mountains",
-]
-TEMPLATES = [
-    "Explain {t} in simple terms.",
-    "What are three interesting facts about {t}?",
-    "Write a short paragraph about {t}.",
-    "Why is {t} important?",
-    "Give me some tips related to {t}.",
-    "Describe the history of {t} briefly.",
-    "What is {t}? Answer in two sentences.",
-    "Write a short story that involves {t}.",
-    "What are the pros and cons of {t}?",
-    "How would you teach a child about {t}?",
-]
-
-
-def chat_prompts(held_out: bool = False) -> list[str]:
-    """The built-in prompt set; every 8th topic is held out to measure acceptance."""
-    topics = [t for i, t in enumerate(TOPICS) if (i % 8 == 7) == held_out]
-    prompts = [template.format(t=topic) for topic in topics for template in TEMPLATES]
-    random.Random(0).shuffle(prompts)
-    return prompts
 
 
 def offline_texts() -> Iterator[str]:
