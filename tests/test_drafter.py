@@ -23,6 +23,8 @@ from mlxspec.drafter.train import (
     TrainSettings,
     choose_vocab,
     make_loss,
+    sparse_kl,
+    teacher_top,
     train,
 )
 from mlxspec.engine import Engine, GenerationSettings
@@ -57,6 +59,26 @@ def tiny_teacher(folder):
     return model, decoder, store, vocab
 
 
+def test_sparse_teacher_keeps_the_top_tokens_and_its_kl_is_the_full_one_when_k_is_all():
+    rng = np.random.default_rng(0)
+    hidden = rng.normal(size=(300, 16)).astype(np.float16)
+    rows = mx.array(rng.normal(size=(50, 16)).astype(np.float32))
+    teacher = mx.array(hidden).astype(mx.float32) @ rows.T
+    ids, logp = teacher_top(hidden, rows, k=5, chunk=64)  # several chunks
+    assert ids.shape == logp.shape == (300, 5)
+    best = np.sort(np.argsort(-np.asarray(teacher), axis=-1)[:, :5], axis=-1)
+    assert (np.sort(ids, axis=-1) == best).all()
+    assert np.allclose(np.exp(logp.astype(np.float32)).sum(-1), 1, atol=3e-3)  # renormalised
+    # With every token kept, the sparse KL is the ordinary one.
+    ids, logp = teacher_top(hidden, rows, k=64)
+    assert ids.shape == (300, 50)
+    student = mx.array(rng.normal(size=(300, 50)).astype(np.float32))
+    p = mx.softmax(teacher, axis=-1)
+    full = (p * (mx.log(p) - mx.log(mx.softmax(student, axis=-1)))).sum(-1)
+    got = sparse_kl(student, mx.array(ids.astype(np.int32)), mx.array(logp).astype(mx.float32))
+    assert np.allclose(np.asarray(got), np.asarray(full), atol=2e-2)  # fp16 log-probs
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny llama target and a head trained on it for a few seconds, with its record."""
@@ -67,12 +89,12 @@ def trained(tmp_path_factory):
         budget_minutes=5, max_steps=300, batch=8, window=48, learning_rate=3e-3, warmup_steps=10
     )
     loss = make_loss(decoder, lm_rows(decoder, vocab), settings.feature_weight)
-    batch = Batches(store.shards("held-out"), 48, 6, seed=0).next()
-    before = loss(head, *batch).item()
+    batch = Batches(store.shards("held-out"), lm_rows(decoder, vocab), 48, 6, seed=0).next()
+    before = loss(head, batch).item()
     out = tmp_path_factory.mktemp("head")
     student = HeadStudent(head, decoder, settings.feature_weight)
     progress = train(student, store.shards("self-distill"), store.shards("held-out"), out, settings)
-    after = loss(head, *batch).item()
+    after = loss(head, batch).item()
     return model, head, progress, (before, after), out
 
 
@@ -385,3 +407,16 @@ def test_train_drafter_refuses_bad_input_in_one_line(tmp_path):
     result = CliRunner().invoke(main, [*args, "--text-tokens", "0"])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert result.output.count("Error:") == 1 and "no training data" in result.output
+
+
+def test_built_in_prompts_hold_out_whole_topics_and_span_every_style():
+    from mlxspec.drafter.prompts import TEMPLATES, TOPICS, chat_prompts
+
+    training, held = chat_prompts(), chat_prompts(held_out=True)
+    assert len(training) + len(held) == len(TOPICS) * len(TEMPLATES)
+    held_topics = {t for i, t in enumerate(TOPICS) if i % 8 == 7}
+    assert not any(t in p for p in training for t in held_topics if " " in t)
+    first = training[:200]  # a small run still sees many styles
+    styles = {tm for tm in TEMPLATES if any(p.startswith(tm.split("{t}")[0]) for p in first)}
+    assert len(styles) > 0.8 * len(TEMPLATES)
+    assert chat_prompts() == training  # a fixed order: data making resumes by count

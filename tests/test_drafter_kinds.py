@@ -33,11 +33,11 @@ def teacher(tmp_path_factory):
 
 def fit(student, store, out, steps: int):
     """Held-out loss before and after `steps` of training, and the progress record."""
-    batch = Batches(store.shards("held-out"), 48, 6, seed=0).next()
-    before = student.loss(student.module, *batch).item()
+    batch = Batches(store.shards("held-out"), student.rows, 48, 6, seed=0).next()
+    before = student.loss(student.module, batch).item()
     settings = TrainSettings(max_steps=steps, **SETTINGS)
     progress = train(student, store.shards("self-distill"), store.shards("held-out"), out, settings)
-    return before, student.loss(student.module, *batch).item(), progress
+    return before, student.loss(student.module, batch).item(), progress
 
 
 @pytest.fixture(scope="module")

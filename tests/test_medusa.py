@@ -35,15 +35,15 @@ def trained(tmp_path_factory):
     student = MedusaStudent(heads, decoder)
     # Fitting is what a unit test can show: 32 random-model sequences are too few for the
     # heads to generalise (held-out agreement is the training run's own curve).
-    batch = Batches(store.shards("self-distill"), 48, 6, seed=0).next()
-    before = student.loss(heads, *batch).item()
+    batch = Batches(store.shards("self-distill"), student.rows, 48, 6, seed=0).next()
+    before = student.loss(heads, batch).item()
     agreement_before = student.agreement(store.shards("self-distill"))
     settings = TrainSettings(
         budget_minutes=5, max_steps=200, batch=8, window=48, learning_rate=3e-3, warmup_steps=10
     )
     out = tmp_path_factory.mktemp("medusa")
     progress = train(student, store.shards("self-distill"), store.shards("held-out"), out, settings)
-    after = student.loss(heads, *batch).item()
+    after = student.loss(heads, batch).item()
     agreement_after = student.agreement(store.shards("self-distill"))
     return model, heads, progress, (before, after), (agreement_before, agreement_after), out
 

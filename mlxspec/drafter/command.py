@@ -21,11 +21,13 @@ from tqdm import tqdm
 from mlxspec import device
 from mlxspec.anatomy import Decoder, split_decoder
 from mlxspec.drafter import distill
-from mlxspec.drafter.data import DataStore, add_file, add_text, chat_prompts, self_distill
+from mlxspec.drafter.data import DataStore, add_file, add_text, self_distill
 from mlxspec.drafter.exit import ExitStudent, build_exit, save_exit
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
 from mlxspec.drafter.medusa import MedusaHeads, MedusaStudent, save_medusa
+from mlxspec.drafter.prompts import chat_prompts
 from mlxspec.drafter.train import (
+    TEACHER_TOP,
     HeadStudent,
     Progress,
     Student,
@@ -39,6 +41,7 @@ from mlxspec.loading import LoadedModel
 from mlxspec.registry import ModelEntry, register_proposer
 
 HELD_OUT = "held-out"
+HELD_OUT_PROMPTS = 80  # ~10k answer tokens: enough for the agreement measure (EVAL_POSITIONS)
 KINDS = ("head", "model", "exit", "medusa")
 PROPOSER_NAMES = {
     "head": "head",
@@ -53,7 +56,7 @@ class DrafterJob:
     out: Path
     data_dir: Path
     self_distill: bool = True
-    prompts: int | None = None  # how many of the built-in prompts (None: all)
+    prompts: int | None = 1200  # how many of the built-in prompts (None: all)
     text_tokens: int = 100_000
     extra_text: Path | None = None
     answer_tokens: int = 128
@@ -102,7 +105,7 @@ def make_data(
     """Teacher data into `job.data_dir`; what is already there is kept (resumable)."""
     store = DataStore(job.data_dir, entry.target, decoder.norm.weight.shape[0])
     tokenizer = loaded.tokenizer
-    held_out = chat_prompts(held_out=True)[: job.prompts]
+    held_out = chat_prompts(held_out=True)[:HELD_OUT_PROMPTS]
     if store.done(HELD_OUT) < len(held_out):
         say(f"held-out answers for measuring acceptance ({len(held_out)} prompts)")
         self_distill(
@@ -201,6 +204,8 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
     student = make_student(entry, loaded, decoder, job, vocab)
     if (job.out / student.checkpoint).is_dir():
         say(f"resuming from {job.out / student.checkpoint}")
+    positions = sum(len(s.tokens) for s in training)
+    say(f"the teacher's top {TEACHER_TOP} tokens at {positions:,} positions (once per run)")
     bar = tqdm(total=round(job.train.budget_minutes * 60), desc="training", unit="s")
 
     def report(progress: Progress, metrics: dict | None) -> None:

@@ -24,7 +24,7 @@ from mlx_lm.utils import dequantize_model, load_tokenizer, save_config, save_mod
 from mlxspec.anatomy import Decoder, split_decoder
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import lm_rows
-from mlxspec.drafter.train import check_layers, held_out
+from mlxspec.drafter.train import Batch, check_layers, held_out
 from mlxspec.loading import LoadedModel
 from mlxspec.proposers.draft_model import check_same_vocabulary, truncated_model
 
@@ -63,14 +63,12 @@ class ModelStudent:
         mx.eval(self.rows)
         self._truth: list[np.ndarray] | None = None
 
-    def loss(self, module: nn.Module, tokens: mx.array, hidden: mx.array, mask: mx.array):
+    def loss(self, module: nn.Module, batch: Batch):
         """KL(teacher || student) at every position with a next token, over the draft
         vocabulary; `module` is `self.module`, whose parts `self.own` holds."""
-        h = self.own.hidden(tokens, [None] * self.layers)[:, :-1]
-        student = nn.log_softmax(h @ self.rows.T, axis=-1)
-        teacher = mx.stop_gradient(nn.log_softmax(hidden[:, :-1] @ self.rows.T, axis=-1))
-        kl = (mx.exp(teacher) * (teacher - student)).sum(-1)
-        valid = mask[:, 1:]
+        h = self.own.hidden(batch.tokens, [None] * self.layers)[:, :-1]
+        kl = batch.kl(h @ self.rows.T, 0, -1)
+        valid = batch.mask[:, 1:]
         return (kl * valid).sum() / mx.maximum(valid.sum(), 1)
 
     def agreement(self, shards: list[Shard]) -> dict:

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from mlxspec.anatomy import Decoder
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import lm_rows
-from mlxspec.drafter.train import check_layers, held_out
+from mlxspec.drafter.train import Batch, check_layers, held_out
 
 EXIT_FILE, EXIT_WEIGHTS = "exit.json", "exit.safetensors"
 EXIT_PATTERNS = [EXIT_FILE, EXIT_WEIGHTS]
@@ -163,11 +163,9 @@ class ExitStudent:
         """The target's raw state after L layers (the layers stay frozen)."""
         return mx.stop_gradient(self.raw.hidden(tokens, [None] * self.layers, self.layers))
 
-    def loss(self, module: ExitHead, tokens: mx.array, hidden: mx.array, mask: mx.array):
-        student = nn.log_softmax(module.logits(self.states(tokens), self.rows), axis=-1)
-        teacher = mx.stop_gradient(nn.log_softmax(hidden @ self.rows.T, axis=-1))
-        kl = (mx.exp(teacher) * (teacher - student)).sum(-1)
-        return (kl * mask).sum() / mx.maximum(mask.sum(), 1)
+    def loss(self, module: ExitHead, batch: Batch):
+        kl = batch.kl(module.logits(self.states(batch.tokens), self.rows))
+        return (kl * batch.mask).sum() / mx.maximum(batch.mask.sum(), 1)
 
     def _positions(self, shards: list[Shard]) -> list[tuple[mx.array, np.ndarray, int]]:
         """Held-out (state after L layers, target's greedy choice, answer start), made once

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 from mlxspec.anatomy import Decoder
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import HeadError, lm_rows
-from mlxspec.drafter.train import held_out
+from mlxspec.drafter.train import Batch, held_out
 
 WEIGHTS = "medusa.safetensors"
 CONFIG = "medusa.json"
@@ -152,17 +152,13 @@ class MedusaStudent:
         self.rows = lm_rows(decoder, heads.vocab)
         mx.eval(self.rows)
 
-    def loss(self, heads: MedusaHeads, tokens: mx.array, hidden: mx.array, mask: mx.array):
+    def loss(self, heads: MedusaHeads, batch: Batch):
         total, weight = mx.array(0.0), 0.0
-        guesses = heads.logits(hidden, self.rows)
-        teacher_all = mx.stop_gradient(nn.log_softmax(hidden @ self.rows.T, axis=-1))
-        for k, logits in enumerate(guesses, start=1):
-            if hidden.shape[1] <= k:
+        for k, logits in enumerate(heads.logits(batch.hidden, self.rows), start=1):
+            if batch.hidden.shape[1] <= k:
                 break
-            student = nn.log_softmax(logits[:, :-k], axis=-1)
-            teacher = teacher_all[:, k:]  # the target's distribution k places later
-            kl = (mx.exp(teacher) * (teacher - student)).sum(-1)
-            valid = mask[:, k:]
+            kl = batch.kl(logits[:, :-k], k)  # the target's distribution k places later
+            valid = batch.mask[:, k:]
             total = total + DECAY**k * (kl * valid).sum() / mx.maximum(valid.sum(), 1)
             weight += DECAY**k
         return total / weight

@@ -6,7 +6,8 @@ loss against the teacher's distribution and its own held-out agreement measure.
 
 Head loss per position i (the head sees h_i and x_{i+1}, and guesses h_{i+1}):
 KL(teacher || head) over the draft vocabulary, where the teacher's logits are the
-target's LM head rows applied to h_{i+1}, plus a small smooth-L1 pull of the head's
+target's LM head rows applied to h_{i+1} (kept as its top 32 tokens, worked out once
+per run: see `teacher_top`), plus a small smooth-L1 pull of the head's
 features towards h_{i+1} (EAGLE's feature loss), which is what lets later draft steps
 feed them back in place of the target's hidden state.
 
@@ -38,6 +39,7 @@ from mlxspec.drafter.head import DraftHead, lm_rows
 
 CHECKPOINT = "checkpoint"
 EVAL_POSITIONS = 64 * 150  # held-out answer positions an agreement measure reads (about)
+TEACHER_TOP = 32  # teacher tokens kept per position (their mass: see `teacher_top`)
 
 
 @dataclass
@@ -61,9 +63,9 @@ class Student(Protocol):
     module: nn.Module
     checkpoint: str  # folder under OUT: a run resumes only a run of the same kind
 
-    def loss(
-        self, module: nn.Module, tokens: mx.array, hidden: mx.array, mask: mx.array
-    ) -> mx.array: ...
+    rows: mx.array  # the target's LM-head rows of the draft vocabulary: the teacher's
+
+    def loss(self, module: nn.Module, batch: Batch) -> mx.array: ...
 
     def agreement(self, shards: list[Shard]) -> dict: ...
 
@@ -118,45 +120,113 @@ def coverage(shards: list[Shard], vocab: mx.array) -> float:
     return inside / max(total, 1)
 
 
+def teacher_top(
+    hidden: np.ndarray, rows: mx.array, k: int = TEACHER_TOP, chunk: int = 4096
+) -> tuple[np.ndarray, np.ndarray]:
+    """The teacher's k likeliest draft-vocabulary tokens at each position (indices into
+    the draft vocabulary) and their log-probabilities renormalised over those k.
+
+    Made once per training run: a full softmax over the draft vocabulary at every step
+    was most of a step's time on a CPU, where `exp` is slow (MLX: ~30 ns a value)."""
+    n = rows.shape[0]
+    k = min(k, n)
+    index_type = np.int16 if n <= np.iinfo(np.int16).max else np.int32
+    ids_out, logp_out = [], []
+    for start in range(0, len(hidden), chunk):
+        logits = mx.array(hidden[start : start + chunk]).astype(mx.float32) @ rows.T
+        if k < n:
+            ids = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        else:
+            ids = mx.broadcast_to(mx.arange(n), logits.shape)
+        top = mx.take_along_axis(logits, ids, axis=-1)
+        logp = top - mx.logsumexp(top, axis=-1, keepdims=True)
+        ids_out.append(np.asarray(ids).astype(index_type))
+        logp_out.append(np.asarray(logp).astype(np.float16))
+    if not ids_out:
+        return np.zeros((0, k), index_type), np.zeros((0, k), np.float16)
+    return np.concatenate(ids_out), np.concatenate(logp_out)
+
+
+def sparse_kl(logits: mx.array, top_ids: mx.array, top_logp: mx.array) -> mx.array:
+    """KL(teacher || student) at each position, the teacher known by its top tokens.
+
+    The student's log-softmax is needed only at those tokens, so a step pays one
+    logsumexp over the draft vocabulary instead of two softmaxes and an exp."""
+    student = mx.take_along_axis(logits, top_ids, axis=-1)
+    student = student - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return (mx.exp(top_logp) * (top_logp - student)).sum(-1)
+
+
+@dataclass
+class Batch:
+    """Windows of training sequences, with the teacher's top tokens at each position
+    (`teacher_top`; the distribution of the token after that position)."""
+
+    tokens: mx.array  # (B, W) int32
+    hidden: mx.array  # (B, W, d) float32
+    mask: mx.array  # (B, W): 1 at real positions
+    top_ids: mx.array  # (B, W, K) int32, indices into the draft vocabulary
+    top_logp: mx.array  # (B, W, K) float32
+
+    def kl(self, logits: mx.array, start: int = 0, stop: int | None = None) -> mx.array:
+        """`sparse_kl` of the student's logits against positions start:stop."""
+        return sparse_kl(logits, self.top_ids[:, start:stop], self.top_logp[:, start:stop])
+
+
 class Batches:
     """Random windows of the training sequences, as fixed-shape arrays."""
 
-    def __init__(self, shards: list[Shard], window: int, batch: int, seed: int):
-        self.items = [(t, h) for s in shards for t, h, _ in s.sequences() if len(t) >= 3]
+    def __init__(self, shards: list[Shard], rows: mx.array, window: int, batch: int, seed: int):
+        self.items = []
+        for shard in shards:
+            ids, logp = teacher_top(shard.hidden, rows)
+            for s in range(len(shard.offsets) - 1):
+                a, b = int(shard.offsets[s]), int(shard.offsets[s + 1])
+                if b - a >= 3:
+                    self.items.append((shard.tokens[a:b], shard.hidden[a:b], ids[a:b], logp[a:b]))
         if not self.items:
             raise ValueError("no training sequences; make data first")
-        self.lengths = np.array([len(t) for t, _ in self.items], dtype=np.float64)
+        self.lengths = np.array([len(item[0]) for item in self.items], dtype=np.float64)
         self.window, self.batch = window, batch
         self.rng = np.random.default_rng(seed)
 
-    def next(self) -> tuple[mx.array, mx.array, mx.array]:
-        """tokens (B, W), hidden (B, W, d) float32, mask (B, W) of real positions."""
+    @property
+    def positions(self) -> int:
+        return int(self.lengths.sum())
+
+    def next(self) -> Batch:
         picks = self.rng.choice(len(self.items), self.batch, p=self.lengths / self.lengths.sum())
-        d = self.items[0][1].shape[-1]
-        tokens = np.zeros((self.batch, self.window), np.int32)
-        hidden = np.zeros((self.batch, self.window, d), np.float16)
-        mask = np.zeros((self.batch, self.window), np.float32)
+        _, h0, ids0, _ = self.items[0]
+        shape = (self.batch, self.window)
+        tokens = np.zeros(shape, np.int32)
+        hidden = np.zeros((*shape, h0.shape[-1]), np.float16)
+        top_ids = np.zeros((*shape, ids0.shape[-1]), np.int32)
+        top_logp = np.zeros((*shape, ids0.shape[-1]), np.float16)
+        mask = np.zeros(shape, np.float32)
         for row, i in enumerate(picks):
-            t, h = self.items[i]
+            t, h, ids, logp = self.items[i]
             start = int(self.rng.integers(0, max(1, len(t) - self.window + 1)))
-            n = min(self.window, len(t) - start)
-            tokens[row, :n], hidden[row, :n], mask[row, :n] = (
-                t[start : start + n],
-                h[start : start + n],
-                1,
-            )
-        return mx.array(tokens), mx.array(hidden).astype(mx.float32), mx.array(mask)
+            span = slice(start, start + min(self.window, len(t) - start))
+            n = span.stop - span.start
+            tokens[row, :n], hidden[row, :n], mask[row, :n] = t[span], h[span], 1
+            top_ids[row, :n], top_logp[row, :n] = ids[span], logp[span]
+        return Batch(
+            mx.array(tokens),
+            mx.array(hidden).astype(mx.float32),
+            mx.array(mask),
+            mx.array(top_ids),
+            mx.array(top_logp).astype(mx.float32),
+        )
 
 
 def make_loss(decoder: Decoder, rows: mx.array, feature_weight: float):
-    def loss_fn(model: DraftHead, tokens, hidden, mask):
+    def loss_fn(model: DraftHead, batch: Batch):
+        hidden = batch.hidden
         h_in, h_next = hidden[:, :-2], hidden[:, 1:-1]
-        embeds = decoder.embed(tokens[:, 1:-1])
-        valid = mask[:, 2:]  # the token the head predicts must exist
+        embeds = decoder.embed(batch.tokens[:, 1:-1])
+        valid = batch.mask[:, 2:]  # the token the head predicts must exist
         g = model(h_in, embeds, "causal")
-        student = nn.log_softmax(model.logits(g, rows), axis=-1)
-        teacher = mx.stop_gradient(nn.log_softmax(h_next @ rows.T, axis=-1))
-        kl = (mx.exp(teacher) * (teacher - student)).sum(-1)
+        kl = batch.kl(model.logits(g, rows), 1, -1)  # the teacher reads h_{i+1}
         feature = nn.losses.smooth_l1_loss(
             model.features(g), mx.stop_gradient(h_next), reduction="none"
         ).mean(-1)
@@ -227,11 +297,13 @@ def train(
     schedule = _Schedule(settings, budget)
     optimizer = optim.AdamW(learning_rate=settings.learning_rate, weight_decay=0.0)
     progress = _resume(module, optimizer, folder)
-    batches = Batches(train_shards, settings.window, settings.batch, settings.seed + progress.step)
+    batches = Batches(
+        train_shards, student.rows, settings.window, settings.batch, settings.seed + progress.step
+    )
     loss_and_grad = nn.value_and_grad(module, student.loss)
 
-    def step(tokens, hidden, mask):
-        loss, grads = loss_and_grad(module, tokens, hidden, mask)
+    def step(batch: Batch):
+        loss, grads = loss_and_grad(module, batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(module, grads)
         return loss
@@ -250,12 +322,12 @@ def train(
 
     while not finished():
         optimizer.learning_rate = schedule(progress.step, progress.seconds)
-        tokens, hidden, mask = batches.next()
-        loss = step(tokens, hidden, mask)
+        batch = batches.next()
+        loss = step(batch)
         mx.eval(loss, module.parameters(), optimizer.state)
         losses.append(loss.item())
         progress.step += 1
-        progress.positions += int(mask.sum().item())
+        progress.positions += int(batch.mask.sum().item())
         progress.seconds = done_before + time.perf_counter() - began
         now = time.perf_counter()
         metrics = None
