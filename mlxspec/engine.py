@@ -18,7 +18,13 @@ import numpy as np
 
 from mlxspec import device
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
-from mlxspec.policy import Policy, VerifyCost, cached_verify_cost, measure_verify_cost
+from mlxspec.policy import (
+    Policy,
+    VerifyCost,
+    cached_verify_cost,
+    calibration_key,
+    measure_verify_cost,
+)
 from mlxspec.proposers.base import ProposalContext, Proposer
 from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
 from mlxspec.target import Target
@@ -75,8 +81,7 @@ class Engine:
     def verify_cost(self) -> VerifyCost:
         """Measured once per model and machine (a few seconds), then read from the cache."""
         if self._verify_cost is None:
-            facts = device.describe()
-            key = f"{self.name}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
+            key = calibration_key(self.name)
 
             def measure() -> VerifyCost:
                 self.notify("measuring verify cost on this machine (once per model)")

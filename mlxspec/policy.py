@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxspec import device
 from mlxspec.paths import cache_dir
 from mlxspec.proposers.base import Situation
 
@@ -232,6 +233,14 @@ def measure_verify_cost(model, vocab_size: int, context: int = 64) -> VerifyCost
                 c.trim(c.size() - context)
 
     return calibrate(forward, reset)
+
+
+def calibration_key(model: str, setup: str = "") -> str:
+    """Where a calibration is kept: per model, machine, BLAS and mlx version, plus the
+    `setup` it ran in (e.g. a sharded target's split)."""
+    facts = device.describe()
+    key = f"{model}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
+    return f"{key}|{setup}" if setup else key
 
 
 def cached_verify_cost(key: str, measure: Callable[[], VerifyCost]) -> VerifyCost:

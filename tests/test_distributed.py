@@ -143,11 +143,10 @@ def seed_flat_calibration(root: Path, model: str, ranks: int) -> None:
     The adaptive policy prices drafts by a timed calibration; on a busy machine noise can
     price every draft out and leave nothing to check. With this curve its choice depends
     only on acceptance, so the test is deterministic."""
-    from mlxspec import device
-    from mlxspec.policy import VerifyCost
+    from mlxspec.distributed.rank import rank_setup
+    from mlxspec.policy import VerifyCost, calibration_key
 
-    facts = device.describe()
-    key = f"{model}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}|tensor x{ranks} ring"
+    key = calibration_key(model, rank_setup("tensor", ranks, "ring"))
     flat = VerifyCost({1: 1.0, 64: 1.0}, step_seconds=0.01)
     (root / "cache").mkdir(exist_ok=True)
     (root / "cache" / "calibration.json").write_text(json.dumps({key: flat.to_json()}))

@@ -21,7 +21,6 @@ from dataclasses import asdict
 
 import mlx.core as mx
 
-from mlxspec import device
 from mlxspec.distributed.collectives import Collectives
 from mlxspec.distributed.config import FAULT_ENV, RankConfig
 from mlxspec.distributed.errors import DistributedError
@@ -29,7 +28,13 @@ from mlxspec.distributed.sharding import allreduces_per_forward, fingerprint, sh
 from mlxspec.distributed.watchdog import Watchdog
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Event, Step
-from mlxspec.policy import Policy, VerifyCost, cached_verify_cost, measure_verify_cost
+from mlxspec.policy import (
+    Policy,
+    VerifyCost,
+    cached_verify_cost,
+    calibration_key,
+    measure_verify_cost,
+)
 from mlxspec.sampling import SamplingSettings
 
 CHECK_FIELDS = ("cache offset", "cached tokens", "drafted", "accepted", "last-tokens hash")
@@ -151,10 +156,8 @@ class RankSession:
         runtime = Runtime(entry, loaded, notify)
         engine = RankEngine(loaded.model, loaded.tokenizer, entry.name, notify=notify)
         engine.collectives = self.collectives
-        facts = device.describe()
-        engine.cost_key = (
-            f"{entry.name}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
-            f"|{self.config.parallel} x{self.size} {self.config.backend}"
+        engine.cost_key = calibration_key(
+            entry.name, rank_setup(self.config.parallel, self.size, self.config.backend)
         )
         # Tree shapes are pruned by each rank's own cost estimates, which may differ.
         engine.target.refuse_trees("a sharded target verifies lines only, for now")
@@ -235,6 +238,11 @@ class RankSession:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fault.get("hang") == round_:
             time.sleep(10_000)
+
+
+def rank_setup(parallel: str, ranks: int, backend: str) -> str:
+    """How a sharded target is split: calibrations of different splits are kept apart."""
+    return f"{parallel} x{ranks} {backend}"
 
 
 def _parse_fault(spec: str, rank: int) -> dict[str, int]:
