@@ -16,6 +16,7 @@ import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec import device
 from mlxspec.bench.suites import SUITES
 from mlxspec.distributed.options import distributed_options
+from mlxspec.drafter.prompts import DEFAULT_PROMPTS, TRAINING_PROMPTS
 from mlxspec.events import Accepted, Bonus, Corrected, Done
 from mlxspec.registry import RegistryError, load_registry
 
@@ -519,10 +520,10 @@ def bench(
 @click.option(
     "--prompts",
     type=click.IntRange(min=1),
-    default=1200,
+    default=DEFAULT_PROMPTS,
     show_default=True,
-    help="How many of the 5,760 built-in chat prompts the target answers (~15 min per "
-    "1,000 on a 2-core CPU; resumable: a larger N later adds the rest).",
+    help=f"How many of the {TRAINING_PROMPTS:,} built-in chat prompts the target answers "
+    "(~40 min per 1,000 on a 2-core CPU; resumable: a larger N later adds the rest).",
 )
 @click.option(
     "--text-tokens",

@@ -410,11 +410,12 @@ def test_train_drafter_refuses_bad_input_in_one_line(tmp_path):
 
 
 def test_built_in_prompts_hold_out_whole_topics_and_span_every_style():
-    from mlxspec.drafter.prompts import TEMPLATES, TOPICS, chat_prompts
+    from mlxspec.drafter.prompts import TEMPLATES, TOPICS, TRAINING_PROMPTS, chat_prompts
 
     training, held = chat_prompts(), chat_prompts(held_out=True)
     assert len(training) + len(held) == len(TOPICS) * len(TEMPLATES)
-    held_topics = {t for i, t in enumerate(TOPICS) if i % 8 == 7}
+    assert len(training) == TRAINING_PROMPTS == 5760  # as README says
+    held_topics = {t for i, t in enumerate(TOPICS) if i % 8 == 7}  # every 8th, by design
     assert not any(t in p for p in training for t in held_topics if " " in t)
     first = training[:200]  # a small run still sees many styles
     styles = {tm for tm in TEMPLATES if any(p.startswith(tm.split("{t}")[0]) for p in first)}

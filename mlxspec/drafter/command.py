@@ -25,7 +25,7 @@ from mlxspec.drafter.data import DataStore, add_file, add_text, self_distill
 from mlxspec.drafter.exit import ExitStudent, build_exit, save_exit
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
 from mlxspec.drafter.medusa import MedusaHeads, MedusaStudent, save_medusa
-from mlxspec.drafter.prompts import chat_prompts
+from mlxspec.drafter.prompts import DEFAULT_PROMPTS, chat_prompts
 from mlxspec.drafter.train import (
     TEACHER_TOP,
     HeadStudent,
@@ -56,7 +56,7 @@ class DrafterJob:
     out: Path
     data_dir: Path
     self_distill: bool = True
-    prompts: int | None = 1200  # how many of the built-in prompts (None: all)
+    prompts: int | None = DEFAULT_PROMPTS  # how many of the built-in prompts (None: all)
     text_tokens: int = 100_000
     extra_text: Path | None = None
     answer_tokens: int = 128

@@ -190,10 +190,6 @@ class Batches:
         self.window, self.batch = window, batch
         self.rng = np.random.default_rng(seed)
 
-    @property
-    def positions(self) -> int:
-        return int(self.lengths.sum())
-
     def next(self) -> Batch:
         picks = self.rng.choice(len(self.items), self.batch, p=self.lengths / self.lengths.sum())
         _, h0, ids0, _ = self.items[0]
