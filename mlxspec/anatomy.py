@@ -29,14 +29,35 @@ class Decoder:
     norm: nn.Module
     head: Callable[[mx.array], mx.array]
 
-    def hidden(self, inputs: mx.array, cache: list[Any], n_layers: int | None = None) -> mx.array:
-        """Normed hidden states after the first `n_layers` layers (all by default)."""
+    @property
+    def width(self) -> int:
+        return self.norm.weight.shape[0]
+
+    def hidden(
+        self,
+        inputs: mx.array,
+        cache: list[Any],
+        n_layers: int | None = None,
+        capture: tuple[int, ...] = (),
+    ) -> mx.array:
+        """Normed hidden states after the first `n_layers` layers (all by default).
+
+        With `capture`, the residual stream entering each of those layers comes first,
+        side by side in layer order: (B, L, (len(capture) + 1) * width). EAGLE-3 heads
+        read three layers; `logits` takes the LM head of the last `width` columns."""
         layers = self.layers if n_layers is None else self.layers[:n_layers]
         h = self.embed(inputs)
         mask = create_attention_mask(h, cache[0])
-        for layer, layer_cache in zip(layers, cache):
+        taken = []
+        for index, (layer, layer_cache) in enumerate(zip(layers, cache)):
+            if index in capture:
+                taken.append(h)
             h = layer(h, mask, cache=layer_cache)
-        return self.norm(h)
+        return mx.concatenate([*taken, self.norm(h)], axis=-1) if taken else self.norm(h)
+
+    def logits(self, features: mx.array) -> mx.array:
+        """Logits from `hidden`'s output: the LM head on the final normed state."""
+        return self.head(features[..., -self.width :])
 
 
 def split_decoder(model: nn.Module) -> Decoder:

@@ -25,7 +25,7 @@ from mlxspec.policy import (
     calibration_key,
     measure_verify_cost,
 )
-from mlxspec.proposers.base import ProposalContext, Proposer
+from mlxspec.proposers.base import ProposalContext, Proposer, hidden_capture
 from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
 from mlxspec.target import Target
 from mlxspec.text import TextStream
@@ -178,7 +178,8 @@ class Engine:
         )
         eos = set(self.tokenizer.eos_token_ids)
         text = TextStream(self.tokenizer, settings.stop)
-        needs_hidden = bool(proposer and proposer.needs_hidden)
+        capture = hidden_capture(proposer)
+        needs_hidden = capture is not None
         can_tree = not self.target.tree_unsupported
         use_tree = settings.tree and proposer is not None and can_tree
         if settings.tree and not can_tree:
@@ -186,9 +187,7 @@ class Engine:
         record.tree = use_tree
 
         start = time.perf_counter()
-        record.reused_prompt_tokens, hidden = self.target.prepare(
-            prompt_tokens, with_hidden=needs_hidden
-        )
+        record.reused_prompt_tokens, hidden = self.target.prepare(prompt_tokens, capture=capture)
         record.prefill_seconds = time.perf_counter() - start
 
         sequence = list(prompt_tokens)  # ends with the pending token
@@ -214,9 +213,9 @@ class Engine:
             round_start = time.perf_counter()
             pending = sequence[-1]
             if tree.is_chain:
-                logits, hidden_rows = self.target.verify([pending, *tree.tokens], needs_hidden)
+                logits, hidden_rows = self.target.verify([pending, *tree.tokens], capture)
             else:
-                logits, hidden_rows = self.target.verify_tree(pending, tree, needs_hidden)
+                logits, hidden_rows = self.target.verify_tree(pending, tree, capture)
                 record.tree_rounds += 1
                 record.tree_nodes += len(tree)
             processed = scorer.process_tree(logits, sequence, tree)

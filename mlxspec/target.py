@@ -137,14 +137,18 @@ class Target:
         self.cached_tokens = []
 
     def forward(
-        self, tokens: list[int], with_hidden: bool = False, cache: list[Any] | None = None
+        self,
+        tokens: list[int],
+        capture: tuple[int, ...] | None = None,
+        cache: list[Any] | None = None,
     ) -> tuple[mx.array, Any]:
-        """Run the target over `tokens` (appending to the cache): logits (m, V), hidden."""
+        """Run the target over `tokens` (appending to the cache): logits (m, V) and, unless
+        `capture` is None, hidden states (m, F) (`Decoder.hidden` with that capture)."""
         inputs = mx.array([tokens])
         cache = self.cache if cache is None else cache
-        if with_hidden:
-            hidden = self.decoder.hidden(inputs, cache)
-            logits = self.decoder.head(hidden)
+        if capture is not None:
+            hidden = self.decoder.hidden(inputs, cache, capture=capture)
+            logits = self.decoder.logits(hidden)
             self.cached_tokens.extend(tokens)
             return logits[0], hidden[0]
         logits = self.model(inputs, cache=cache)
@@ -152,20 +156,20 @@ class Target:
         return logits[0], None
 
     def prepare(
-        self, sequence: list[int], progress=None, with_hidden: bool = False
+        self, sequence: list[int], progress=None, capture: tuple[int, ...] | None = None
     ) -> tuple[int, mx.array | None]:
         """Fill the cache with all of `sequence` but its last token; reuse what matches.
 
-        Returns how many tokens were reused from the previous request and, with
-        `with_hidden`, the hidden states (m, d) of the m tokens fed now (drafter heads
+        Returns how many tokens were reused from the previous request and, unless
+        `capture` is None, the hidden states (m, F) of the m tokens fed now (drafter heads
         read them: the last row predicted the pending token).
         """
         rows: list[mx.array] = []
 
         def feed(chunk: list[int]) -> mx.array:
-            hidden = self.decoder.hidden(mx.array([chunk]), self.cache)
+            hidden = self.decoder.hidden(mx.array([chunk]), self.cache, capture=capture or ())
             rows.append(hidden[0])
-            return self.decoder.head(hidden[:, -1:])
+            return self.decoder.logits(hidden[:, -1:])
 
         # Snapshot layers cannot be rewound past the last request: start over instead.
         allow_trim = not self.snapshot_layers
@@ -174,19 +178,21 @@ class Target:
             sequence[:-1],
             allow_trim=allow_trim,
             progress=progress,
-            feed=feed if with_hidden else None,
+            feed=feed if capture is not None else None,
         )
         hidden = mx.concatenate(rows) if rows else None
         return reused, hidden
 
-    def verify(self, tokens: list[int], with_hidden: bool = False) -> tuple[mx.array, Any]:
+    def verify(
+        self, tokens: list[int], capture: tuple[int, ...] | None = None
+    ) -> tuple[mx.array, Any]:
         """Forward over [pending] + drafts, remembering how to undo it."""
         if self.snapshot_layers and len(tokens) > 1:
             self._snapshot = [_copy_state(self.cache[i].state) for i in self.snapshot_layers]
-        return self.forward(tokens, with_hidden)
+        return self.forward(tokens, capture)
 
     def verify_tree(
-        self, pending: int, tree: DraftTree, with_hidden: bool = False
+        self, pending: int, tree: DraftTree, capture: tuple[int, ...] | None = None
     ) -> tuple[mx.array, Any]:
         """One forward over the pending token and every node of `tree`: logits (n+1, V)
         where row i predicts the token after node i's path."""
@@ -195,7 +201,7 @@ class Target:
             raise ValueError(f"this model cannot verify draft trees: {reason}")
         cache = tree_attention.tree_caches(self.cache, tree)
         with tree_attention.tree_positions(self.model, tree):
-            return self.forward([pending, *tree.tokens], with_hidden, cache)
+            return self.forward([pending, *tree.tokens], capture, cache)
 
     def keep_nodes(self, pending: int, tree: DraftTree, path: list[int]) -> None:
         """After `verify_tree`, keep the root's and the accepted path's entries only."""

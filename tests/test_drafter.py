@@ -176,7 +176,7 @@ def test_a_one_branch_head_tree_is_the_heads_own_line(trained, monkeypatch):
     engine = Engine(model, byte_tokenizer(), "tiny")
     proposer = HeadProposer(head, engine.target, k_max=6)
     prompt = target_sequences(model, 1, seed=9, length=0)[0][:10]
-    _, hidden = engine.target.prepare(prompt, with_hidden=True)
+    _, hidden = engine.target.prepare(prompt, capture=())
     ctx = ProposalContext(prompt, TokenScorer(SamplingSettings()), None, engine.target, hidden)
     assert proposer.situation(ctx) is not None
     line = proposer.propose(ctx, 5).tokens
@@ -352,12 +352,9 @@ def test_published_layouts_map_into_the_head(layout, tmp_path):
     assert mx.allclose(head.logits(g, rows), ref, atol=1e-3)
 
 
-def test_eagle3_and_unknown_checkpoints_get_a_clear_refusal(tmp_path):
+def test_unknown_checkpoints_get_a_clear_refusal(tmp_path):
     model = tiny_model("llama", seed=1)
     decoder = split_decoder(model)
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"midlayer.fc": mx.zeros((2,))})
-    with pytest.raises(HeadError, match="EAGLE-3"):
-        convert_published(tmp_path, model, decoder)
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"something.else": mx.zeros((2,))})
     with pytest.raises(HeadError, match="no drafter head"):
         convert_published(tmp_path, model, decoder)

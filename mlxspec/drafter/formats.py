@@ -8,8 +8,8 @@ read, PyTorch .bin files when torch happens to be installed):
   checkpoint, `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.*}` plus a decoder block.
 - MiMo MTP: `model.mtp_layers.0.{token_layernorm,hidden_layernorm,input_proj,
   final_layernorm}` plus a decoder block; [hidden, embedding] order.
-EAGLE-3 heads (`midlayer.*`) read three target layers and a wider attention: refused
-with a clear message, not guessed.
+- EAGLE-3 (SafeAILab; `fc`, `midlayer.*`, `d2t`): three target layers and a wider
+  attention, a module of its own (`eagle3.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxspec.anatomy import Decoder
-from mlxspec.drafter.head import DraftHead, HeadError, HeadSpec, family_block
+from mlxspec.drafter.eagle3 import load_eagle3
+from mlxspec.drafter.head import DraftHead, Head, HeadError, HeadSpec, family_block
 
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
@@ -95,16 +96,13 @@ def _layouts(model: nn.Module) -> list[tuple[str, str, str, dict[str, str], dict
     ]
 
 
-def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> DraftHead:
+def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
     """A `DraftHead` from a published checkpoint folder (see the module docstring)."""
     if not directory.is_dir():
         raise HeadError(f"no drafter head at {directory}: not a folder")
     weights = read_weights(directory)
     if any(key.startswith("midlayer.") for key in weights):
-        raise HeadError(
-            f"{directory} is an EAGLE-3 head (midlayer.*), which reads three target layers; "
-            "mlxspec loads EAGLE-1 and MTP heads, or train one with `mlxspec train-drafter`"
-        )
+        return load_eagle3(directory, weights, model, decoder)
     for name, prefix, block, renames, switches in _layouts(model):
         if f"{prefix}{next(iter(renames))}weight" not in weights:
             continue
@@ -128,5 +126,6 @@ def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> Dr
         return head
     raise HeadError(
         f"no drafter head in {directory}: expected an mlxspec head (head.json + head.safetensors), "
-        "an EAGLE-1 checkpoint (fc.weight, layers.0.*) or MTP layers (eh_proj / mtp_layers)"
+        "an EAGLE-1 or EAGLE-3 checkpoint (fc.weight with layers.0.* or midlayer.*) or MTP "
+        "layers (eh_proj / mtp_layers)"
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,6 +53,27 @@ class HeadSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, **asdict(self)}
+
+
+class Head(Protocol):
+    """What drafting needs of a head: ours and the published ones (`DraftHead`, and
+    `eagle3.Eagle3Head`, whose insides differ)."""
+
+    spec: HeadSpec
+    target_layers: tuple[int, ...]  # layers whose incoming residual stream it reads
+
+    @property
+    def vocab(self) -> mx.array: ...
+
+    def from_target(self, rows: mx.array) -> mx.array: ...
+
+    def __call__(self, hidden: mx.array, embeds: mx.array, mask: Any = None, cache=None): ...
+
+    def features(self, g: mx.array) -> mx.array: ...
+
+    def feedback(self, g: mx.array) -> mx.array: ...
+
+    def logits(self, g: mx.array, rows: mx.array) -> mx.array: ...
 
 
 def family_block(model: nn.Module) -> nn.Module:
@@ -91,6 +112,8 @@ def lm_rows(decoder: Decoder, vocab: mx.array) -> mx.array:
 
 
 class DraftHead(nn.Module):
+    target_layers: tuple[int, ...] = ()  # it reads the target's final hidden state only
+
     def __init__(self, spec: HeadSpec, block: nn.Module, vocab: mx.array):
         super().__init__()
         d = spec.hidden_size
@@ -111,6 +134,11 @@ class DraftHead(nn.Module):
     @property
     def vocab(self) -> mx.array:
         return self._vocab
+
+    def from_target(self, rows: mx.array) -> mx.array:
+        """What the first draft step reads from the target's rows (`Decoder.hidden`): the
+        final normed state, their last d columns (EAGLE-3 heads read other layers)."""
+        return rows[..., -self.spec.hidden_size :]
 
     def __call__(self, hidden: mx.array, embeds: mx.array, mask: Any = None, cache=None):
         """g (B, L, d) from hidden states h (B, L, d) and next-token embeddings (B, L, d)."""
@@ -166,7 +194,7 @@ def build_head(spec: HeadSpec, model: nn.Module, vocab: mx.array) -> DraftHead:
     return head
 
 
-def load_head(directory: Path, model: nn.Module, decoder: Decoder) -> DraftHead:
+def load_head(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
     """A head saved by `save_head` (or converted from a published format) for `model`."""
     spec_file, weights_file = directory / HEAD_FILE, directory / WEIGHTS_FILE
     if not spec_file.is_file() or not weights_file.is_file():

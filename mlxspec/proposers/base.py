@@ -27,9 +27,10 @@ class ProposalContext:
     scorer: TokenScorer
     rng: np.random.Generator
     target: Target
-    # Target hidden states (m, d) of the m tokens just before the pending one, i.e. those
+    # Target hidden states (m, F) of the m tokens just before the pending one, i.e. those
     # the target cache took in since the last round; the last row predicted the pending
-    # token. None for proposers that do not need them.
+    # token. F: the final normed state, after the captured layers the proposer asked for
+    # (`hidden_capture`). None for proposers that do not need them.
     hidden: mx.array | None = None
 
 
@@ -59,7 +60,16 @@ class Proposer(Protocol):
     def propose(self, ctx: ProposalContext, k: int) -> Draft: ...
 
     # Proposers with needs_hidden also have `observe(ctx)`: take in the hidden states of
-    # a round that `situation` did not see (the last one of a request).
+    # a round that `situation` did not see (the last one of a request); and may have
+    # `target_layers`: the layers whose incoming residual stream they read too.
+
+
+def hidden_capture(proposer: Proposer | None) -> tuple[int, ...] | None:
+    """What the target must hand `proposer` each round: None (nothing), () (its final
+    normed hidden state) or the layers to capture before it (`Decoder.hidden`)."""
+    if proposer is None or not proposer.needs_hidden:
+        return None
+    return tuple(getattr(proposer, "target_layers", ()))
 
 
 def full_width(logits: mx.array, vocab: mx.array, vocab_size: int) -> mx.array:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation
+from mlxspec.proposers.base import (
+    Draft,
+    ProposalContext,
+    Proposer,
+    Situation,
+    hidden_capture,
+)
 
 
 class Chain:
@@ -16,6 +22,13 @@ class Chain:
         self.name, self.members = name, list(members)
         self.k_max = max(m.k_max for m in self.members)
         self.needs_hidden = any(m.needs_hidden for m in self.members)
+        captures = {hidden_capture(m) for m in self.members} - {None}
+        if len(captures) > 1:  # one verify pass hands every member the same rows
+            raise ValueError(
+                f"proposers {', '.join(m.name for m in self.members)} read different target "
+                "layers; a chain can hold only one kind of head"
+            )
+        self.target_layers = next(iter(captures), ())
         self._current: Proposer | None = None
 
     def reset(self) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from mlxspec.drafter.head import DraftHead, lm_rows
+from mlxspec.drafter.head import Head, lm_rows
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw, full_width
 from mlxspec.target import Target, common_prefix_len
 from mlxspec.tree import DraftTree, from_nodes, keep_best
@@ -30,13 +30,14 @@ class HeadProposer:
 
     def __init__(
         self,
-        head: DraftHead,
+        head: Head,
         target: Target,
         name: str = "head",
         k_max: int = 8,
         cost_hint: float = 0.07,  # one layer + an 8k-row LM head vs a target step
     ):
         self.name, self.head, self.k_max, self.cost_hint = name, head, k_max, cost_hint
+        self.target_layers = head.target_layers  # what the target hands over besides h
         self.decoder = target.decoder
         self.rows = lm_rows(self.decoder, head.vocab)  # (n, d): the target's LM head rows
         self.vocab_size = target.decoder.embed.weight.shape[0]
@@ -107,7 +108,7 @@ class HeadProposer:
             first = self.base + self.entries + 1
             embeds = self.decoder.embed(mx.array([self.tokens[first : first + todo]]))
             mask = create_attention_mask(hidden, self.cache)
-            self._g = self.head(hidden, embeds, mask, self.cache)[:, -1:]
+            self._g = self.head(self.head.from_target(hidden), embeds, mask, self.cache)[:, -1:]
             self.entries += todo
         return self._g
 
