@@ -85,7 +85,7 @@ class Eagle3Head(nn.Module):
     def feedback(self, g: mx.array) -> mx.array:
         return g  # EAGLE-3 feeds its pre-norm output back
 
-    def logits(self, g: mx.array, rows: mx.array) -> mx.array:
+    def logits(self, g: mx.array, rows: mx.array | None) -> mx.array:
         return self.lm_head(self.norm(g))
 
 

@@ -73,7 +73,7 @@ class Head(Protocol):
 
     def feedback(self, g: mx.array) -> mx.array: ...
 
-    def logits(self, g: mx.array, rows: mx.array) -> mx.array: ...
+    def logits(self, g: mx.array, rows: mx.array | None) -> mx.array: ...
 
 
 def family_block(model: nn.Module) -> nn.Module:
@@ -156,7 +156,7 @@ class DraftHead(nn.Module):
         """What the next draft step reads in place of the target's hidden state."""
         return self.features(g) if self.spec.feed_normed else g
 
-    def logits(self, g: mx.array, rows: mx.array) -> mx.array:
+    def logits(self, g: mx.array, rows: mx.array | None) -> mx.array:
         """Draft logits over the draft vocabulary; `rows` are the target LM head's rows."""
         g = self.features(g)
         if self.spec.own_lm_head:

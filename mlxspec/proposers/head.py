@@ -39,7 +39,9 @@ class HeadProposer:
         self.name, self.head, self.k_max, self.cost_hint = name, head, k_max, cost_hint
         self.target_layers = head.target_layers  # what the target hands over besides h
         self.decoder = target.decoder
-        self.rows = lm_rows(self.decoder, head.vocab)  # (n, d): the target's LM head rows
+        # The target's LM head rows of the draft vocabulary (n, d), unless the head has
+        # its own (EAGLE-3's 32k rows of an 8B target would be 0.5 GB in fp32).
+        self.rows = None if head.spec.own_lm_head else lm_rows(self.decoder, head.vocab)
         self.vocab_size = target.decoder.embed.weight.shape[0]
         self.reset()
 
