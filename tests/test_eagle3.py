@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from lossless import assert_lossless, plain_greedy
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
@@ -215,3 +217,34 @@ def test_a_chain_refuses_heads_that_read_different_target_layers(target, tmp_pat
     ours = build_head(HeadSpec(hidden_size=D, vocab_size=VOCAB), model, mx.arange(VOCAB))
     with pytest.raises(ValueError, match="different target layers"):
         Chain([eagle3, HeadProposer(ours, engine.target)])
+
+
+def test_a_pytorch_eagle3_checkpoint_loads_without_torch(target, tmp_path, monkeypatch):
+    """SafeAILab ships pytorch_model.bin; the same weights load from it as from
+    safetensors (written by test_torch_bin's stand-in for torch.save)."""
+    from test_torch_bin import FakeTensor, fake_torch, torch_save
+
+    model, decoder = target
+    w = eagle3_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch = fake_torch(monkeypatch)
+    kinds = {
+        mx.float32: torch.FloatStorage,
+        mx.int64: torch.LongStorage,
+        mx.bool_: torch.BoolStorage,
+    }
+    state = {}
+    for key, value in w.items():
+        if key != "used":
+            shape = tuple(value.shape)
+            strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+            flat = np.asarray(value).ravel()
+            state[key] = FakeTensor(kinds[value.dtype], flat, 0, shape, strides)
+    torch_save(tmp_path / "pytorch_model.bin", state)
+    monkeypatch.delitem(sys.modules, "torch")
+    head = convert_published(tmp_path, model, decoder)
+    assert head.vocab.tolist() == w["used"].tolist()
+    assert mx.array_equal(head.fc.weight, w["fc.weight"])
+    assert mx.array_equal(
+        head.midlayer.self_attn.q_proj.weight, w["midlayer.self_attn.q_proj.weight"]
+    )

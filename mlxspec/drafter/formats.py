@@ -1,7 +1,7 @@
 """Published drafter checkpoints mapped into `DraftHead`.
 
-Layouts (weight names as the projects publish them; only their safetensors files are
-read, PyTorch .bin files when torch happens to be installed):
+Layouts (weight names as the projects publish them; safetensors files, or PyTorch .bin
+files where a folder has none: read without torch, see `torch_bin.py`):
 - EAGLE-1 (SafeAILab): `fc.{weight,bias}` over [embedding, hidden] and one decoder
   layer `layers.0.*` without input norm; the target's LM head reads its output.
 - DeepSeek-V3 style MTP (also GLM-4.5): the layer after the last one in the target's own
@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlxspec.anatomy import Decoder
 from mlxspec.drafter.eagle3 import load_eagle3
 from mlxspec.drafter.head import DraftHead, Head, HeadError, HeadSpec, family_block
+from mlxspec.drafter.torch_bin import TorchCheckpointError, read_torch_bin
 
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
@@ -38,14 +39,9 @@ def read_weights(directory: Path) -> dict[str, mx.array]:
 
 def _torch_bin(file: Path) -> dict[str, mx.array]:
     try:
-        import torch
-    except ImportError:
-        raise HeadError(
-            f"{file} is a PyTorch checkpoint; install torch to read it, or convert it to "
-            "safetensors"
-        ) from None
-    state = torch.load(file, map_location="cpu", weights_only=True)
-    return {k: mx.array(v.float().numpy()) for k, v in state.items()}
+        return {k: mx.array(v) for k, v in read_torch_bin(file).items()}
+    except TorchCheckpointError as err:
+        raise HeadError(str(err)) from None
 
 
 def _split(weights: dict[str, mx.array], prefix: str, block: str, renames: dict[str, str]):
