@@ -31,8 +31,9 @@ def read_weights(directory: Path) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     for file in sorted(directory.glob("*.safetensors")):
         weights.update(mx.load(str(file)))
-    if not weights:
-        for file in sorted(directory.glob("*.bin")):
+    if not weights:  # the weights, not e.g. a training_args.bin beside them
+        files = sorted(directory.glob("pytorch_model*.bin")) or sorted(directory.glob("*.bin"))
+        for file in files:
             weights.update(_torch_bin(file))
     return weights
 
