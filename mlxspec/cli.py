@@ -614,7 +614,9 @@ def train_drafter(
     except (HeadError, ValueError, OSError) as err:
         raise click.ClickException(str(err)) from None
     first, last = (record["curve"][i]["first_token_acceptance"] for i in (0, -1))
+    by_position = record.get("acceptance_by_position")
     say(
         f"saved {out}: held-out first-token acceptance {first} -> {last} "
         f"after {record['train_seconds']:.0f} s of training"
+        + (f"; draft tokens 1, 2, 3: {by_position}" if by_position else "")
     )

@@ -11,17 +11,22 @@ import numpy as np
 import pytest
 from lossless import assert_lossless, plain_greedy
 from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.anatomy import split_decoder
-from mlxspec.drafter.data import DataStore, teacher_hidden
+from mlxspec.drafter.data import DataStore, Shard, teacher_hidden
 from mlxspec.drafter.formats import convert_published
 from mlxspec.drafter.head import HeadError, HeadSpec, build_head, lm_rows, load_head, save_head
 from mlxspec.drafter.train import (
     Batches,
     HeadStudent,
     TrainSettings,
+    acceptance_by_position,
+    agreement,
     choose_vocab,
+    draft_steps,
     make_loss,
     sparse_kl,
     teacher_top,
@@ -107,22 +112,49 @@ def test_training_lowers_the_loss_and_raises_held_out_acceptance(trained):
     assert progress.step == 300 and progress.positions > 1000
 
 
+def shard_of(decoder, seqs: list[list[int]], prompt_length: int) -> Shard:
+    """Teacher data of `seqs` as one shard, without a store."""
+    return Shard(
+        np.concatenate([np.array(s, np.int32) for s in seqs]),
+        np.concatenate(teacher_hidden(decoder, seqs)),
+        np.concatenate([[0], np.cumsum([len(s) for s in seqs])]),
+        np.array([prompt_length] * len(seqs)),
+    )
+
+
+def test_acceptance_by_position_drafts_as_the_proposer_does(trained):
+    """The all-positions measure of draft steps 1..3 equals the head drafting step by
+    step from its own KV cache (as HeadProposer does), fed the true tokens."""
+    model, head, *_ = trained
+    decoder = split_decoder(model)
+    rows = lm_rows(decoder, head.vocab)
+    seq = target_sequences(model, 1, seed=11)[0]
+    hidden = teacher_hidden(decoder, [seq])[0]
+    logits = draft_steps(head, decoder, rows, np.array(seq), hidden, 3)
+    for i in (0, 5, len(seq) - 6):
+        cache = KVCache()
+        h = mx.array(hidden[None, : i + 1]).astype(mx.float32)
+        g = head(
+            h, decoder.embed(mx.array([seq[1 : i + 2]])), create_attention_mask(h, cache), cache
+        )
+        g = g[:, -1:]
+        for step in range(3):
+            assert mx.allclose(head.logits(g, rows)[0, 0], logits[step, i], atol=1e-4), (i, step)
+            g = head(head.feedback(g), decoder.embed(mx.array([[seq[i + 2 + step]]])), None, cache)
+
+    shard = shard_of(decoder, target_sequences(model, 4, seed=12), 8)
+    by_position = acceptance_by_position(head, decoder, rows, [shard])
+    first = agreement(head, decoder, rows, [shard])["first_token_acceptance"]
+    print(f"acceptance by position {by_position}")
+    assert by_position[0] == first and first > 0
+    assert by_position[0] >= by_position[1] >= by_position[2]
+
+
 def test_draft_vocabulary_is_the_targets_most_used_tokens():
     model = tiny_model("llama", seed=3)
     decoder = split_decoder(model)
-    store = DataStore.__new__(DataStore)  # only the shard reader is needed
     seqs = target_sequences(model, 8, seed=2)
-    from mlxspec.drafter.data import Shard
-
-    hidden = teacher_hidden(decoder, seqs)
-    lengths = [len(s) for s in seqs]
-    shard = Shard(
-        np.concatenate([np.array(s) for s in seqs]),
-        np.concatenate(hidden),
-        np.concatenate([[0], np.cumsum(lengths)]),
-        np.array([4] * len(seqs)),
-    )
-    del store
+    shard = shard_of(decoder, seqs, 4)
     vocab = choose_vocab([shard], 10, VOCAB, {EOS})
     answers = [t for s in seqs for t in s[4:]]
     most = {t for t, _ in __import__("collections").Counter(answers).most_common(9)}
@@ -383,6 +415,9 @@ def test_train_drafter_command_trains_registers_and_generates(tmp_path, monkeypa
     assert record["data"]["self_distill_tokens"] > 0 and record["data"]["text_tokens"] >= 600
     assert record["data"]["file_tokens"] == len("my own notes about tiny models") + len("and more")
     assert record["steps"] > 0 and len(record["curve"]) >= 2
+    by_position = record["acceptance_by_position"]
+    assert len(by_position) == 3 and by_position[0] == record["curve"][-1]["first_token_acceptance"]
+    assert "draft tokens 1, 2, 3:" in result.output
 
     def generate(proposer):
         args = ["generate", "hello there", "-m", "tiny", "-p", proposer, "-n", "24", "--json"]

@@ -240,6 +240,8 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
         "curve": progress.curve,
         "total_seconds": round(time.perf_counter() - started, 1),
     }
+    if isinstance(student, HeadStudent):  # what drafting k tokens can expect
+        record["acceptance_by_position"] = student.by_position(eval_shards)
     if job.kind == "medusa":
         record["heads"] = job.heads
     elif job.kind != "head":

@@ -264,6 +264,71 @@ def agreement(head: DraftHead, decoder: Decoder, rows: mx.array, shards: list[Sh
     return {"first_token_acceptance": round(hits / max(total, 1), 4), "positions": total}
 
 
+class _Stack:
+    """A stand-in KV cache for drafting step s at every position at once: the keys and
+    values of steps 1..s-1 with step s's appended; RoPE positions shifted by `offset`."""
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys], axis=2)
+            values = mx.concatenate([self.values, values], axis=2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+def draft_steps(head: DraftHead, decoder: Decoder, rows: mx.array, tokens, hidden, steps: int):
+    """The head's draft logits (steps, L, n) at every position of one sequence, step s
+    drafting from its step s-1 output the way the proposer does, with the true tokens
+    as inputs (what it is fed when the drafts before were right).
+
+    Row i stands for drafting after position i (the target has seen tokens 0..i+1):
+    step 1 reads h_i and x_{i+1}; step s reads step s-1's output and x_{i+s}, sits at
+    position i+s-1, and attends the target-made entries 0..i and its own earlier steps."""
+    n = len(tokens) - 2
+    padded = mx.array(np.concatenate([tokens, np.zeros(steps, tokens.dtype)])[None])
+    cache = _Stack()
+    causal = mx.tril(mx.ones((n, n), dtype=mx.bool_))
+    mask, own = causal, mx.eye(n, dtype=mx.bool_)
+    g = head(
+        mx.array(hidden[None, :-2]).astype(mx.float32),
+        decoder.embed(padded[:, 1 : n + 1]),
+        mask,
+        cache,
+    )
+    logits = [head.logits(g, rows)[0]]
+    for step in range(2, steps + 1):
+        cache.offset = step - 1
+        mask = mx.concatenate([mask, own], axis=1)
+        embeds = decoder.embed(padded[:, step : step + n])
+        g = head(head.feedback(g), embeds, mask, cache)
+        logits.append(head.logits(g, rows)[0])
+    return mx.stack(logits)
+
+
+def acceptance_by_position(
+    head: DraftHead, decoder: Decoder, rows: mx.array, shards: list[Shard], steps: int = 3
+) -> list[float]:
+    """Held-out greedy acceptance of draft tokens 1..steps: the share of answer
+    positions where the head's first s drafts all equal the target's choices."""
+    hits, totals = np.zeros(steps), np.zeros(steps)
+    for tokens, hidden, prompt_length in held_out(shards):
+        n, start = len(tokens) - 2, max(prompt_length - 1, 0)
+        logits = draft_steps(head, decoder, rows, tokens, hidden, steps)
+        guesses = np.asarray(head.vocab[mx.argmax(logits, axis=-1)])
+        truth = np.asarray(mx.argmax(decoder.head(mx.array(hidden[1:]).astype(mx.float32)), -1))
+        right = np.zeros((steps, n), bool)
+        for s in range(steps):  # step s+1 at row i guesses the token after position i+s+1
+            usable = min(n, len(truth) - s)  # rows whose token s+1 ahead exists
+            right[s, :usable] = guesses[s, :usable] == truth[s : s + usable]
+            totals[s] += max(usable - start, 0)
+        hits += np.logical_and.accumulate(right, axis=0)[:, start:].sum(axis=1)
+    return [round(float(h / max(t, 1)), 4) for h, t in zip(hits, totals)]
+
+
 class HeadStudent:
     """A drafter head as a `Student` (the EAGLE-style loss and agreement above)."""
 
@@ -277,6 +342,9 @@ class HeadStudent:
 
     def agreement(self, shards: list[Shard]) -> dict:
         return agreement(self.module, self.decoder, self.rows, shards)
+
+    def by_position(self, shards: list[Shard], steps: int = 3) -> list[float]:
+        return acceptance_by_position(self.module, self.decoder, self.rows, shards, steps)
 
 
 def train(
