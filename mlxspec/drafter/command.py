@@ -103,7 +103,7 @@ def make_data(
     entry: ModelEntry, loaded: LoadedModel, decoder: Decoder, job: DrafterJob, say
 ) -> DataStore:
     """Teacher data into `job.data_dir`; what is already there is kept (resumable)."""
-    store = DataStore(job.data_dir, entry.target, decoder.norm.weight.shape[0])
+    store = DataStore(job.data_dir, entry.target, decoder.width)
     tokenizer = loaded.tokenizer
     held_out = chat_prompts(held_out=True)[:HELD_OUT_PROMPTS]
     if store.done(HELD_OUT) < len(held_out):
@@ -147,7 +147,7 @@ def make_student(
     total = len(decoder.layers)
     if job.kind == "head":
         spec = HeadSpec(
-            hidden_size=decoder.norm.weight.shape[0],
+            hidden_size=decoder.width,
             vocab_size=decoder.embed.weight.shape[0],
             target=entry.target,
             final_norm=True,
@@ -162,7 +162,7 @@ def make_student(
         layers = total // 2 if job.layers is None else job.layers
         return ExitStudent(build_exit(decoder, layers, vocab, entry.target), decoder)
     if job.kind == "medusa":
-        heads = MedusaHeads(decoder.norm.weight.shape[0], job.heads, vocab)
+        heads = MedusaHeads(decoder.width, job.heads, vocab)
         return MedusaStudent(heads, decoder)
     raise ValueError(f"unknown drafter kind {job.kind!r}; choose one of: {', '.join(KINDS)}")
 

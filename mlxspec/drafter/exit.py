@@ -84,7 +84,7 @@ def build_exit(
 ) -> ExitHead:
     """A fresh exit head after `layers` layers that starts as raw layer-skip."""
     check_layers(layers, len(decoder.layers))
-    d = decoder.norm.weight.shape[0]
+    d = decoder.width
     spec = ExitSpec(
         hidden_size=d,
         vocab_size=decoder.embed.weight.shape[0],
@@ -129,7 +129,7 @@ def load_exit(directory: Path, decoder: Decoder) -> ExitHead:
         weights = mx.load(str(weights_file))
     except (OSError, TypeError, ValueError) as err:
         raise ExitError(f"cannot read the exit head in {directory}: {err}") from None
-    d, vocab_size = decoder.norm.weight.shape[0], decoder.embed.weight.shape[0]
+    d, vocab_size = decoder.width, decoder.embed.weight.shape[0]
     if (spec.hidden_size, spec.vocab_size) != (d, vocab_size):
         raise ExitError(
             f"the exit head in {directory} was made for a model of width {spec.hidden_size} "

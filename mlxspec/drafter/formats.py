@@ -105,7 +105,7 @@ def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> He
             continue
         pairs = _split(weights, prefix, block, renames)
         own_head = any(k.startswith("lm_head.") for k, _ in pairs)
-        d, vocab_size = decoder.norm.weight.shape[0], decoder.embed.weight.shape[0]
+        d, vocab_size = decoder.width, decoder.embed.weight.shape[0]
         spec = HeadSpec(
             hidden_size=d,
             vocab_size=vocab_size,

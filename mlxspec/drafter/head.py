@@ -222,7 +222,7 @@ def load_head(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
 
 
 def check_fits(spec: HeadSpec, decoder: Decoder, where: Path) -> None:
-    d = decoder.norm.weight.shape[0]
+    d = decoder.width
     vocab = decoder.embed.weight.shape[0]
     if spec.hidden_size != d or spec.vocab_size != vocab:
         raise HeadError(

@@ -100,7 +100,7 @@ def save_medusa(heads: MedusaHeads, directory: Path, record: dict | None = None)
 
 def load_medusa(directory: Path, decoder: Decoder) -> MedusaHeads:
     """Our own saved heads, or a published Medusa checkpoint, for this target."""
-    hidden_size = decoder.norm.weight.shape[0]
+    hidden_size = decoder.width
     vocab_size = decoder.embed.weight.shape[0]
     if (directory / WEIGHTS).is_file():
         config = json.loads((directory / CONFIG).read_text())

@@ -250,18 +250,9 @@ def held_out(
 def agreement(head: DraftHead, decoder: Decoder, rows: mx.array, shards: list[Shard]) -> dict:
     """Held-out first-draft acceptance under greedy decoding: how often the head's
     argmax equals the target's argmax, on answer tokens only."""
-    hits = total = 0
-    for tokens, hidden, prompt_length in held_out(shards):
-        h = mx.array(hidden[None]).astype(mx.float32)
-        g = head(h[:, :-2], decoder.embed(mx.array(tokens[None, 1:-1])), "causal")
-        guess = head.vocab[mx.argmax(head.logits(g, rows), axis=-1)]
-        target_logits = decoder.head(h[:, 1:-1])  # the target's real choice, full vocabulary
-        truth = mx.argmax(target_logits, axis=-1)
-        start = max(prompt_length - 1, 0)  # positions predicting answer tokens
-        same = np.asarray(guess == truth)[0, start:]
-        hits += int(same.sum())
-        total += len(same)
-    return {"first_token_acceptance": round(hits / max(total, 1), 4), "positions": total}
+    hits, totals = _accepted(head, decoder, rows, shards, steps=1)
+    share = round(float(hits[0] / max(totals[0], 1)), 4)
+    return {"first_token_acceptance": share, "positions": int(totals[0])}
 
 
 class _Stack:
@@ -314,9 +305,18 @@ def acceptance_by_position(
 ) -> list[float]:
     """Held-out greedy acceptance of draft tokens 1..steps: the share of answer
     positions where the head's first s drafts all equal the target's choices."""
+    hits, totals = _accepted(head, decoder, rows, shards, steps)
+    return [round(float(h / max(t, 1)), 4) for h, t in zip(hits, totals)]
+
+
+def _accepted(
+    head: DraftHead, decoder: Decoder, rows: mx.array, shards: list[Shard], steps: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per draft step s: held-out answer positions where drafts 1..s were all right, and
+    positions measured (those whose token s ahead exists)."""
     hits, totals = np.zeros(steps), np.zeros(steps)
     for tokens, hidden, prompt_length in held_out(shards):
-        n, start = len(tokens) - 2, max(prompt_length - 1, 0)
+        n, start = len(tokens) - 2, max(prompt_length - 1, 0)  # rows predicting answer tokens
         logits = draft_steps(head, decoder, rows, tokens, hidden, steps)
         guesses = np.asarray(head.vocab[mx.argmax(logits, axis=-1)])
         truth = np.asarray(mx.argmax(decoder.head(mx.array(hidden[1:]).astype(mx.float32)), -1))
@@ -326,7 +326,7 @@ def acceptance_by_position(
             right[s, :usable] = guesses[s, :usable] == truth[s : s + usable]
             totals[s] += max(usable - start, 0)
         hits += np.logical_and.accumulate(right, axis=0)[:, start:].sum(axis=1)
-    return [round(float(h / max(t, 1)), 4) for h, t in zip(hits, totals)]
+    return hits, totals
 
 
 class HeadStudent:
