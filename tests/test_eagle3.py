@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from lossless import assert_lossless, plain_greedy
+from test_drafter import rms
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.anatomy import split_decoder
@@ -74,10 +75,6 @@ def eagle3_checkpoint(folder, seed: int = 7, **config_changes) -> dict[str, mx.a
 
 
 # --- The published forward pass, by hand ------------------------------------------------
-
-
-def rms(x, w, eps=1e-5):
-    return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
 def rope(x, base=10000.0):
