@@ -486,6 +486,13 @@ def bench(
     help="medusa: how many heads (tokens ahead).",
 )
 @click.option(
+    "--unroll",
+    type=click.IntRange(min=1, max=8),
+    help="head: in the last quarter of the budget, train draft steps 1..N the way they "
+    "are drafted, each fed the step before (EAGLE-3's training-time test; a step costs "
+    "about N times as much). 1: the first draft step only. [default: 3]",
+)
+@click.option(
     "--layers",
     type=click.IntRange(min=1),
     help="model/exit: how many of the target's layers (default: 1/8 of them for a model, "
@@ -560,6 +567,7 @@ def train_drafter(
     model,
     kind,
     heads,
+    unroll,
     layers,
     out,
     budget,
@@ -592,6 +600,10 @@ def train_drafter(
         raise click.ClickException(
             "no training data: keep --self-distill, or give --text-tokens or --data"
         )
+    try:
+        settings = train_settings(kind, budget, unroll)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from None
     say(f"loading {entry.name} ({entry.target})")
     loaded = load_model(entry.target)
     job = DrafterJob(
@@ -602,7 +614,7 @@ def train_drafter(
         text_tokens=text_tokens,
         extra_text=extra_text,
         vocab=vocab,
-        train=train_settings(kind, budget),
+        train=settings,
         register=register,
         proposer_name=proposer_name,
         kind=kind,

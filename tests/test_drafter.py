@@ -150,6 +150,35 @@ def test_acceptance_by_position_drafts_as_the_proposer_does(trained):
     assert by_position[0] >= by_position[1] >= by_position[2]
 
 
+def test_unrolled_loss_trains_each_draft_step_on_the_token_it_drafts(trained):
+    """EAGLE-3's training-time test: the loss of draft step s is the KL of the head's
+    step-s draft (as `draft_steps` drafts it) to the teacher's distribution s tokens
+    ahead, weighed 0.8^(s-1), over the rows whose token exists."""
+    model, head, *_ = trained
+    decoder = split_decoder(model)
+    rows = lm_rows(decoder, head.vocab)
+    seq = np.array(target_sequences(model, 1, seed=13)[0])
+    shard = shard_of(decoder, [seq.tolist()], 8)
+    batch = Batches([shard], rows, 64, 1, seed=0).next()  # the whole sequence, padded
+    logits = draft_steps(head, decoder, rows, seq, shard.hidden, 3)
+    ids, logp = teacher_top(shard.hidden, rows)
+    ids, logp = mx.array(ids.astype(np.int32)), mx.array(logp).astype(mx.float32)
+    n, expected = len(seq) - 2, 0.0
+    for s in range(3):  # step s+1 at row i drafts the token after position i+s+1
+        usable = len(seq) - 2 - s
+        kl = sparse_kl(logits[s, :usable], ids[s + 1 : s + 1 + usable], logp[s + 1 :][:usable])
+        expected += 0.8**s * kl.mean().item()
+    got = make_loss(decoder, rows, feature_weight=0.0, steps=3)(head, batch).item()
+    print(f"unrolled loss {got:.5f}, from draft_steps {expected:.5f} ({n} rows)")
+    assert got == pytest.approx(expected, rel=1e-4)
+    one = make_loss(decoder, rows, feature_weight=0.0, steps=1)(head, batch).item()
+    assert one == pytest.approx(sparse_kl(logits[0], ids[1:-1], logp[1:-1]).mean().item(), 1e-4)
+    # A student unrolls only in the last part of its budget.
+    student = HeadStudent(head, decoder, 0.0, unroll=3, unroll_from=0.75)
+    assert student.loss(head, batch, done=0.7).item() == pytest.approx(one, rel=1e-6)
+    assert student.loss(head, batch, done=0.8).item() == pytest.approx(got, rel=1e-6)
+
+
 def test_draft_vocabulary_is_the_targets_most_used_tokens():
     model = tiny_model("llama", seed=3)
     decoder = split_decoder(model)

@@ -159,6 +159,8 @@ def test_train_drafter_medusa_kind_registers_medusa_heads(tmp_path, monkeypatch)
         (["--kind", "exit", "--layers", "0"], "--layers"),
         (["--kind", "head", "--layers", "1"], "--layers is for --kind model and --kind exit"),
         (["--kind", "medusa", "--layers", "1"], "--kind medusa has none"),
+        (["--kind", "exit", "--unroll", "2"], "--unroll is for --kind head"),
+        (["--unroll", "0"], "--unroll"),
     ],
 )
 def test_train_drafter_refuses_bad_layers_in_one_line(tmp_path, monkeypatch, extra, needle):

@@ -80,8 +80,14 @@ KIND_SETTINGS: dict[str, dict] = {
 }
 
 
-def train_settings(kind: str, budget_minutes: float) -> TrainSettings:
-    return TrainSettings(budget_minutes=budget_minutes, **KIND_SETTINGS[kind])
+def train_settings(kind: str, budget_minutes: float, unroll: int | None = None) -> TrainSettings:
+    """The kind's settings; `unroll` (heads only) replaces its default."""
+    settings = TrainSettings(budget_minutes=budget_minutes, **KIND_SETTINGS[kind])
+    if unroll is not None:
+        if kind != "head":
+            raise ValueError(f"--unroll is for --kind head; --kind {kind} drafts no steps")
+        settings.unroll = unroll
+    return settings
 
 
 def _bar(description: str) -> Callable[[int, int], None]:
@@ -154,7 +160,10 @@ def make_student(
             feed_normed=True,
         )
         head = build_head(spec, loaded.model, vocab)
-        return HeadStudent(head, decoder, job.train.feature_weight)
+        settings = job.train
+        return HeadStudent(
+            head, decoder, settings.feature_weight, settings.unroll, settings.unroll_from
+        )
     if job.kind == "model":
         layers = distill.default_layers(total) if job.layers is None else job.layers
         return distill.ModelStudent(loaded.model, decoder, layers, vocab)

@@ -63,7 +63,7 @@ class ModelStudent:
         mx.eval(self.rows)
         self._truth: list[np.ndarray] | None = None
 
-    def loss(self, module: nn.Module, batch: Batch):
+    def loss(self, module: nn.Module, batch: Batch, done: float = 0.0):
         """KL(teacher || student) at every position with a next token, over the draft
         vocabulary; `module` is `self.module`, whose parts `self.own` holds."""
         h = self.own.hidden(batch.tokens, [None] * self.layers)[:, :-1]

@@ -163,7 +163,7 @@ class ExitStudent:
         """The target's raw state after L layers (the layers stay frozen)."""
         return mx.stop_gradient(self.raw.hidden(tokens, [None] * self.layers, self.layers))
 
-    def loss(self, module: ExitHead, batch: Batch):
+    def loss(self, module: ExitHead, batch: Batch, done: float = 0.0):
         kl = batch.kl(module.logits(self.states(batch.tokens), self.rows))
         return (kl * batch.mask).sum() / mx.maximum(batch.mask.sum(), 1)
 

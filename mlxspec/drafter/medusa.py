@@ -152,7 +152,7 @@ class MedusaStudent:
         self.rows = lm_rows(decoder, heads.vocab)
         mx.eval(self.rows)
 
-    def loss(self, heads: MedusaHeads, batch: Batch):
+    def loss(self, heads: MedusaHeads, batch: Batch, done: float = 0.0):
         total, weight = mx.array(0.0), 0.0
         for k, logits in enumerate(heads.logits(batch.hidden, self.rows), start=1):
             if batch.hidden.shape[1] <= k:
