@@ -22,6 +22,7 @@ from mlxspec.drafter.head import HeadError, HeadSpec, build_head, lm_rows, load_
 from mlxspec.drafter.train import (
     Batches,
     HeadStudent,
+    HeldOutChoices,
     TrainSettings,
     acceptance_by_position,
     agreement,
@@ -29,6 +30,7 @@ from mlxspec.drafter.train import (
     draft_steps,
     make_loss,
     sparse_kl,
+    target_choices,
     teacher_top,
     train,
 )
@@ -177,6 +179,26 @@ def test_unrolled_loss_trains_each_draft_step_on_the_token_it_drafts(trained):
     student = HeadStudent(head, decoder, 0.0, unroll=3, unroll_from=0.75)
     assert student.loss(head, batch, done=0.7).item() == pytest.approx(one, rel=1e-6)
     assert student.loss(head, batch, done=0.8).item() == pytest.approx(got, rel=1e-6)
+
+
+def test_held_out_choices_are_made_once_per_set_of_shards(trained):
+    """The target's choices are reused while the shards are the same ones, and made
+    anew for other shards (never a stale set)."""
+    model, *_ = trained
+    decoder = split_decoder(model)
+    first = [shard_of(decoder, target_sequences(model, 3, seed=14), 8)]
+    other = [shard_of(decoder, target_sequences(model, 2, seed=15), 8)]
+    choices = HeldOutChoices(decoder)
+    made = choices(first)
+    assert [len(c) for c in made] == [len(t) for t, _, _ in first[0].sequences()]
+    assert all((a == b).all() for a, b in zip(made, target_choices(decoder, first)))
+    assert choices(first) is made  # reused
+    again = choices(other)
+    assert len(again) == 2 and all(
+        (a == b).all() for a, b in zip(again, target_choices(decoder, other))
+    )
+    assert choices(first) is not made  # made anew, and equal
+    assert all((a == b).all() for a, b in zip(choices(first), made))
 
 
 def test_draft_vocabulary_is_the_targets_most_used_tokens():

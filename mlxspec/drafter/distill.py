@@ -24,7 +24,7 @@ from mlx_lm.utils import dequantize_model, load_tokenizer, save_config, save_mod
 from mlxspec.anatomy import Decoder, split_decoder
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import lm_rows
-from mlxspec.drafter.train import Batch, check_layers, held_out
+from mlxspec.drafter.train import Batch, HeldOutChoices, check_layers, held_out
 from mlxspec.loading import LoadedModel
 from mlxspec.proposers.draft_model import check_same_vocabulary, truncated_model
 
@@ -57,11 +57,11 @@ class ModelStudent:
         for layer in self.own.layers:
             layer.unfreeze()
         self.own.norm.unfreeze()
-        self.module, self.decoder, self.layers = student, decoder, layers
+        self.module, self.layers = student, layers
         self.checkpoint = f"checkpoint-model-{layers}"
         self.rows = lm_rows(decoder, vocab)  # the target's LM head rows = the student's
         mx.eval(self.rows)
-        self._truth: list[np.ndarray] | None = None
+        self.choices = HeldOutChoices(decoder)
 
     def loss(self, module: nn.Module, batch: Batch, done: float = 0.0):
         """KL(teacher || student) at every position with a next token, over the draft
@@ -72,34 +72,17 @@ class ModelStudent:
         return (kl * valid).sum() / mx.maximum(valid.sum(), 1)
 
     def agreement(self, shards: list[Shard]) -> dict:
-        return agreement(self.module, self.decoder, shards, self._targets(shards))
-
-    def _targets(self, shards: list[Shard]) -> list[np.ndarray]:
-        """The target's greedy choice at each held-out position (made once)."""
-        if self._truth is None:
-            self._truth = [
-                np.asarray(mx.argmax(self.decoder.head(mx.array(h).astype(mx.float32)), -1))
-                for _, h, _ in held_out(shards)
-            ]
-        return self._truth
+        return agreement(self.module, shards, self.choices(shards))
 
 
-def agreement(
-    model: nn.Module,
-    decoder: Decoder,
-    shards: list[Shard],
-    truths: list[np.ndarray] | None = None,
-) -> dict:
+def agreement(model: nn.Module, shards: list[Shard], choices: list[np.ndarray]) -> dict:
     """Held-out first-draft acceptance under greedy decoding of a draft model: how often
-    its argmax over the full vocabulary equals the target's, on answer tokens."""
+    its argmax over the full vocabulary equals the target's (`target_choices`), on
+    answer tokens."""
     hits = total = 0
-    for i, (tokens, hidden, prompt_length) in enumerate(held_out(shards)):
+    for (tokens, _, prompt_length), chosen in zip(held_out(shards), choices):
         guess = np.asarray(mx.argmax(model(mx.array(tokens[None, :-1])), axis=-1))[0]
-        if truths is None:
-            final = mx.array(hidden[:-1]).astype(mx.float32)
-            truth = np.asarray(mx.argmax(decoder.head(final), axis=-1))
-        else:
-            truth = truths[i][:-1]
+        truth = chosen[:-1]
         start = max(prompt_length - 1, 0)  # positions predicting answer tokens
         same = guess[start:] == truth[start:]
         hits, total = hits + int(same.sum()), total + len(same)

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 from mlxspec.anatomy import Decoder
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import HeadError, lm_rows
-from mlxspec.drafter.train import Batch, held_out
+from mlxspec.drafter.train import Batch, HeldOutChoices, held_out
 
 WEIGHTS = "medusa.safetensors"
 CONFIG = "medusa.json"
@@ -148,9 +148,10 @@ class MedusaStudent:
     checkpoint = "checkpoint-medusa"
 
     def __init__(self, heads: MedusaHeads, decoder: Decoder):
-        self.module, self.decoder = heads, decoder
+        self.module = heads
         self.rows = lm_rows(decoder, heads.vocab)
         mx.eval(self.rows)
+        self.choices = HeldOutChoices(decoder)
 
     def loss(self, heads: MedusaHeads, batch: Batch, done: float = 0.0):
         total, weight = mx.array(0.0), 0.0
@@ -168,13 +169,13 @@ class MedusaStudent:
         (answer positions only); head 1's is the first draft token's acceptance."""
         hits = np.zeros(self.module.count)
         totals = np.zeros(self.module.count)
-        for tokens, hidden, prompt_length in held_out(shards):
+        held = zip(held_out(shards), self.choices(shards))
+        for (tokens, hidden, prompt_length), truth in held:  # truth: the token after t
             h = mx.array(hidden[None]).astype(mx.float32)
-            truth = mx.argmax(self.decoder.head(h), axis=-1)[0]  # target's token after t
             start = max(prompt_length - 1, 0)
             for k, logits in enumerate(self.module.logits(h, self.rows), start=1):
                 guess = self.module.vocab[mx.argmax(logits, axis=-1)][0]
-                same = np.asarray(guess[: len(tokens) - k] == truth[k:])[start:]
+                same = (np.asarray(guess[: len(tokens) - k]) == truth[k:])[start:]
                 hits[k - 1] += same.sum()
                 totals[k - 1] += len(same)
         rates = [round(float(h / max(t, 1)), 4) for h, t in zip(hits, totals)]
