@@ -407,9 +407,10 @@ class HeadStudent:
     """A drafter head as a `Student` (the EAGLE-style loss and agreement above).
 
     Draft steps 2..unroll are trained as drafted (`make_loss`) only in the final part of
-    the budget (`unroll_from`), as a step with 3 costs ~3.4x on a CPU. Measured on
-    SmolLM2-135M, 8 more minutes for a trained head (held-out drafts 1/2/3 at
-    0.418/0.127/0.033) gave 0.414/0.155/0.061 unrolled, 0.421/0.128/0.036 not."""
+    the budget (`unroll_from`), as a step with 3 costs 3.2-3.6x on a CPU (measured at
+    8 x 256 and 13 x 160). Measured on SmolLM2-135M, 8 more minutes for a trained head
+    (held-out drafts 1/2/3 at 0.418/0.127/0.033) gave 0.414/0.155/0.061 unrolled,
+    0.421/0.128/0.036 not."""
 
     checkpoint = CHECKPOINT
 
