@@ -496,7 +496,7 @@ def bench(
     "--layers",
     type=click.IntRange(min=1),
     help="model/exit: how many of the target's layers (default: 1/8 of them for a model, "
-    "half for an exit head).",
+    "half for an exit head); head: how many layers the head has (default: 1).",
 )
 @click.option(
     "--out",

@@ -12,13 +12,20 @@ import pytest
 from lossless import assert_lossless, plain_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.anatomy import split_decoder
 from mlxspec.drafter.data import DataStore, Shard, teacher_hidden
 from mlxspec.drafter.formats import convert_published
-from mlxspec.drafter.head import HeadError, HeadSpec, build_head, lm_rows, load_head, save_head
+from mlxspec.drafter.head import (
+    HeadError,
+    HeadSpec,
+    build_head,
+    head_cache,
+    lm_rows,
+    load_head,
+    save_head,
+)
 from mlxspec.drafter.train import (
     Batches,
     HeadStudent,
@@ -86,14 +93,16 @@ def test_sparse_teacher_keeps_the_top_tokens_and_its_kl_is_the_full_one_when_k_i
     assert np.allclose(np.asarray(got), np.asarray(full), atol=2e-2)  # fp16 log-probs
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny llama target and a head trained on it for a few seconds, with its record."""
+def train_tiny_head(tmp_path_factory, layers: int, steps: int):
+    """A tiny llama target and a head of `layers` layers trained on it for `steps` steps:
+    (model, head, progress, (loss before, loss after) on held-out data, folder)."""
     model, decoder, store, vocab = tiny_teacher(tmp_path_factory.mktemp("data"))
-    spec = HeadSpec(hidden_size=64, vocab_size=VOCAB, final_norm=True, feed_normed=True)
+    spec = HeadSpec(
+        hidden_size=64, vocab_size=VOCAB, final_norm=True, feed_normed=True, layers=layers
+    )
     head = build_head(spec, model, vocab)  # as `mlxspec train-drafter` makes them
     settings = TrainSettings(
-        budget_minutes=5, max_steps=300, batch=8, window=48, learning_rate=3e-3, warmup_steps=10
+        budget_minutes=5, max_steps=steps, batch=8, window=48, learning_rate=3e-3, warmup_steps=10
     )
     loss = make_loss(decoder, lm_rows(decoder, vocab), settings.feature_weight)
     batch = Batches(store.shards("held-out"), lm_rows(decoder, vocab), 48, 6, seed=0).next()
@@ -103,6 +112,18 @@ def trained(tmp_path_factory):
     progress = train(student, store.shards("self-distill"), store.shards("held-out"), out, settings)
     after = loss(head, batch).item()
     return model, head, progress, (before, after), out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny llama target and a one-layer head trained on it for a few seconds."""
+    return train_tiny_head(tmp_path_factory, layers=1, steps=300)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """The same with a two-layer head (one KV cache per layer), trained less."""
+    return train_tiny_head(tmp_path_factory, layers=2, steps=120)
 
 
 def test_training_lowers_the_loss_and_raises_held_out_acceptance(trained):
@@ -124,17 +145,18 @@ def shard_of(decoder, seqs: list[list[int]], prompt_length: int) -> Shard:
     )
 
 
-def test_acceptance_by_position_drafts_as_the_proposer_does(trained):
+@pytest.mark.parametrize("fixture", ["trained", "deep"])
+def test_acceptance_by_position_drafts_as_the_proposer_does(fixture, request):
     """The all-positions measure of draft steps 1..3 equals the head drafting step by
-    step from its own KV cache (as HeadProposer does), fed the true tokens."""
-    model, head, *_ = trained
+    step from its own KV cache(s) (as HeadProposer does), fed the true tokens."""
+    model, head, *_ = request.getfixturevalue(fixture)
     decoder = split_decoder(model)
     rows = lm_rows(decoder, head.vocab)
     seq = target_sequences(model, 1, seed=11)[0]
     hidden = teacher_hidden(decoder, [seq])[0]
     logits = draft_steps(head, decoder, rows, np.array(seq), hidden, 3)
     for i in (0, 5, len(seq) - 6):
-        cache = KVCache()
+        cache = head_cache(head)
         h = mx.array(hidden[None, : i + 1]).astype(mx.float32)
         g = head(
             h, decoder.embed(mx.array([seq[1 : i + 2]])), create_attention_mask(h, cache), cache
@@ -236,6 +258,34 @@ def test_trained_head_drafts_losslessly_and_gets_accepted(trained):
     drafted, accepted = lossless_check(model, proposer, prompts, k=3)
     print(f"acceptance {accepted}/{drafted}")
     assert accepted > 0.03 * drafted  # measured 0.05; an untrained head: ~1/257
+
+
+def test_a_two_layer_head_trains_drafts_losslessly_and_loads_back(deep, tmp_path):
+    """A deeper head: each layer starts as a copy of the target's matching last layer,
+    training lowers its loss, it drafts lines and trees losslessly with a KV cache per
+    layer, and it saves and loads back with both layers."""
+    model, head, progress, (before, after), _ = deep
+    assert head.spec.layers == 2 and len(head.more_blocks) == 1
+    fresh = build_head(head.spec, model, head.vocab)
+    for block, layer in zip([fresh.block, *fresh.more_blocks], model.layers[-2:]):
+        w = block.mlp.down_proj.weight
+        assert mx.array_equal(w, layer.mlp.down_proj.weight.astype(w.dtype))
+    print(f"two layers: held-out loss {before:.3f} -> {after:.3f}, {progress.curve[-1]}")
+    assert after < 0.5 * before
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    proposer = HeadProposer(head, engine.target, k_max=6)
+    prompts = [s[:10] for s in target_sequences(model, 4, seed=9, length=0)]
+    drafted, accepted = lossless_check(model, proposer, prompts, k=3)
+    tree_drafted, tree_accepted = lossless_check(model, proposer, prompts, k=3, tree=True)
+    print(f"line {accepted}/{drafted}, tree {tree_accepted}/{tree_drafted}")
+    assert accepted > 0 and tree_accepted > 0
+    assert proposer.cache.offset == proposer.entries  # every layer's draft entries cut off
+    assert len({c.offset for c in proposer.cache.parts}) == 1
+    save_head(head, tmp_path)
+    loaded = load_head(tmp_path, model, split_decoder(model))
+    assert loaded.spec.layers == 2
+    h, e = mx.random.normal((1, 5, 64)), mx.random.normal((1, 5, 64))
+    assert mx.allclose(loaded(h, e, "causal"), head(h, e, "causal"), atol=2e-2)
 
 
 def test_trained_head_drafts_trees_losslessly(trained):

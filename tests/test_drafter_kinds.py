@@ -157,7 +157,7 @@ def test_train_drafter_medusa_kind_registers_medusa_heads(tmp_path, monkeypatch)
         (["--kind", "model", "--layers", "2"], "--layers must be in 1..1 for this 2-layer"),
         (["--kind", "exit", "--layers", "5"], "--layers must be in 1..1 for this 2-layer"),
         (["--kind", "exit", "--layers", "0"], "--layers"),
-        (["--kind", "head", "--layers", "1"], "--layers is for --kind model and --kind exit"),
+        (["--kind", "head", "--layers", "2"], "a head's --layers must be in 1..1"),
         (["--kind", "medusa", "--layers", "1"], "--kind medusa has none"),
         (["--kind", "exit", "--unroll", "2"], "--unroll is for --kind head"),
         (["--unroll", "0"], "--unroll"),

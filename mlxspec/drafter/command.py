@@ -65,7 +65,8 @@ class DrafterJob:
     register: bool = True
     proposer_name: str | None = None  # None: PROPOSER_NAMES[kind]
     kind: str = "head"
-    layers: int | None = None  # model / exit: how many of the target's layers (None: default)
+    # model / exit: how many of the target's layers; head: its own layers (None: default)
+    layers: int | None = None
     heads: int = 4  # medusa: how many tokens ahead it guesses
 
 
@@ -158,6 +159,7 @@ def make_student(
             target=entry.target,
             final_norm=True,
             feed_normed=True,
+            layers=job.layers or 1,
         )
         head = build_head(spec, loaded.model, vocab)
         settings = job.train
@@ -198,12 +200,10 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
     """The whole job; returns the training record that is also saved with the drafter."""
     started = time.perf_counter()
     decoder = split_decoder(loaded.model)
-    if job.kind in ("head", "medusa") and job.layers is not None:  # before making any data
-        raise ValueError(
-            f"--layers is for --kind model and --kind exit; --kind {job.kind} has none"
-        )
+    if job.kind == "medusa" and job.layers is not None:  # before making any data
+        raise ValueError("--layers is for --kind head, model and exit; --kind medusa has none")
     if job.layers is not None:
-        check_layers(job.layers, len(decoder.layers))
+        check_layers(job.layers, len(decoder.layers), head=job.kind == "head")
     store = make_data(entry, loaded, decoder, job, say)
     training = [s for src in ("self-distill", "text", "file") for s in store.shards(src)]
     answers = store.shards("self-distill") or training

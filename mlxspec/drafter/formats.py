@@ -21,7 +21,7 @@ import mlx.nn as nn
 
 from mlxspec.anatomy import Decoder
 from mlxspec.drafter.eagle3 import load_eagle3
-from mlxspec.drafter.head import DraftHead, Head, HeadError, HeadSpec, family_block
+from mlxspec.drafter.head import DraftHead, Head, HeadError, HeadSpec
 from mlxspec.drafter.torch_bin import TorchCheckpointError, read_torch_bin
 
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
@@ -113,7 +113,7 @@ def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> He
             own_lm_head=own_head,
             **switches,
         )
-        head = DraftHead(spec, family_block(model), mx.arange(vocab_size, dtype=mx.int32))
+        head = DraftHead(spec, model, mx.arange(vocab_size, dtype=mx.int32))
         try:
             head.load_weights([(k, v.astype(mx.float32)) for k, v in pairs], strict=True)
         except ValueError as err:

@@ -1,10 +1,11 @@
-"""A drafter head: one transformer layer that reads the target's hidden state.
+"""A drafter head: a transformer layer (or a few) that reads the target's hidden state.
 
 EAGLE/MTP style. Input at position i: the target's (final-normed) hidden state h_i and
 the embedding of the next token x_{i+1}; output g_i, a guess of h_{i+1}, from which the
 target's own LM head rows give the draft distribution of x_{i+2}. Drafting further
 feeds g back in place of h. The block is a layer of the target's own family (built by
-mlx-lm's class), so its KV cache is an ordinary mlx-lm cache.
+mlx-lm's class), so its KV cache is an ordinary mlx-lm cache (one per layer where a head
+has more than one: `head_cache`).
 
 One module covers our trained heads and the published layouts (see `formats.py`):
 EAGLE-1 (fc with bias over [embedding, hidden], block without input norm), MTP
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from mlxspec.anatomy import Decoder
 
@@ -47,6 +49,7 @@ class HeadSpec:
     own_lm_head: bool = False  # EAGLE-3/MTP checkpoints may ship their own LM head rows
     embedding_first: bool = True  # fc input order: [embedding, hidden] (MiMo: reversed)
     feed_normed: bool = False  # later draft steps read norm(g) instead of g (our heads)
+    layers: int = 1  # decoder layers after the fusion (published heads have one)
     norm_eps: float = 1e-5
     source_format: str = FORMAT
     record: dict[str, Any] = field(default_factory=dict)  # how it was trained
@@ -111,10 +114,42 @@ def lm_rows(decoder: Decoder, vocab: mx.array) -> mx.array:
     return weight[vocab].astype(mx.float32)
 
 
+class LayerCaches:
+    """The KV caches of a head with several layers, one per layer, kept in step: the
+    proposer trims and positions them as it would one cache."""
+
+    def __init__(self, parts: list[Any]):
+        self.parts = parts
+
+    @property
+    def offset(self) -> int:
+        return self.parts[0].offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        for part in self.parts:
+            part.offset = value
+
+    def trim(self, n: int) -> int:
+        return [part.trim(n) for part in self.parts][0]
+
+    def make_mask(self, *args, **kwargs):
+        return self.parts[0].make_mask(*args, **kwargs)
+
+
+def head_cache(head: Head, factory=KVCache):
+    """A fresh KV cache for `head`: one `factory()` per layer (a `LayerCaches` when the
+    head has more than one)."""
+    if head.spec.layers == 1:
+        return factory()
+    return LayerCaches([factory() for _ in range(head.spec.layers)])
+
+
 class DraftHead(nn.Module):
     target_layers: tuple[int, ...] = ()  # it reads the target's final hidden state only
 
-    def __init__(self, spec: HeadSpec, block: nn.Module, vocab: mx.array):
+    def __init__(self, spec: HeadSpec, model: nn.Module, vocab: mx.array):
+        """Fresh weights; the layers are `spec.layers` new layers of `model`'s family."""
         super().__init__()
         d = spec.hidden_size
         self.spec = spec
@@ -122,7 +157,9 @@ class DraftHead(nn.Module):
         if spec.input_norms:
             self.enorm = nn.RMSNorm(d, eps=spec.norm_eps)
             self.hnorm = nn.RMSNorm(d, eps=spec.norm_eps)
-        self.block = block
+        # The first layer keeps the name `block`: heads saved with one layer load as ever.
+        self.block = family_block(model)
+        self.more_blocks = [family_block(model) for _ in range(spec.layers - 1)]
         if not spec.block_input_norm:
             self.block.input_layernorm = nn.Identity()
         if spec.final_norm:
@@ -146,7 +183,12 @@ class DraftHead(nn.Module):
             embeds, hidden = self.enorm(embeds), self.hnorm(hidden)
         parts = [embeds, hidden] if self.spec.embedding_first else [hidden, embeds]
         x = self.fc(mx.concatenate(parts, axis=-1))
-        return self.block(x, mask, cache)
+        if not self.more_blocks:
+            return self.block(x, mask, cache)
+        caches = cache.parts if cache is not None else [None] * self.spec.layers
+        for block, layer_cache in zip([self.block, *self.more_blocks], caches):
+            x = block(x, mask, layer_cache)
+        return x
 
     def features(self, g: mx.array) -> mx.array:
         """What the LM head reads: g, through the final norm where the head has one."""
@@ -176,22 +218,29 @@ def save_head(head: DraftHead, directory: Path, dtype=mx.float16) -> None:
 
 
 def build_head(spec: HeadSpec, model: nn.Module, vocab: mx.array) -> DraftHead:
-    """A head for `model` with fresh weights: the block starts as a copy of the target's
-    last layer where the shapes allow (a far better start than random). That layer's
+    """A head for `model` with fresh weights: its layers start as copies of the target's
+    last ones, in order, where the shapes allow (a far better start than random). Their
     output is on the residual stream's scale (large), so our heads have a final norm."""
-    head = DraftHead(spec, family_block(model), vocab)
+    head = DraftHead(spec, model, vocab)
     if spec.final_norm:  # the target's own final norm: g starts on the target's scale
         norm = getattr(getattr(model, "model", None), "norm", None)
         if norm is not None and "weight" in norm:
             head.norm.weight = mx.array(norm.weight).astype(mx.float32)
-    last = dict(tree_flatten(model.layers[-1].parameters()))
-    mine = dict(tree_flatten(head.block.parameters()))
-    same = [(k, last[k]) for k, v in mine.items() if k in last and last[k].shape == v.shape]
+    blocks = [head.block, *head.more_blocks]
+    for block, source in zip(blocks, model.layers[-len(blocks) :]):
+        _copy_layer(source, block)
+    return head
+
+
+def _copy_layer(source: nn.Module, block: nn.Module) -> None:
+    """`source`'s weights into `block` when every one fits (float, same shape)."""
+    theirs = dict(tree_flatten(source.parameters()))
+    mine = dict(tree_flatten(block.parameters()))
+    same = [(k, theirs[k]) for k, v in mine.items() if k in theirs and theirs[k].shape == v.shape]
     if len(same) == len(mine) and all(
         v.dtype in (mx.float32, mx.float16, mx.bfloat16) for _, v in same
     ):
-        head.block.load_weights([(k, v.astype(mx.float32)) for k, v in same], strict=False)
-    return head
+        block.load_weights([(k, v.astype(mx.float32)) for k, v in same], strict=False)
 
 
 def load_head(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
@@ -211,7 +260,7 @@ def load_head(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
         raise HeadError(f"cannot read the head in {directory}: {err}") from None
     check_fits(spec, decoder, directory)
     vocab = weights.pop("vocab").astype(mx.int32)
-    head = DraftHead(spec, family_block(model), vocab)
+    head = DraftHead(spec, model, vocab)
     try:
         head.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=True)
     except ValueError as err:

@@ -37,7 +37,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxspec.anatomy import Decoder
 from mlxspec.drafter.data import Shard
-from mlxspec.drafter.head import DraftHead, lm_rows
+from mlxspec.drafter.head import DraftHead, head_cache, lm_rows
 
 CHECKPOINT = "checkpoint"
 EVAL_POSITIONS = 64 * 150  # held-out answer positions an agreement measure reads (about)
@@ -79,11 +79,14 @@ class Student(Protocol):
     def agreement(self, shards: list[Shard]) -> dict: ...
 
 
-def check_layers(layers: int, total: int, what: str = "--layers") -> None:
-    """Drafters made of the target's first layers need at least one and fewer than all."""
-    if not 1 <= layers < total:
+def check_layers(layers: int, total: int, what: str = "--layers", head: bool = False) -> None:
+    """Drafters made of the target's first layers need at least one and fewer than all;
+    a head's own layers, at most half as many as the target has (it must stay cheap)."""
+    most = max(1, total // 2) if head else total - 1
+    if not 1 <= layers <= most:
+        kind = "a head's " if head else ""
         raise ValueError(
-            f"{what} must be in 1..{total - 1} for this {total}-layer target, got {layers}"
+            f"{kind}{what} must be in 1..{most} for this {total}-layer target, got {layers}"
         )
 
 
@@ -344,7 +347,7 @@ def unroll(head: DraftHead, decoder: Decoder, tokens: mx.array, hidden: mx.array
     the drafts before were right), sits at position i+s-1, and attends the target-made
     entries 0..i and its own earlier steps."""
     n = hidden.shape[1]
-    cache = _Stack()
+    cache = head_cache(head, _Stack)
     g = head(hidden, decoder.embed(tokens[:, 1 : n + 1]), "causal", cache)
     out = [g]
     mask, own = mx.tril(mx.ones((n, n), dtype=mx.bool_)), mx.eye(n, dtype=mx.bool_)

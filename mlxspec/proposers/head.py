@@ -13,9 +13,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
 
-from mlxspec.drafter.head import Head, lm_rows
+from mlxspec.drafter.head import Head, head_cache, lm_rows
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw, full_width
 from mlxspec.target import Target, common_prefix_len
 from mlxspec.tree import DraftTree, from_nodes, keep_best
@@ -34,9 +33,13 @@ class HeadProposer:
         target: Target,
         name: str = "head",
         k_max: int = 8,
-        cost_hint: float = 0.07,  # one layer + an 8k-row LM head vs a target step
+        cost_hint: float | None = None,  # per draft token vs a target step; None: guess
     ):
-        self.name, self.head, self.k_max, self.cost_hint = name, head, k_max, cost_hint
+        self.name, self.head, self.k_max = name, head, k_max
+        # Measured on SmolLM2-135M: one layer + an 8k-row LM head ~0.06 of a target step;
+        # each further layer adds about one target layer's share (1/30 there).
+        layers = head.spec.layers
+        self.cost_hint = 0.045 + 0.025 * layers if cost_hint is None else cost_hint
         self.target_layers = head.target_layers  # what the target hands over besides h
         self.decoder = target.decoder
         # The target's LM head rows of the draft vocabulary (n, d), unless the head has
@@ -50,7 +53,7 @@ class HeadProposer:
         self.base = 0  # sequence position of hidden row 0 and of cache entry 0
         self.hidden: list[mx.array] = []  # chunks of target hidden rows, in order
         self.n_hidden = 0
-        self.cache = KVCache()
+        self.cache = head_cache(self.head)
         self.entries = 0  # cache entries, all made from the target's own hidden states
         self._g: mx.array | None = None  # head output at the last entry
 
