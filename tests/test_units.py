@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Rejected, Step
-from mlxspec.policy import Acceptance, Policy, VerifyCost, expected_tokens
+from mlxspec.policy import (
+    CALIBRATION_SIZES,
+    Acceptance,
+    Policy,
+    VerifyCost,
+    calibrate,
+    expected_tokens,
+)
 from mlxspec.proposers import Draft, PromptLookup, ProposalContext, Situation
 from mlxspec.sampling import SamplingSettings, TokenScorer
 from mlxspec.text import TextStream
@@ -252,3 +260,21 @@ def test_policy_corrects_the_calibrated_cost_from_observed_rounds():
         policy.observe_verify(9, 0.10 * (1 + 3 * (CPU_LIKE_COST(9) - 1)))
     assert 2.5 < policy.extra_cost_scale <= 3.0
     assert policy.choose(copying, 64) < calm
+
+
+def test_calibration_keeps_true_costs_through_a_busy_spell():
+    """A verify of m tokens truly costs 1 + 0.1 (m - 1) steps; for a spell of five
+    consecutive timings the machine runs everything 1.5x slower. Sizes taking turns,
+    each keeping its fastest time, the spell leaves the calibrated costs exact."""
+    now, calls = [0.0], []
+
+    def forward(m: int) -> None:
+        busy = 1.5 if 8 <= len(calls) < 13 else 1.0  # the first timed calls of size 1, 2...
+        calls.append(m)
+        now[0] += 0.1 * (1 + 0.1 * (m - 1)) * busy
+
+    cost = calibrate(forward, lambda: None, repeats=3, clock=lambda: now[0])
+    assert len(calls) == len(CALIBRATION_SIZES) * 4  # a warm-up and 3 timed rounds
+    for m in CALIBRATION_SIZES:
+        assert cost(m) == pytest.approx(1 + 0.1 * (m - 1)), m
+    assert cost.step_seconds == pytest.approx(0.1)
