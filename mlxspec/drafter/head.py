@@ -131,7 +131,9 @@ class LayerCaches:
             part.offset = value
 
     def trim(self, n: int) -> int:
-        return [part.trim(n) for part in self.parts][0]
+        """Trim every layer's cache by `n`; how many entries were trimmed (as mlx-lm's)."""
+        trimmed = [part.trim(n) for part in self.parts]
+        return trimmed[0]
 
     def make_mask(self, *args, **kwargs):
         return self.parts[0].make_mask(*args, **kwargs)
