@@ -267,7 +267,7 @@ def test_a_two_layer_head_trains_drafts_losslessly_and_loads_back(deep, tmp_path
     model, head, progress, (before, after), _ = deep
     assert head.spec.layers == 2 and len(head.more_blocks) == 1
     fresh = build_head(head.spec, model, head.vocab)
-    for block, layer in zip([fresh.block, *fresh.more_blocks], model.layers[-2:]):
+    for block, layer in zip(fresh.blocks, model.layers[-2:]):
         w = block.mlp.down_proj.weight
         assert mx.array_equal(w, layer.mlp.down_proj.weight.astype(w.dtype))
     print(f"two layers: held-out loss {before:.3f} -> {after:.3f}, {progress.curve[-1]}")

@@ -267,9 +267,10 @@ def test_calibration_keeps_true_costs_through_a_busy_spell():
     consecutive timings the machine runs everything 1.5x slower. Sizes taking turns,
     each keeping its fastest time, the spell leaves the calibrated costs exact."""
     now, calls = [0.0], []
+    warm_up = len(CALIBRATION_SIZES)  # one untimed call per size comes first
 
     def forward(m: int) -> None:
-        busy = 1.5 if 8 <= len(calls) < 13 else 1.0  # the first timed calls of size 1, 2...
+        busy = 1.5 if warm_up <= len(calls) < warm_up + 5 else 1.0  # timed sizes 1, 2, 3...
         calls.append(m)
         now[0] += 0.1 * (1 + 0.1 * (m - 1)) * busy
 

@@ -174,6 +174,11 @@ class DraftHead(nn.Module):
     def vocab(self) -> mx.array:
         return self._vocab
 
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The head's layers, in the order x runs through them."""
+        return [self.block, *self.more_blocks]
+
     def from_target(self, rows: mx.array) -> mx.array:
         """What the first draft step reads from the target's rows (`Decoder.hidden`): the
         final normed state, their last d columns (EAGLE-3 heads read other layers)."""
@@ -185,10 +190,8 @@ class DraftHead(nn.Module):
             embeds, hidden = self.enorm(embeds), self.hnorm(hidden)
         parts = [embeds, hidden] if self.spec.embedding_first else [hidden, embeds]
         x = self.fc(mx.concatenate(parts, axis=-1))
-        if not self.more_blocks:
-            return self.block(x, mask, cache)
-        caches = cache.parts if cache is not None else [None] * self.spec.layers
-        for block, layer_cache in zip([self.block, *self.more_blocks], caches):
+        caches = cache.parts if isinstance(cache, LayerCaches) else [cache] * len(self.blocks)
+        for block, layer_cache in zip(self.blocks, caches):
             x = block(x, mask, layer_cache)
         return x
 
@@ -228,8 +231,7 @@ def build_head(spec: HeadSpec, model: nn.Module, vocab: mx.array) -> DraftHead:
         norm = getattr(getattr(model, "model", None), "norm", None)
         if norm is not None and "weight" in norm:
             head.norm.weight = mx.array(norm.weight).astype(mx.float32)
-    blocks = [head.block, *head.more_blocks]
-    for block, source in zip(blocks, model.layers[-len(blocks) :]):
+    for block, source in zip(head.blocks, model.layers[-len(head.blocks) :]):
         _copy_layer(source, block)
     return head
 
