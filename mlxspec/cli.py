@@ -516,7 +516,8 @@ def bench(
     "--data",
     "extra_text",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help='Your own text to train on too: .txt, or .jsonl with a "text" field.',
+    help='Your own data to train on too: a text file, or .jsonl with a "text" string or '
+    'a "messages" chat (OpenAI format, through the chat template) per line.',
 )
 @click.option(
     "--self-distill/--no-self-distill",
@@ -530,7 +531,7 @@ def bench(
     default=DEFAULT_PROMPTS,
     show_default=True,
     help=f"How many of the {TRAINING_PROMPTS:,} built-in chat prompts the target answers "
-    "(~40 min per 1,000 on a 2-core CPU; resumable: a larger N later adds the rest).",
+    "(~25-40 min per 1,000 on a 2-core CPU; resumable: a larger N later adds the rest).",
 )
 @click.option(
     "--text-tokens",
@@ -592,10 +593,16 @@ def train_drafter(
     """
     from mlxspec.drafter.command import DrafterJob, train_settings
     from mlxspec.drafter.command import train_drafter as run_job
+    from mlxspec.drafter.data import DataFileError, read_data_file
     from mlxspec.drafter.head import HeadError
     from mlxspec.loading import load_model
 
     entry = load_registry().get(model)
+    if extra_text is not None:  # a bad file fails now, not after the model loads
+        try:
+            read_data_file(extra_text)
+        except DataFileError as err:
+            raise click.ClickException(str(err)) from None
     if not self_distill and not text_tokens and extra_text is None:
         raise click.ClickException(
             "no training data: keep --self-distill, or give --text-tokens or --data"

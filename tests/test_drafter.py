@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -507,14 +508,21 @@ def test_train_drafter_command_trains_registers_and_generates(tmp_path, monkeypa
     out = tmp_path / "head"
     args = ["--model", "tiny", "--out", str(out), "--budget", "0.1", "--prompts", "8"]
     mine = tmp_path / "mine.jsonl"
-    mine.write_text('{"text": "my own notes about tiny models"}\n{"text": "and more"}\n')
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    mine.write_text(
+        '{"text": "my own notes about tiny models"}\n{"text": "and more"}\n'
+        + json.dumps({"messages": chat})
+        + "\n"
+    )
     args += ["--text-tokens", "600", "--data", str(mine)]
     result = CliRunner().invoke(main, ["train-drafter", *args])
     assert result.exit_code == 0, result.output
     assert "registered as proposer 'head'" in result.output
     record = json.loads((out / "head.json").read_text())["record"]
     assert record["data"]["self_distill_tokens"] > 0 and record["data"]["text_tokens"] >= 600
-    assert record["data"]["file_tokens"] == len("my own notes about tiny models") + len("and more")
+    # The byte-level tiny tokenizer has no chat template: a chat's contents go on lines.
+    texts = ["my own notes about tiny models", "and more", "hi\nhello"]
+    assert record["data"]["file_tokens"] == sum(map(len, texts))
     assert record["steps"] > 0 and len(record["curve"]) >= 2
     by_position = record["acceptance_by_position"]
     assert len(by_position) == 3 and by_position[0] == record["curve"][-1]["first_token_acceptance"]
@@ -540,6 +548,94 @@ def test_train_drafter_refuses_bad_input_in_one_line(tmp_path):
     result = CliRunner().invoke(main, [*args, "--text-tokens", "0"])
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert result.output.count("Error:") == 1 and "no training data" in result.output
+
+
+class TemplateTokenizer:
+    """Characters as ids, and a chat template that wants the user to speak first."""
+
+    chat_template = "<role>content"
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        if messages[0]["role"] != "user":
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+def test_data_file_texts_and_chats_go_through_the_chat_template(tmp_path):
+    from mlxspec.drafter.data import encode_items, read_data_file
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "x": 1}]
+    mine = tmp_path / "mine.jsonl"
+    lines = [{"text": "notes"}, {"text": "a"}, {"messages": chat}, {"text": ""}]
+    mine.write_text("\n".join(json.dumps(line) for line in lines[:2]) + "\n\n")
+    with mine.open("a") as f:
+        f.write("\n".join(json.dumps(line) for line in lines[2:]) + "\n")
+    items = read_data_file(mine)
+    spoken = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert [item for _, item in items] == ["notes", "a", spoken]  # other keys are dropped
+    assert [where for where, _ in items] == [f"{mine} line {n}" for n in (1, 2, 4)]
+    # "a" is one token: nothing to learn from, dropped.
+    ids = encode_items(TemplateTokenizer(), items, mine)
+    assert ids == [[ord(c) for c in "notes"], [ord(c) for c in "<user>hi<assistant>yo"]]
+
+    plain = tmp_path / "notes.txt"
+    plain.write_text('{"text": "a text file is one text, JSON or not"}')
+    assert read_data_file(plain) == [(str(plain), plain.read_text())]
+
+
+@pytest.mark.parametrize(
+    ("content", "suffix", "message"),
+    [
+        (b"\x87\x00 binary", ".txt", "is not UTF-8 text (byte 0)"),
+        (b"  \n", ".txt", "holds no text to train on"),
+        (b'{"text": ""}\n\n', ".jsonl", "holds no text to train on"),
+        (b'{"text": "ok"}\nnot json\n', ".jsonl", "line 2: not JSON"),
+        (b'{"text": "ok"}\n{"prompt": "x"}\n', ".jsonl", 'line 2: expected {"text"'),
+        (b'{"messages": [{"role": "user"}]}\n', ".jsonl", 'line 1: expected {"text"'),
+        (b'{"messages": []}\n', ".jsonl", 'line 1: expected {"text"'),
+        (b'["text"]\n', ".jsonl", 'line 1: expected {"text"'),
+    ],
+)
+def test_a_bad_data_file_is_named_with_its_line(tmp_path, content, suffix, message):
+    from mlxspec.drafter.data import DataFileError, read_data_file
+
+    path = tmp_path / f"mine{suffix}"
+    path.write_bytes(content)
+    with pytest.raises(DataFileError, match="^" + re.escape(f"{path}")) as caught:
+        read_data_file(path)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_chat_the_template_refuses_is_named_with_its_line(tmp_path):
+    from mlxspec.drafter.data import DataFileError, encode_items, read_data_file
+
+    mine = tmp_path / "mine.jsonl"
+    bot_first = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
+    mine.write_text('{"text": "fine"}\n' + json.dumps({"messages": bot_first}) + "\n")
+    with pytest.raises(DataFileError, match=f"{re.escape(str(mine))} line 2: the chat template"):
+        encode_items(TemplateTokenizer(), read_data_file(mine), mine)
+
+
+def test_a_bad_data_file_fails_before_the_model_loads(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import mlxspec.loading
+    from mlxspec.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before the data file was checked")
+
+    monkeypatch.setattr(mlxspec.loading, "load_model", never)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"text": "ok"}\n{"txt": "typo"}\n')
+    args = ["train-drafter", "--out", str(tmp_path / "h"), "--data", str(mine)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert result.output.count("Error:") == 1 and f"{mine} line 2: expected" in result.output
 
 
 def test_built_in_prompts_hold_out_whole_topics_and_span_every_style():

@@ -2,13 +2,14 @@
 
 The target is the teacher. Its final-normed hidden states are all a head needs: the
 teacher's distribution at position i is its LM head applied to h_i, so storing hidden
-states (fp16) instead of logits keeps the cache small. Sequences come from two
+states (fp16) instead of logits keeps the cache small. Sequences come from three
 sources that need no network:
 - `self-distill`: the target's own greedy answers to the built-in chat prompts
   (`prompts.py`; generated in batches by mlx-lm's `batch_generate`), the distribution a
   chat drafter faces;
 - `text`: documentation that ships with Python (pydoc's topics) and installed packages'
-  descriptions, teacher-forced (fast: prefill only).
+  descriptions, teacher-forced (fast: prefill only);
+- `file`: the user's own texts and chats (`--data`), teacher-forced the same way.
 
 Data is written in shards as it is made and the manifest says what is done, so an
 interrupted run picks up where it stopped.
@@ -147,12 +148,21 @@ class DataStore:
         return out
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """A user turn through the chat template (plain text for models without one)."""
+def encode_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    """A conversation through the chat template (contents on lines for models without one);
+    with `generation_prompt`, ready for the assistant's answer."""
     if not getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode(prompt)
-    message = [{"role": "user", "content": prompt}]
-    return list(tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True))
+        return tokenizer.encode("\n".join(m["content"] for m in messages))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=True
+        )
+    )
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A user turn, ready for the answer."""
+    return encode_chat(tokenizer, [{"role": "user", "content": prompt}], generation_prompt=True)
 
 
 def self_distill(
@@ -205,6 +215,79 @@ def add_text(
     _add_windows(decoder, store, "text", windows, per_shard, progress)
 
 
+class DataFileError(ValueError):
+    """A --data file that cannot be trained on; the message names the file and the line."""
+
+
+def read_data_file(path: Path) -> list[tuple[str, str | list[dict]]]:
+    """The user's own data, checked before anything loads: (where, a text or a chat) per
+    item. A .jsonl file holds one item a line, {"text": "..."} or {"messages": [{"role":
+    ..., "content": ...}, ...]} (an OpenAI-format chat, put through the chat template);
+    any other file is one text."""
+    try:
+        raw = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataFileError(f"{path} is not UTF-8 text (byte {err.start})") from None
+    except OSError as err:
+        raise DataFileError(f"cannot read {path}: {err.strerror}") from None
+    if path.suffix != ".jsonl":
+        items = [(str(path), raw)] if raw.strip() else []
+    else:
+        lines = enumerate(raw.splitlines(), 1)
+        items = [(f"{path} line {n}", _item(line, f"{path} line {n}")) for n, line in lines]
+        items = [(where, item) for where, item in items if item]
+    if not items:
+        raise DataFileError(f"{path} holds no text to train on")
+    return items
+
+
+def _item(line: str, where: str) -> str | list[dict]:
+    """One JSONL line's text or chat ("" for a blank line)."""
+    if not line.strip():
+        return ""
+    try:
+        item = json.loads(line)
+    except ValueError as err:
+        raise DataFileError(f"{where}: not JSON ({err})") from None
+    if isinstance(item, dict) and isinstance(item.get("text"), str):
+        return item["text"]
+    messages = item.get("messages") if isinstance(item, dict) else None
+    if isinstance(messages, list) and messages and all(_is_message(m) for m in messages):
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    raise DataFileError(
+        f'{where}: expected {{"text": "..."}} or '
+        '{"messages": [{"role": "user", "content": "..."}, ...]}'
+    )
+
+
+def _is_message(message) -> bool:
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+    )
+
+
+def encode_items(
+    tokenizer, items: list[tuple[str, str | list[dict]]], path: Path
+) -> list[list[int]]:
+    """Token ids of each text or chat of `path` that has something to learn from (2+ tokens)."""
+    out = []
+    for where, item in items:
+        if isinstance(item, str):
+            ids = tokenizer.encode(item)
+        else:
+            try:
+                ids = encode_chat(tokenizer, item)
+            except Exception as err:  # the template's own checks (e.g. roles must alternate)
+                raise DataFileError(f"{where}: the chat template refused it ({err})") from None
+        if len(ids) > 1:
+            out.append(ids)
+    if not out:
+        raise DataFileError(f"{path} holds no text to train on")
+    return out
+
+
 def add_file(
     decoder: Decoder,
     tokenizer,
@@ -214,16 +297,12 @@ def add_file(
     per_shard: int = 64,
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> None:
-    """The user's own text (a plain text file, or JSONL with a "text" field per line),
-    teacher-forced in windows of `length` tokens."""
-    raw = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        texts = [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
-    else:
-        texts = [raw]
+    """The user's own texts and chats (`read_data_file`), teacher-forced in windows of
+    `length` tokens: what the target would say at each position is the lesson, whoever
+    wrote the text."""
     windows = [
         ids[start : start + length]
-        for ids in (tokenizer.encode(text) for text in texts)
+        for ids in encode_items(tokenizer, read_data_file(path), path)
         for start in range(0, max(len(ids) - 2, 1), length)
     ]
     _add_windows(decoder, store, "file", windows, per_shard, progress)
