@@ -230,12 +230,15 @@ def read_data_file(path: Path) -> list[tuple[str, str | list[dict]]]:
         raise DataFileError(f"{path} is not UTF-8 text (byte {err.start})") from None
     except OSError as err:
         raise DataFileError(f"cannot read {path}: {err.strerror}") from None
+    items: list[tuple[str, str | list[dict]]] = []
     if path.suffix != ".jsonl":
         items = [(str(path), raw)] if raw.strip() else []
     else:
-        lines = enumerate(raw.splitlines(), 1)
-        items = [(f"{path} line {n}", _item(line, f"{path} line {n}")) for n, line in lines]
-        items = [(where, item) for where, item in items if item]
+        for n, line in enumerate(raw.splitlines(), 1):
+            where = f"{path} line {n}"
+            item = _item(line, where)
+            if item:
+                items.append((where, item))
     if not items:
         raise DataFileError(f"{path} holds no text to train on")
     return items
