@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec import device
+from mlxspec.chat_template import encode_chat
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
 from mlxspec.policy import (
     Policy,
@@ -116,13 +117,7 @@ class Engine:
         """Token ids for a conversation, through the model's own chat template."""
         if not messages:
             raise GenerationError("messages must not be empty")
-        template = getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            text = "\n".join(m["content"] for m in messages)
-            return self.tokenizer.encode(text)
-        return list(
-            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        )
+        return encode_chat(self.tokenizer, messages, generation_prompt=True)
 
     def stream(
         self,

@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec.anatomy import Decoder
+from mlxspec.chat_template import encode_chat
 
 MANIFEST = "manifest.json"
 
@@ -146,18 +147,6 @@ class DataStore:
                 with np.load(self.directory / entry["file"]) as f:
                     out.append(Shard(f["tokens"], f["hidden"], f["offsets"], f["prompt_lengths"]))
         return out
-
-
-def encode_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    """A conversation through the chat template (contents on lines for models without one);
-    with `generation_prompt`, ready for the assistant's answer."""
-    if not getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode("\n".join(m["content"] for m in messages))
-    return list(
-        tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=True
-        )
-    )
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -281,7 +270,7 @@ def encode_items(
             ids = tokenizer.encode(item)
         else:
             try:
-                ids = encode_chat(tokenizer, item)
+                ids = encode_chat(tokenizer, item, generation_prompt=False)
             except Exception as err:  # the template's own checks (e.g. roles must alternate)
                 raise DataFileError(f"{where}: the chat template refused it ({err})") from None
         if len(ids) > 1:
