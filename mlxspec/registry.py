@@ -1,8 +1,9 @@
 """Named target/proposer pairs from models.toml: the shipped file, extended by the user's.
 
-The shipped `mlxspec/models.toml` documents the schema. A user file (env MLXSPEC_MODELS,
-else `<config dir>/models.toml` when it exists) adds entries, replaces shipped entries of
-the same name wholesale, and may set `default`. Everything is validated on load; every
+The shipped `models.toml` (at the repository root; a wheel carries a copy inside the
+package, put there by setup.py) documents the schema. A user file (env MLXSPEC_MODELS, else
+`<config dir>/models.toml` when it exists) adds entries, replaces shipped entries of the
+same name wholesale, and may set `default`. Everything is validated on load; every
 problem is one `RegistryError` line naming the file, the entry and the fix.
 """
 
@@ -26,7 +27,12 @@ else:  # pragma: no cover - Python 3.10 needs the backport
 
 from mlxspec.paths import config_dir
 
-SHIPPED_FILE = Path(__file__).with_name("models.toml")
+# The folder that holds the mlxspec package: the repository root in a checkout (where the
+# shipped models.toml lives), site-packages once installed. The shipped file's relative paths
+# (the packaged heads, "./mlxspec/heads/...") resolve against it, so they hold both ways.
+SHIPPED_ROOT = Path(__file__).parent.parent
+_PACKAGE_COPY = Path(__file__).with_name("models.toml")  # in an installed wheel
+SHIPPED_FILE = _PACKAGE_COPY if _PACKAGE_COPY.is_file() else SHIPPED_ROOT / "models.toml"
 ENV_VAR = "MLXSPEC_MODELS"
 NONE = "none"  # the reserved proposer name meaning "no speculation"
 FALLBACK = "prompt-lookup"  # needs no weights, so every entry gets one
@@ -219,6 +225,12 @@ def _value(value: Any, key: str, spec: _Option, where: _Where, section: str) -> 
     return _resolve(value, key, where, section) if spec.reference else value
 
 
+def _folder_of(source: Path) -> Path:
+    """What relative paths in `source` mean: its folder, but for the shipped file the folder
+    holding the package, which is the file's own folder in a checkout and not in a wheel."""
+    return SHIPPED_ROOT if source == SHIPPED_FILE else source.parent
+
+
 def _resolve(reference: str, key: str, where: _Where, section: str) -> str:
     """Local paths become absolute (relative ones against the file's folder); ids stay."""
     if reference.startswith(("/", "~", "./", "../")):
@@ -226,7 +238,7 @@ def _resolve(reference: str, key: str, where: _Where, section: str) -> str:
             path = Path(reference).expanduser()
         except RuntimeError:  # ~user for a user that does not exist
             raise where.error(f"{key} in {section}: cannot expand {reference!r}") from None
-        return os.path.normpath(where.source.parent / path)
+        return os.path.normpath(_folder_of(where.source) / path)
     if "/" in reference and not _HUB_ID.fullmatch(reference):
         raise where.error(
             f"{key} in {section}: {reference!r} is neither a hub repo id (owner/name) nor a "

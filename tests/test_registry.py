@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import mlxspec
 from mlxspec.registry import (
     SHIPPED_FILE,
     Defaults,
@@ -17,6 +18,7 @@ from mlxspec.registry import (
 )
 
 ENTRY = '[models.foo]\ntarget = "owner/name"\n'
+PACKAGE = Path(mlxspec.__file__).parent
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +45,7 @@ def test_shipped_file_loads_with_an_offline_default():
     names += ["medusa", "lookahead", "none"]
     assert entry.proposer_names == names
     head = Path(entry.proposer("head").options["path"])  # the packaged head, resolved
-    assert head == SHIPPED_FILE.parent / "heads" / "smollm2-135m" and (head / "head.json").is_file()
+    assert head == PACKAGE / "heads" / "smollm2-135m" and (head / "head.json").is_file()
     assert dict(entry.proposer("prompt-lookup").options) == {
         "ngram_max": 4,
         "ngram_min": 2,
