@@ -15,21 +15,17 @@ import click
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec import device
 from mlxspec.bench.suites import SUITES
+from mlxspec.console import COLOURS, echo_text, say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
 from mlxspec.drafter.prompts import DEFAULT_PROMPTS, TRAINING_PROMPTS
-from mlxspec.events import Accepted, Bonus, Corrected, Done
+from mlxspec.events import Done
 from mlxspec.registry import RegistryError, load_registry
 
-COLOURS = {Accepted: "green", Corrected: None, Bonus: None}
 TREE_OPTION = click.option(
     "--tree/--no-tree",
     default=None,
     help="Verify a tree of candidate drafts per round (default: the model's `tree` setting).",
 )
-
-
-def say(message: str) -> None:
-    click.echo(f"mlxspec: {message}", err=True)
 
 
 def fail_cleanly(func):
@@ -119,6 +115,7 @@ def generate(
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
+    warn_if_slow_blas()
     entry = load_registry().get(model)
     defaults = entry.defaults
     proposer_name = entry.proposer(proposer)  # validate before loading weights
@@ -147,9 +144,7 @@ def generate(
         if isinstance(event, Done):
             done = event
         elif not as_json and type(event) in COLOURS:
-            style = COLOURS[type(event)] if colour else None
-            text = click.style(event.text, fg=style) if style else event.text
-            click.echo(text, nl=False, color=colour or None)
+            echo_text(event, colour)
     if rank and not rank.front:
         return  # rank 0 owns stdout
     if as_json:
@@ -198,6 +193,7 @@ def chat(model, proposer, plain, color, tree):
     registry = load_registry().with_defaults(tree=tree)
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
+    warn_if_slow_blas()
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from mlxspec.runtime import open_runtime
         from tui.plain import run_plain
@@ -330,16 +326,28 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, tree):
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
     """
-    from mlxspec.server import RegistryProvider, ServerLimits, create_app, run_server
+    from mlxspec.server import (
+        ListenError,
+        RegistryProvider,
+        ServerLimits,
+        bind_listening_socket,
+        create_app,
+        run_server,
+    )
 
     registry = load_registry().with_defaults(tree=tree)
     provider = RegistryProvider(registry, default=model, notify=say)
+    try:
+        sock = bind_listening_socket(host, port)  # a busy port fails before the model loads
+    except ListenError as err:
+        raise click.ClickException(str(err)) from None
+    warn_if_slow_blas()
     limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting)
     app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
     say(f"serving {provider.default} at http://{host}:{port}/v1")
-    run_server(app, host, port)
+    run_server(app, host, port, sock)
 
 
 # Only the suite names, for --help; the bench itself is imported when it runs.
@@ -437,6 +445,7 @@ def bench(
         say(f"[{index + 1}/{total}] {prompt.id} ({prompt.kind}): {method.name}")
 
     entry = load_registry().get(model)
+    warn_if_slow_blas()
     if history:
         from mlxspec.bench.history import history_markdown, replay_history
         from tui.store import conversations_dir

@@ -85,3 +85,23 @@ def test_every_command_has_help_with_an_example():
         result = run(command, "--help")
         assert result.exit_code == 0
         assert "Example" in result.output and "mlxspec" in result.output
+
+
+def test_serve_on_a_busy_port_fails_before_loading(monkeypatch):
+    """A second server on the same port: one line, before any weights load and before
+    "serving" is printed (it used to load the model, say "serving", then die)."""
+    import socket
+
+    import mlxspec.runtime
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded although the port is busy")
+
+    monkeypatch.setattr(mlxspec.runtime, "open_runtime", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("serve", "--port", str(port))
+    assert_one_line_error(result, f"127.0.0.1:{port}", "--port")
+    assert "serving" not in result.output
