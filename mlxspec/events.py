@@ -46,6 +46,22 @@ class Step:
 OUTPUT_EVENTS = (Accepted, Corrected, Bonus)
 
 
+class ProgressNote(str):
+    """A `notify` message about long work that reports how far it is (`done` of `total`).
+
+    A str, so any front end can show it as a line; a terminal can overwrite the previous
+    note in place instead of scrolling one line per step.
+    """
+
+    done: int
+    total: int
+
+    def __new__(cls, text: str, done: int, total: int) -> ProgressNote:
+        note = super().__new__(cls, text)
+        note.done, note.total = done, total
+        return note
+
+
 @dataclass
 class RunRecord:
     """What one generation did: the governance record behind `--json` and `x_mlxspec`.

@@ -105,3 +105,16 @@ def test_serve_on_a_busy_port_fails_before_loading(monkeypatch):
         result = run("serve", "--port", str(port))
     assert_one_line_error(result, f"127.0.0.1:{port}", "--port")
     assert "serving" not in result.output
+
+
+@pytest.mark.parametrize("found", [False, True], ids=["reference-blas", "openblas"])
+def test_reference_blas_gets_one_line_with_the_fix(monkeypatch, tmp_path, found):
+    """Without OpenBLAS the policy rightly drafts nothing; the user is told why, once."""
+    from mlxspec import blas
+
+    monkeypatch.setattr(blas, "blas_in_use", "OpenBLAS (x)" if found else blas.NO_OPENBLAS)
+    result = run("generate", "hi", "--model", str(tmp_path / "absent"))
+    hint_lines = [line for line in result.output.splitlines() if "reference BLAS" in line]
+    assert len(hint_lines) == (0 if found else 1), result.output
+    if not found:
+        assert "apt install libopenblas0-pthread" in hint_lines[0]

@@ -19,7 +19,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, LoadingIndicator, Sparkline
 
-from mlxspec import device
+from mlxspec import blas, device
 from mlxspec.events import Rejected
 from mlxspec.registry import Registry
 from mlxspec.runtime import open_runtime as default_open_runtime
@@ -105,6 +105,9 @@ class ChatApp(App):
         facts = device.describe()
         self.status.machine = f"{facts['device']} · {facts['blas'].split(' (')[0]}"
         self.status.proposer, self.status.temperature = self.proposer, self.temperature
+        hint = blas.slow_blas_hint()  # why nothing gets drafted on this machine
+        if hint:
+            self.notify(hint, severity="warning", timeout=20, markup=False)
         self.run_engine()
         self.load(self.entry)
 
