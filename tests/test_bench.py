@@ -60,6 +60,7 @@ ROW_FIELDS = {
     "accepted_lengths",
     "mean_draft_length",
     "speedup",
+    "estimated_speedup",
     "token_match",
     "divergence",
 }
@@ -88,7 +89,7 @@ def record_calibrations(patch: pytest.MonkeyPatch) -> list:
     """A log of what happened, in order: calibrations (answered fast) and, later, runs."""
     events: list = []
 
-    def calibrate(model, vocab_size):
+    def calibrate(model, vocab_size, **progress):
         events.append("calibrate")
         return CPU_LIKE_COST
 

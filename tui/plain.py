@@ -48,7 +48,8 @@ def _answer(runtime, messages, settings, proposer: str, colour: bool) -> str:
     click.echo()
     record = done.record
     say(
-        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s, "
+        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s "
+        f"({record.speedup_estimate.value:.2f}x plain), "
         f"accepted {record.accepted}/{record.drafted} drafts ({record.proposer})"
     )
     return done.text
