@@ -21,6 +21,10 @@ from mlxspec.drafter.prompts import DEFAULT_PROMPTS, TRAINING_PROMPTS
 from mlxspec.events import Done
 from mlxspec.registry import RegistryError, load_registry
 
+MODEL_HELP = (
+    "A models.toml entry (`mlxspec models`), a hub repo id (owner/name) or a local "
+    "mlx-lm folder or .gguf file (default: the registry's default)."
+)
 TREE_OPTION = click.option(
     "--tree/--no-tree",
     default=None,
@@ -62,7 +66,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("prompt")
-@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--model", "-m", help=MODEL_HELP)
 @click.option("--proposer", "-p", help="Proposer of that entry, or 'none' for plain decoding.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), help="Most tokens to generate.")
 @click.option("--temperature", "-t", type=click.FloatRange(min=0), help="0 = greedy.")
@@ -116,7 +120,7 @@ def generate(
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
     warn_if_slow_blas()
-    entry = load_registry().get(model)
+    entry = load_registry().including(model).get(model)
     defaults = entry.defaults
     proposer_name = entry.proposer(proposer)  # validate before loading weights
     rank = current_rank()  # None unless launched with --ranks/--hostfile
@@ -161,14 +165,14 @@ def generate(
     click.echo()
     record = done.record
     say(
-        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s, proposer "
-        f"{record.proposer}, accepted {record.accepted}/{record.drafted} drafts, "
-        f"finish: {record.finish_reason}"
+        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s "
+        f"({record.speedup_estimate.value:.2f}x plain), proposer {record.proposer}, "
+        f"accepted {record.accepted}/{record.drafted} drafts, finish: {record.finish_reason}"
     )
 
 
 @main.command()
-@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--model", "-m", help=MODEL_HELP)
 @click.option("--proposer", "-p", help="Proposer of that entry, or 'none' for plain decoding.")
 @click.option(
     "--plain", is_flag=True, help="Line-based chat on stdin/stdout (default off a terminal)."
@@ -190,7 +194,7 @@ def chat(model, proposer, plain, color, tree):
       mlxspec chat --model qwen3-8b --proposer draft-model
       printf 'Name three primes\\n/quit\\n' | mlxspec chat --plain
     """
-    registry = load_registry().with_defaults(tree=tree)
+    registry = load_registry().including(model).with_defaults(tree=tree)
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
     warn_if_slow_blas()
@@ -289,7 +293,9 @@ def pull(name):
 
 
 @main.command()
-@click.option("--model", "-m", help="Model loaded at start and used when a request names none.")
+@click.option(
+    "--model", "-m", help="Model loaded at start and used when a request names none. " + MODEL_HELP
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option(
@@ -335,7 +341,7 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, tree):
         run_server,
     )
 
-    registry = load_registry().with_defaults(tree=tree)
+    registry = load_registry().including(model).with_defaults(tree=tree)
     provider = RegistryProvider(registry, default=model, notify=say)
     try:
         sock = bind_listening_socket(host, port)  # a busy port fails before the model loads
@@ -354,7 +360,7 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, tree):
 
 
 @main.command()
-@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--model", "-m", help=MODEL_HELP)
 @click.option(
     "--suite", type=click.Choice(SUITES), default="quick", show_default=True, help="Prompt suite."
 )
@@ -444,7 +450,7 @@ def bench(
     def progress(index, total, prompt, method):
         say(f"[{index + 1}/{total}] {prompt.id} ({prompt.kind}): {method.name}")
 
-    entry = load_registry().get(model)
+    entry = load_registry().including(model).get(model)
     warn_if_slow_blas()
     if history:
         from mlxspec.bench.history import history_markdown, replay_history
