@@ -98,8 +98,8 @@ class Engine:
             def progress(done: int, total: int, size: int) -> None:
                 self.notify(
                     ProgressNote(
-                        "measuring what verifying several tokens costs on this machine "
-                        f"(once per model): {size}-token pass, {done}/{total}",
+                        "measuring verify cost on this machine (once per model): "
+                        f"{size}-token pass, {done}/{total}",
                         done,
                         total,
                     )
