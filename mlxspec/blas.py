@@ -4,6 +4,12 @@ The Linux `mlx[cpu]` wheel links a reference BLAS (fp32 matmul ~2.5 GFLOP/s on a
 small x86 box). Loading OpenBLAS into the global symbol namespace first makes MLX
 resolve its BLAS calls there (~150 GFLOP/s), which is what makes verifying several
 draft tokens nearly as cheap as one. macOS uses Accelerate/Metal and is left alone.
+
+Only a system OpenBLAS is looked for. PyPI's `cmeel-openblas` ships an unprefixed
+libopenblas.so, but each release is built for one CPU (DYNAMIC_ARCH=OFF: 0.3.31 and
+0.3.23 for SKYLAKEX, 0.3.29 for ZEN) and needs the system's libgfortran.so.5: 0.3.31
+dies with SIGILL on an AVX2-only AMD EPYC, which no `try` can catch. numpy's bundled
+OpenBLAS has prefixed symbols MLX does not look up.
 """
 
 from __future__ import annotations
@@ -19,8 +25,22 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 
+NO_OPENBLAS = "reference (no OpenBLAS found)"
+SLOW_BLAS_HINT = (
+    "MLX is using the reference BLAS here, so verifying k drafted tokens costs about k "
+    "plain steps and speculation mostly stays off; install OpenBLAS "
+    "(`sudo apt install libopenblas0-pthread`; Fedora, Arch: the openblas package) "
+    "for ~40x faster matmul"
+)
+
 # What the process ended up with; read by the run record and `mlxspec models`.
 blas_in_use: str = "platform default"
+
+
+def slow_blas_hint() -> str | None:
+    """The one line to show when no fast BLAS was found (None when one was, or when the
+    user turned it off on purpose)."""
+    return SLOW_BLAS_HINT if blas_in_use == NO_OPENBLAS else None
 
 
 def preload_openblas() -> str:
@@ -47,5 +67,5 @@ def preload_openblas() -> str:
                 continue
             blas_in_use = f"OpenBLAS ({path})"
             return blas_in_use
-    blas_in_use = "reference (install libopenblas0-pthread for ~10x faster CPU matmul)"
+    blas_in_use = NO_OPENBLAS
     return blas_in_use

@@ -15,21 +15,21 @@ import click
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec import device
 from mlxspec.bench.suites import SUITES
+from mlxspec.console import COLOURS, echo_text, say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
 from mlxspec.drafter.prompts import DEFAULT_PROMPTS, TRAINING_PROMPTS
-from mlxspec.events import Accepted, Bonus, Corrected, Done
+from mlxspec.events import Done
 from mlxspec.registry import RegistryError, load_registry
 
-COLOURS = {Accepted: "green", Corrected: None, Bonus: None}
+MODEL_HELP = (
+    "A models.toml entry (`mlxspec models`), a hub repo id (owner/name) or a local "
+    "mlx-lm folder or .gguf file (default: the registry's default)."
+)
 TREE_OPTION = click.option(
     "--tree/--no-tree",
     default=None,
     help="Verify a tree of candidate drafts per round (default: the model's `tree` setting).",
 )
-
-
-def say(message: str) -> None:
-    click.echo(f"mlxspec: {message}", err=True)
 
 
 def fail_cleanly(func):
@@ -66,7 +66,7 @@ def main() -> None:
 
 @main.command()
 @click.argument("prompt")
-@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--model", "-m", help=MODEL_HELP)
 @click.option("--proposer", "-p", help="Proposer of that entry, or 'none' for plain decoding.")
 @click.option("--max-tokens", "-n", type=click.IntRange(min=1), help="Most tokens to generate.")
 @click.option("--temperature", "-t", type=click.FloatRange(min=0), help="0 = greedy.")
@@ -119,7 +119,8 @@ def generate(
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
-    entry = load_registry().get(model)
+    warn_if_slow_blas()
+    entry = load_registry().including(model).get(model)
     defaults = entry.defaults
     proposer_name = entry.proposer(proposer)  # validate before loading weights
     rank = current_rank()  # None unless launched with --ranks/--hostfile
@@ -147,9 +148,7 @@ def generate(
         if isinstance(event, Done):
             done = event
         elif not as_json and type(event) in COLOURS:
-            style = COLOURS[type(event)] if colour else None
-            text = click.style(event.text, fg=style) if style else event.text
-            click.echo(text, nl=False, color=colour or None)
+            echo_text(event, colour)
     if rank and not rank.front:
         return  # rank 0 owns stdout
     if as_json:
@@ -166,14 +165,14 @@ def generate(
     click.echo()
     record = done.record
     say(
-        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s, proposer "
-        f"{record.proposer}, accepted {record.accepted}/{record.drafted} drafts, "
-        f"finish: {record.finish_reason}"
+        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s "
+        f"({record.speedup_estimate.value:.2f}x plain), proposer {record.proposer}, "
+        f"accepted {record.accepted}/{record.drafted} drafts, finish: {record.finish_reason}"
     )
 
 
 @main.command()
-@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--model", "-m", help=MODEL_HELP)
 @click.option("--proposer", "-p", help="Proposer of that entry, or 'none' for plain decoding.")
 @click.option(
     "--plain", is_flag=True, help="Line-based chat on stdin/stdout (default off a terminal)."
@@ -195,9 +194,10 @@ def chat(model, proposer, plain, color, tree):
       mlxspec chat --model qwen3-8b --proposer draft-model
       printf 'Name three primes\\n/quit\\n' | mlxspec chat --plain
     """
-    registry = load_registry().with_defaults(tree=tree)
+    registry = load_registry().including(model).with_defaults(tree=tree)
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
+    warn_if_slow_blas()
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from mlxspec.runtime import open_runtime
         from tui.plain import run_plain
@@ -293,7 +293,9 @@ def pull(name):
 
 
 @main.command()
-@click.option("--model", "-m", help="Model loaded at start and used when a request names none.")
+@click.option(
+    "--model", "-m", help="Model loaded at start and used when a request names none. " + MODEL_HELP
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option(
@@ -330,23 +332,35 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, tree):
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
     """
-    from mlxspec.server import RegistryProvider, ServerLimits, create_app, run_server
+    from mlxspec.server import (
+        ListenError,
+        RegistryProvider,
+        ServerLimits,
+        bind_listening_socket,
+        create_app,
+        run_server,
+    )
 
-    registry = load_registry().with_defaults(tree=tree)
+    registry = load_registry().including(model).with_defaults(tree=tree)
     provider = RegistryProvider(registry, default=model, notify=say)
+    try:
+        sock = bind_listening_socket(host, port)  # a busy port fails before the model loads
+    except ListenError as err:
+        raise click.ClickException(str(err)) from None
+    warn_if_slow_blas()
     limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting)
     app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
     say(f"serving {provider.default} at http://{host}:{port}/v1")
-    run_server(app, host, port)
+    run_server(app, host, port, sock)
 
 
 # Only the suite names, for --help; the bench itself is imported when it runs.
 
 
 @main.command()
-@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--model", "-m", help=MODEL_HELP)
 @click.option(
     "--suite", type=click.Choice(SUITES), default="quick", show_default=True, help="Prompt suite."
 )
@@ -436,7 +450,8 @@ def bench(
     def progress(index, total, prompt, method):
         say(f"[{index + 1}/{total}] {prompt.id} ({prompt.kind}): {method.name}")
 
-    entry = load_registry().get(model)
+    entry = load_registry().including(model).get(model)
+    warn_if_slow_blas()
     if history:
         from mlxspec.bench.history import history_markdown, replay_history
         from tui.store import conversations_dir

@@ -18,7 +18,17 @@ import numpy as np
 
 from mlxspec import device
 from mlxspec.chat_template import encode_chat
-from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
+from mlxspec.events import (
+    Accepted,
+    Bonus,
+    Corrected,
+    Done,
+    Event,
+    ProgressNote,
+    Rejected,
+    RunRecord,
+    Step,
+)
 from mlxspec.policy import (
     Policy,
     VerifyCost,
@@ -28,6 +38,7 @@ from mlxspec.policy import (
 )
 from mlxspec.proposers.base import ProposalContext, Proposer, hidden_capture
 from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
+from mlxspec.speedup import round_steps
 from mlxspec.target import Target
 from mlxspec.text import TextStream
 from mlxspec.tree import DraftTree, best_size, chain, greedy_walk, keep_best, sample_walk
@@ -84,9 +95,18 @@ class Engine:
         if self._verify_cost is None:
             key = calibration_key(self.name)
 
+            def progress(done: int, total: int, size: int) -> None:
+                self.notify(
+                    ProgressNote(
+                        "measuring verify cost on this machine (once per model): "
+                        f"{size}-token pass, {done}/{total}",
+                        done,
+                        total,
+                    )
+                )
+
             def measure() -> VerifyCost:
-                self.notify("measuring verify cost on this machine (once per model)")
-                return measure_verify_cost(self.target.model, self.vocab_size)
+                return measure_verify_cost(self.target.model, self.vocab_size, progress=progress)
 
             self._verify_cost = cached_verify_cost(key, measure)
         return self._verify_cost
@@ -215,7 +235,8 @@ class Engine:
                 record.tree_nodes += len(tree)
             processed = scorer.process_tree(logits, sequence, tree)
             mx.eval(processed)
-            policy.observe_verify(len(tree) + 1, time.perf_counter() - round_start)
+            verify_seconds = time.perf_counter() - round_start
+            policy.observe_verify(len(tree) + 1, verify_seconds)
 
             # 3. Accept: a path of the tree (for a line, a prefix of it).
             choices = scorer.greedy_tokens(processed) if sampling.greedy else None
@@ -250,6 +271,7 @@ class Engine:
             kinds = ["accepted"] * n_accepted + [
                 "bonus" if not tree.children()[path[-1] if path else 0] else "corrected"
             ]
+            produced_before = len(produced)
             for token, kind in zip(new_tokens, kinds):
                 if token in eos:
                     finished = "stop"
@@ -275,11 +297,17 @@ class Engine:
             yield from _events(pieces)
             if text.stopped:
                 finished = "stop"
+            round_seconds = time.perf_counter() - round_start + draft_seconds
+            plain_steps = round_steps(
+                round_seconds, verify_seconds, self._relative_verify_cost(policy, len(tree) + 1)
+            )
+            record.speedup_estimate.add_round(len(produced) - produced_before, plain_steps)
             yield Step(
                 situation.source.name if draft_tokens else "none",
                 len(draft_tokens),
                 n_accepted,
-                time.perf_counter() - round_start + draft_seconds,
+                round_seconds,
+                plain_steps,
             )
 
         if needs_hidden:  # the last round's hidden states, for the next request to build on
@@ -288,6 +316,13 @@ class Engine:
         record.completion_tokens = len(emitted)
         record.decode_seconds = time.perf_counter() - first_token_at
         yield Done(record, text.text, tuple(emitted))
+
+    def _relative_verify_cost(self, policy: Policy, m: int) -> float:
+        """c(m): a verify of m tokens relative to a one-token step, as the adaptive policy
+        corrects it online (a fixed k has no curve of its own: the calibrated one)."""
+        if m == 1:
+            return 1.0
+        return policy.verify_cost(m) if policy.fixed_k is None else self.verify_cost(m)
 
     def _draft_tree(
         self, source: Proposer, ctx: ProposalContext, depth: int, budget: int, policy: Policy

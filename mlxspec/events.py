@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mlxspec.speedup import SpeedupEstimate
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -41,9 +43,26 @@ class Step:
     drafted: int
     accepted: int
     seconds: float
+    plain_steps: float = 1.0  # what the round cost in plain target steps (see speedup.py)
 
 
 OUTPUT_EVENTS = (Accepted, Corrected, Bonus)
+
+
+class ProgressNote(str):
+    """A `notify` message about long work that reports how far it is (`done` of `total`).
+
+    A str, so any front end can show it as a line; a terminal can overwrite the previous
+    note in place instead of scrolling one line per step.
+    """
+
+    done: int
+    total: int
+
+    def __new__(cls, text: str, done: int, total: int) -> ProgressNote:
+        note = super().__new__(cls, text)
+        note.done, note.total = done, total
+        return note
 
 
 @dataclass
@@ -82,6 +101,8 @@ class RunRecord:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # after the first round (which prefill and TTFT cover)
     first_round_tokens: int = 0
+    # Tokens made over plain steps spent, each round priced with its own times.
+    speedup_estimate: SpeedupEstimate = field(default_factory=SpeedupEstimate)
     k_policy: str = "adaptive"
     cache_strategy: str = "trim"
     finish_reason: str = "length"
@@ -139,6 +160,7 @@ class RunRecord:
             round(a / d, 4) for a, d in zip(self.accepted_by_position, self.drafted_by_position)
         ]
         data["tokens_per_second"] = round(self.tokens_per_second, 3)
+        data["estimated_speedup"] = round(self.speedup_estimate.value, 3)
         data["mean_tree_nodes"] = round(
             self.tree_nodes / self.tree_rounds if self.tree_rounds else 0.0, 3
         )

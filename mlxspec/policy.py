@@ -65,6 +65,7 @@ def calibrate(
     reset: Callable[[], None],
     repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[int, int, int], None] = lambda done, total, size: None,
 ) -> VerifyCost:
     """Time `forward(m)` (a verify of m tokens on a warm context) for each calibration size.
 
@@ -74,17 +75,26 @@ def calibrate(
     size by size, one busy moment while the one-token step was timed made every verify
     look dear, and the cached result kept the head from drafting: 1.34 steps measured
     for 2 tokens where 1.12 is true on this CPU.)
+
+    `progress(done, total, size)` is told before each forward pass (it takes seconds on
+    a slow machine) and once more with done == total at the end.
     """
+    total, done = len(CALIBRATION_SIZES) * (repeats + 1), 0
     for m in CALIBRATION_SIZES:  # warm-up: kernels, buffer growth
+        progress(done, total, m)
+        done += 1
         forward(m)
         reset()
     seconds = {m: float("inf") for m in CALIBRATION_SIZES}
     for _ in range(repeats):
         for m in CALIBRATION_SIZES:
+            progress(done, total, m)
+            done += 1
             start = clock()
             forward(m)
             seconds[m] = min(seconds[m], clock() - start)
             reset()
+    progress(total, total, CALIBRATION_SIZES[-1])
     step = seconds[1]
     # A verify never costs less than a step; clamp timing noise to monotone costs.
     points, floor = {}, 1.0
@@ -228,7 +238,12 @@ class Policy:
         self.draft_cost[name] = measured if previous is None else 0.8 * previous + 0.2 * measured
 
 
-def measure_verify_cost(model, vocab_size: int, context: int = 64) -> VerifyCost:
+def measure_verify_cost(
+    model,
+    vocab_size: int,
+    context: int = 64,
+    progress: Callable[[int, int, int], None] = lambda done, total, size: None,
+) -> VerifyCost:
     """Calibrate a model's verify cost on a synthetic context of `context` tokens."""
     cache = make_prompt_cache(model)
     mx.eval(model(mx.arange(context)[None] % vocab_size, cache=cache))
@@ -241,7 +256,7 @@ def measure_verify_cost(model, vocab_size: int, context: int = 64) -> VerifyCost
             if c.is_trimmable():
                 c.trim(c.size() - context)
 
-    return calibrate(forward, reset)
+    return calibrate(forward, reset, progress=progress)
 
 
 def calibration_key(model: str, setup: str = "") -> str:

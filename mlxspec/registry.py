@@ -9,6 +9,7 @@ problem is one `RegistryError` line naming the file, the entry and the fix.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -68,16 +69,22 @@ class ModelEntry:
     proposers: Mapping[str, ProposerConfig]
     default_proposer: str
     defaults: Defaults
-    source: Path  # the toml file that defined it
+    source: Path | None  # the toml file that defined it; None: named by --model
 
     def proposer(self, name: str | None = None) -> ProposerConfig | None:
-        """The named proposer (None: the entry's default); None means no speculation."""
+        """The named proposer (None: the entry's default); None means no speculation.
+
+        An unknown name is the user's typo, not the file's fault: the error names the
+        model, what it has, and the closest name."""
         chosen = self.default_proposer if name is None else name
         if chosen == NONE:
             return None
         if chosen not in self.proposers:
-            raise _Where(self.source, self.name).error(
-                f"unknown proposer {chosen!r}; choose one of: {', '.join(self.proposer_names)}"
+            close = difflib.get_close_matches(chosen, self.proposer_names, n=1)
+            guess = f"; did you mean {close[0]!r}?" if close else ""
+            raise RegistryError(
+                f"unknown proposer {chosen!r} for model {self.name!r}; "
+                f"available: {', '.join(self.proposer_names)}{guess}"
             )
         return self.proposers[chosen]
 
@@ -110,9 +117,21 @@ class Registry:
         if chosen not in self.entries:
             where = self.user_file or user_file_path()
             raise RegistryError(
-                f"unknown model {chosen!r}; known: {', '.join(self.entries)} (add it to {where})"
+                f"unknown model {chosen!r}; known: {', '.join(self.entries)} (add it to "
+                f"{where}); or pass a hub repo id (owner/name) or a local path"
             )
         return self.entries[chosen]
+
+    def including(self, model: str | None) -> Registry:
+        """This registry, plus an entry for `model` when it is a model reference rather
+        than an entry's name: a local folder or .gguf file, or a hub repo id, as mlx-lm
+        takes them. Such an entry drafts with prompt lookup (it needs no weights)."""
+        if model is None or model in self.entries:
+            return self
+        entry = reference_entry(model)
+        if entry is None:
+            self.get(model)  # raises: the name is not known
+        return replace(self, entries=MappingProxyType({**self.entries, model: entry}))
 
 
 @dataclass(frozen=True)
@@ -365,6 +384,35 @@ def _entry(name: str, table: Any, source: Path, base: ModelEntry | None = None) 
         default_proposer=default_proposer,
         defaults=replace(base.defaults, **given) if extends else Defaults(**given),
         source=source,
+    )
+
+
+def _looks_like_path(reference: str) -> bool:
+    return reference.startswith(("/", "~", ".")) or reference.endswith(".gguf")
+
+
+def reference_entry(reference: str) -> ModelEntry | None:
+    """An entry named after a model reference typed on the command line (None: it is
+    no reference). A path must exist: a missing one says so, instead of being looked
+    for on the hub."""
+    path = Path(reference).expanduser()
+    if path.exists():
+        target = str(path.absolute())
+    elif _looks_like_path(reference):
+        raise RegistryError(f"no model at {path.absolute()}: the path does not exist")
+    elif _HUB_ID.fullmatch(reference):
+        target = reference
+    else:
+        return None
+    fallback = _proposer(FALLBACK, {}, _Where(SHIPPED_FILE, reference), "--model")
+    return ModelEntry(
+        name=reference,
+        target=target,
+        description="named on the command line",
+        proposers=MappingProxyType({FALLBACK: fallback}),
+        default_proposer=FALLBACK,
+        defaults=Defaults(),
+        source=None,
     )
 
 

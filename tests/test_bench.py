@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from test_units import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
+import mlxspec.bench.run
 import mlxspec.engine
 import mlxspec.runtime
 from mlxspec.bench import BenchError, machine
@@ -60,6 +61,7 @@ ROW_FIELDS = {
     "accepted_lengths",
     "mean_draft_length",
     "speedup",
+    "estimated_speedup",
     "token_match",
     "divergence",
 }
@@ -88,7 +90,7 @@ def record_calibrations(patch: pytest.MonkeyPatch) -> list:
     """A log of what happened, in order: calibrations (answered fast) and, later, runs."""
     events: list = []
 
-    def calibrate(model, vocab_size):
+    def calibrate(model, vocab_size, **progress):
         events.append("calibrate")
         return CPU_LIKE_COST
 
@@ -486,3 +488,17 @@ def test_from_history_without_conversations_is_one_clear_error(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(BenchError, match="bad.json"):
         read_history(tmp_path)
+
+
+def test_fixed_k_rows_calibrate_before_the_first_timed_row(tiny_runtime, log, monkeypatch):
+    """A fixed k needs no curve to choose k, but its estimated speedup prices rounds by
+    one; measured inside a timed row it would distort that row. (A one-token warm-up
+    drafts nothing, so it cannot calibrate by chance.)"""
+    monkeypatch.setattr(mlxspec.bench.run, "WARM_UP_TOKENS", 1)
+    fixed = Method("mlxspec", "prompt-lookup", 4)
+    bench = Bench(tiny_runtime, PROMPTS[:1], [Method(PLAIN), fixed], max_tokens=8, repeats=1)
+    bench.prepare()
+    log.append("prepared")
+    row = next(r for r in build_rows(list(bench.runs())) if r["method"] == fixed.name)
+    assert log == ["calibrate", "prepared"]
+    assert row["estimated_speedup"] > 0

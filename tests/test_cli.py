@@ -85,3 +85,81 @@ def test_every_command_has_help_with_an_example():
         result = run(command, "--help")
         assert result.exit_code == 0
         assert "Example" in result.output and "mlxspec" in result.output
+
+
+def test_serve_on_a_busy_port_fails_before_loading(monkeypatch):
+    """A second server on the same port: one line, before any weights load and before
+    "serving" is printed (it used to load the model, say "serving", then die)."""
+    import socket
+
+    import mlxspec.runtime
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded although the port is busy")
+
+    monkeypatch.setattr(mlxspec.runtime, "open_runtime", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("serve", "--port", str(port))
+    assert_one_line_error(result, f"127.0.0.1:{port}", "--port")
+    assert "serving" not in result.output
+
+
+@pytest.mark.parametrize("found", [False, True], ids=["reference-blas", "openblas"])
+def test_reference_blas_gets_one_line_with_the_fix(monkeypatch, tmp_path, found):
+    """Without OpenBLAS the policy rightly drafts nothing; the user is told why, once."""
+    from mlxspec import blas
+
+    monkeypatch.setattr(blas, "blas_in_use", "OpenBLAS (x)" if found else blas.NO_OPENBLAS)
+    result = run("generate", "hi", "--model", str(tmp_path / "absent"))
+    hint_lines = [line for line in result.output.splitlines() if "reference BLAS" in line]
+    assert len(hint_lines) == (0 if found else 1), result.output
+    if not found:
+        assert "apt install libopenblas0-pthread" in hint_lines[0]
+
+
+def test_model_takes_a_local_mlx_lm_folder(tmp_path, monkeypatch):
+    """What an mlx-lm user types: a folder saved by mlx-lm, with no models.toml entry."""
+    from test_loading import save_tiny_llama
+
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    save_tiny_llama(folder)
+    result = CliRunner().invoke(
+        main, ["generate", "abc abc abc", "-m", str(folder), "-n", "4", "--raw", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)["record"]
+    assert record["model"] == str(folder) and record["proposer"] == "prompt-lookup"
+    assert record["completion_tokens"] == 4
+
+
+def test_model_path_that_does_not_exist_says_so(tmp_path):
+    assert_one_line_error(
+        run("generate", "hi", "-m", str(tmp_path / "nowhere")), "nowhere", "does not exist"
+    )
+    assert_one_line_error(run("generate", "hi", "-m", "./nowhere.gguf"), "does not exist")
+
+
+def test_hub_id_offline_fails_fast_with_true_advice(monkeypatch):
+    """No network here: one line, in seconds, advising a local path (which works, above)."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    started = time.perf_counter()
+    result = run("generate", "hi", "-m", "mlx-community/no-such-model-for-mlxspec-tests")
+    assert_one_line_error(result, "cannot reach the Hugging Face hub", "pass a local path")
+    assert time.perf_counter() - started < 30
+
+
+def test_mistyped_proposer_names_the_model_and_the_closest_name():
+    result = run("generate", "hi", "--proposer", "prompt-lokup")
+    assert_one_line_error(
+        result, "'prompt-lokup'", "'smollm2-135m'", "available:", "did you mean 'prompt-lookup'"
+    )
+    assert "models.toml" not in result.output  # the file is fine; the flag is misspelt

@@ -168,8 +168,9 @@ def test_proposer_lookup_default_none_and_unknown(tmp_path):
     with pytest.raises(RegistryError) as error:
         entry.proposer("eagle")
     message = str(error.value)
-    assert "entry 'foo'" in message and "unknown proposer 'eagle'" in message
-    assert message.endswith("choose one of: self-spec, prompt-lookup, none")
+    assert "unknown proposer 'eagle' for model 'foo'" in message
+    assert message.endswith("available: self-spec, prompt-lookup, none")
+    assert "models.toml" not in message  # a typo on the command line is not the file's fault
 
 
 def test_default_proposer_none_means_no_speculation(tmp_path):
@@ -213,7 +214,8 @@ def test_unknown_model_names_the_known_ones_and_the_user_file(isolated_config):
         load_registry().get("gpt-5")
     message = str(error.value)
     assert message.startswith("unknown model 'gpt-5'; known: smollm2-135m, qwen3-8b")
-    assert message.endswith(f"(add it to {isolated_config})")
+    assert f"(add it to {isolated_config})" in message
+    assert message.endswith("or pass a hub repo id (owner/name) or a local path")
 
 
 def _proposer(name: str, body: str) -> str:

@@ -18,6 +18,7 @@ from rich.style import Style
 from rich.text import Text
 
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, Step
+from mlxspec.speedup import SpeedupEstimate
 
 ACCEPTED, OWN, REJECTED = "accepted", "own", "rejected"
 KINDS = (ACCEPTED, OWN, REJECTED)
@@ -51,6 +52,7 @@ class Answer:
         self.drafted = self.accepted = self.draft_rounds = 0
         self.accepted_lengths: list[int] = []
         self.last_step: Step | None = None
+        self.speedup = SpeedupEstimate()  # live, from the rounds' own plain-step costs
         self._ghost: Segment | None = None  # refused drafts waiting for their place
 
     def add(self, event: Event, now: float) -> None:
@@ -67,6 +69,7 @@ class Answer:
         elif isinstance(event, Step):
             self._place_ghost()
             self.last_step = event
+            self.speedup.add_round(event.accepted + 1, event.plain_steps)
             if event.drafted:
                 self.drafted += event.drafted
                 self.accepted += event.accepted
@@ -116,6 +119,14 @@ class Answer:
         if self.n_tokens < 2 or self.last_token_at == self.first_token_at:
             return 0.0
         return (self.n_tokens - 1) / (self.last_token_at - self.first_token_at)
+
+    @property
+    def estimated_speedup(self) -> float:
+        """Speed relative to plain decoding on this machine (see mlxspec/speedup.py):
+        the run record's once done, live from the rounds so far; 0.0 before any."""
+        if self.record is not None and "estimated_speedup" in self.record:
+            return self.record["estimated_speedup"]
+        return self.speedup.value
 
     def ghosts_showing(self, now: float) -> bool:
         return any(s.kind == REJECTED and now - s.shown_at < GHOST_SECONDS for s in self.segments)

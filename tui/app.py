@@ -19,7 +19,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, LoadingIndicator, Sparkline
 
-from mlxspec import device
+from mlxspec import blas, device
 from mlxspec.events import Rejected
 from mlxspec.registry import Registry
 from mlxspec.runtime import open_runtime as default_open_runtime
@@ -27,7 +27,7 @@ from tui import store
 from tui.answer import Answer
 from tui.screens import Choices, OpenScreen, SettingsScreen
 from tui.store import Conversation
-from tui.widgets import AnswerText, AnswerView, Legend, StatusBar, UserMessage
+from tui.widgets import AnswerText, AnswerView, Legend, RoundsLabel, StatusBar, UserMessage
 from tui.worker import (
     AnswerJob,
     Ended,
@@ -92,6 +92,7 @@ class ChatApp(App):
         with Horizontal(id="info"):
             yield Legend()
             yield LoadingIndicator()
+            yield RoundsLabel("drafts kept per round:", markup=False)
             yield Sparkline([], id="rounds")
         yield StatusBar()
         yield Input(placeholder="Ask something; enter sends", id="prompt")
@@ -105,6 +106,9 @@ class ChatApp(App):
         facts = device.describe()
         self.status.machine = f"{facts['device']} · {facts['blas'].split(' (')[0]}"
         self.status.proposer, self.status.temperature = self.proposer, self.temperature
+        hint = blas.slow_blas_hint()  # why nothing gets drafted on this machine
+        if hint:
+            self.notify(hint, severity="warning", timeout=20, markup=False)
         self.run_engine()
         self.load(self.entry)
 
@@ -135,7 +139,6 @@ class ChatApp(App):
             return  # another model was asked for meanwhile; its load is queued
         self.model_ready = True
         self.status.note = ""
-        self.status.plain_rate = message.plain_rate
 
     def on_load_failed(self, message: LoadFailed) -> None:
         self.notify(
@@ -187,6 +190,7 @@ class ChatApp(App):
         conversation.mount(UserMessage(prompt), self.current)
         conversation.anchor()
         self.query_one(Sparkline).data = []
+        self.query_one(RoundsLabel).show([])
         self.status.show(self.current.answer)
         self.job = AnswerJob(
             self.conversation.engine_messages(),
@@ -218,7 +222,9 @@ class ChatApp(App):
         self.current.body.redraw()
         self.status.note = ""  # e.g. "loading draft model ..." is over once drafts come
         self.status.show(answer)
-        self.query_one(Sparkline).data = answer.accepted_lengths[-SPARKLINE_ROUNDS:]
+        recent = answer.accepted_lengths[-SPARKLINE_ROUNDS:]
+        self.query_one(Sparkline).data = recent
+        self.query_one(RoundsLabel).show(recent)
 
     def on_ended(self, message: Ended) -> None:
         self.on_streamed(Streamed())  # events the last wake-up did not cover

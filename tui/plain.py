@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import click
 
-from mlxspec.cli import COLOURS, say
+from mlxspec.console import COLOURS, echo_text, say
 from mlxspec.events import Done
 from tui.worker import generation_settings
 
@@ -44,15 +44,12 @@ def _answer(runtime, messages, settings, proposer: str, colour: bool) -> str:
         if isinstance(event, Done):
             done = event
         elif type(event) in COLOURS:
-            style = COLOURS[type(event)] if colour else None
-            # color=colour: click would strip the colours from a pipe even with --color.
-            click.echo(
-                click.style(event.text, fg=style) if style else event.text, nl=False, color=colour
-            )
+            echo_text(event, colour)
     click.echo()
     record = done.record
     say(
-        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s, "
+        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s "
+        f"({record.speedup_estimate.value:.2f}x plain), "
         f"accepted {record.accepted}/{record.drafted} drafts ({record.proposer})"
     )
     return done.text

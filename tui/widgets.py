@@ -117,9 +117,10 @@ def summary(answer: Answer) -> str:
     record = answer.record
     parts = ["cancelled"] if answer.cancelled else []
     if record is not None:
-        parts.append(
-            f"{record['completion_tokens']} tokens, {record['tokens_per_second']:.1f} tok/s"
-        )
+        speed = f"{record['completion_tokens']} tokens, {record['tokens_per_second']:.1f} tok/s"
+        if record.get("estimated_speedup"):  # records saved before it existed lack it
+            speed += f" ({record['estimated_speedup']:.2f}× plain)"
+        parts.append(speed)
         if record["drafted"]:
             parts.append(
                 f"{record['proposer']}: {record['accepted']}/{record['drafted']} drafts accepted"
@@ -141,6 +142,14 @@ class Legend(Widget):
         )
 
 
+class RoundsLabel(Static):
+    """Says what the sparkline beside it plots, and its scale."""
+
+    def show(self, accepted_lengths: list[int]) -> None:
+        top = max(accepted_lengths, default=0)
+        self.update(f"drafts kept per round (last {len(accepted_lengths)}, top = {top}):")
+
+
 class StatusBar(Widget):
     """Model, proposer of the last round, k, acceptance, speed and the machine."""
 
@@ -153,7 +162,7 @@ class StatusBar(Widget):
     acceptance = reactive(0.0)
     mean_accepted = reactive(0.0)
     rate = reactive(0.0)
-    plain_rate = reactive(0.0)
+    speedup = reactive(0.0)  # vs plain decoding, load-invariant (mlxspec/speedup.py)
     machine = reactive("")
 
     def show(self, answer: Answer) -> None:
@@ -163,6 +172,7 @@ class StatusBar(Widget):
         self.acceptance = answer.acceptance_rate
         self.mean_accepted = answer.mean_accepted_length
         self.rate = answer.tokens_per_second
+        self.speedup = answer.estimated_speedup
 
     def render(self) -> str:
         if self.note:
@@ -171,10 +181,10 @@ class StatusBar(Widget):
         if self.round_proposer and self.round_proposer not in (self.proposer, "none"):
             drafting += f" → {self.round_proposer}"
         sampling = f"T={self.temperature:g}" if self.temperature else "greedy"
-        if self.rate and self.plain_rate:
-            speed = f"{self.rate:.1f} tok/s · {self.rate / self.plain_rate:.2f}× plain"
-        else:  # nothing generated yet: what speculation has to beat
-            speed = f"plain decoding {self.plain_rate:.1f} tok/s"
+        if self.speedup:
+            speed = f"{self.rate:.1f} tok/s · {self.speedup:.2f}× plain"
+        else:  # nothing generated yet
+            speed = "speed: from the first answer"
         return (
             f"{self.model} {sampling} │ {drafting} k={self.k} │ accepted {self.acceptance:.0%}, "
             f"{self.mean_accepted:.1f}/round │ {speed} │ {self.machine}"

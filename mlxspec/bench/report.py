@@ -20,6 +20,7 @@ TABLE_COLUMNS = (
     "accept",
     "acc len",
     "speedup",
+    "est.",
     "token match",
 )
 
@@ -109,6 +110,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
         _number(row["acceptance_rate"], ".0%"),
         _number(row["mean_accepted_length"], ".2f"),
         _number(row["speedup"], ".2f", "x"),
+        _number(row.get("estimated_speedup"), ".2f", "x"),
         match,
     ]
 

@@ -39,6 +39,10 @@ def _median_speed(group: list[Run]) -> float | None:
     return statistics.median(speeds) if speeds else None
 
 
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
@@ -72,6 +76,10 @@ def _row(group: list[Run], plain_speed: float | None) -> dict[str, Any]:
         ),
         "accepted_lengths": first.measurement.accepted_lengths,
         "speedup": _ratio(speed, plain_speed) if speed is not None and plain_speed else None,
+        # mlxspec's own load-invariant estimate, as `generate --json` and the chat show it.
+        "estimated_speedup": _median(
+            [m.estimated_speedup for m in measurements if m.estimated_speedup]
+        ),
         "token_match": divergence is None,
         "divergence": asdict(divergence) if divergence else None,
     }

@@ -3,7 +3,8 @@
 The order interleaves methods within each prompt and repeat, so a noisy machine slows
 all methods alike instead of whichever happened to run during the noise. Everything
 that would distort a timed row happens before the first one: proposers are built, the
-adaptive policy's verify cost is calibrated, and every method runs once (warm-up).
+verify cost is calibrated (the adaptive policy and the speedup estimate use it), and
+every method runs once (warm-up).
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ class Bench:
             elif method.runner == MLX_LM_SPECULATIVE:
                 name = self.runtime.proposer(draft_proposer(self.runtime.entry).name)
                 self._draft = engine.proposers[name].model
-        if any(m.runner == "mlxspec" and m.proposer != NONE and m.k is None for m in self.methods):
+        # Every drafting row needs it: the adaptive policy to choose k, and every row's
+        # estimated speedup to price its rounds (mlxspec/speedup.py).
+        if any(m.runner == "mlxspec" and m.proposer != NONE for m in self.methods):
             engine.verify_cost  # noqa: B018  (measured once per model and machine, then cached)
         self._encoded = {
             p.id: engine.encode_chat([{"role": "user", "content": p.text}]) for p in self.prompts

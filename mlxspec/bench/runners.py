@@ -36,6 +36,7 @@ class Measurement:
     tree_rounds: int = 0  # rounds verified as a branching tree (mlxspec @tree)
     tree_nodes: int = 0  # draft nodes verified in them
     accepted_lengths: list[int] = field(default_factory=list)  # rounds by drafts kept
+    estimated_speedup: float | None = None  # mlxspec's own estimate (see mlxspec/speedup.py)
 
     @property
     def decode_tokens(self) -> int:
@@ -146,6 +147,7 @@ def run_mlxspec(
         tree_rounds=record.tree_rounds,
         tree_nodes=record.tree_nodes,
         accepted_lengths=record.accepted_lengths,
+        estimated_speedup=record.speedup_estimate.value,
     )
 
 

@@ -4,13 +4,16 @@
 
 Modules: `app` (routes), `schemas` (request bodies), `responses` (OpenAI's response
 shapes), `worker` (the one thread that runs generations), `providers` (where models
-come from), `errors` (OpenAI's error shape).
+come from), `errors` (OpenAI's error shape), `listen` (the socket, bound first).
 """
 
 from mlxspec.server.app import ServerLimits, create_app, run_server
+from mlxspec.server.listen import ListenError, bind_listening_socket
 from mlxspec.server.providers import ModelInfo, ModelProvider, RegistryProvider
 
 __all__ = [
+    "ListenError",
+    "bind_listening_socket",
     "ModelInfo",
     "ModelProvider",
     "RegistryProvider",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -133,9 +134,10 @@ def create_app(
     return app
 
 
-def run_server(app: FastAPI, host: str, port: int) -> None:
+def run_server(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> None:
     """Run `app` with uvicorn until Ctrl-C; generations still running are cancelled at
-    once, so their streams end with an error message instead of being cut."""
+    once, so their streams end with an error message instead of being cut. `sock`: a
+    socket already bound to host:port (see listen.py), else uvicorn binds one."""
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -145,7 +147,7 @@ def run_server(app: FastAPI, host: str, port: int) -> None:
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=3
     )
-    Server(config).run()
+    Server(config).run(sockets=[sock] if sock is not None else None)
 
 
 def _model_info(provider: ModelProvider, name: str | None) -> ModelInfo:

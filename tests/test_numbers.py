@@ -1,0 +1,88 @@
+"""The numbers on screen: the speedup estimate against the bench, calibration progress."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from mlxspec import console
+from mlxspec.bench.methods import PLAIN, Method
+from mlxspec.bench.rows import build_rows
+from mlxspec.bench.session import Bench
+from mlxspec.bench.suites import BenchPrompt
+from mlxspec.events import ProgressNote
+from mlxspec.policy import CALIBRATION_SIZES, calibrate
+from mlxspec.registry import load_registry
+from mlxspec.runtime import Runtime
+from mlxspec.speedup import SpeedupEstimate, round_steps
+
+COPY_PROMPT = (
+    "Copy this text exactly, word for word:\n\nThe quick brown fox jumps over the lazy dog. "
+    "The five boxing wizards jump quickly. Pack my box with five dozen liquor jugs. How "
+    "vexingly quick daft zebras jump. Sphinx of black quartz, judge my vow."
+)
+
+
+def test_a_round_is_priced_with_its_own_times_so_load_cancels():
+    """A verify of 8 tokens that costs 1.5 steps took 0.3 s, the whole round 0.4 s: a step
+    takes 0.2 s right now, so the round cost 2 steps; twice as busy, still 2."""
+    assert round_steps(0.4, 0.3, 1.5) == pytest.approx(2.0)
+    assert round_steps(0.8, 0.6, 1.5) == pytest.approx(2.0)
+    estimate = SpeedupEstimate()
+    estimate.add_round(6, round_steps(0.4, 0.3, 1.5))  # 5 drafts kept + the target's own
+    estimate.add_round(1, round_steps(0.22, 0.2, 1.0))  # a plain round, 10% bookkeeping
+    assert estimate.value == pytest.approx(7 / 3.1)
+
+
+class Notes(list):
+    def append_args(self, *args):  # progress(done, total, size)
+        self.append(args)
+
+
+def test_calibration_reports_progress_before_every_pass():
+    calls, notes = [], Notes()
+    calibrate(lambda m: calls.append(m), lambda: None, repeats=2, progress=notes.append_args)
+    total = len(calls)
+    assert total == len(CALIBRATION_SIZES) * 3
+    assert [done for done, _, _ in notes] == list(range(total + 1))
+    assert {t for _, t, _ in notes} == {total}
+    assert [size for _, _, size in notes[:-1]] == calls  # each note names the coming pass
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_notes_share_one_line(monkeypatch, capsys, terminal):
+    """On a terminal each note overwrites the last; in a log, only the first and last."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    for done in range(4):
+        console.say(ProgressNote(f"measuring {done}/3", done, 3))
+    console.say("loaded")
+    err = capsys.readouterr().err
+    if terminal:
+        assert err.count("\n") == 2 and err.count("\r") == 4  # the note's line, "loaded"
+    else:
+        assert err.splitlines() == [
+            "mlxspec: measuring 0/3",
+            "mlxspec: measuring 3/3",
+            "mlxspec: loaded",
+        ]
+
+
+@pytest.mark.slow
+def test_estimated_speedup_agrees_with_the_bench(smollm2):
+    """On a copy prompt, what `generate --json` and the chat show (the run record's
+    estimated_speedup) is within 15% of what `mlxspec bench` measures in the same run:
+    the bench's own row, spec tok/s over plain-mlx-lm tok/s (medians of 5 interleaved
+    repeats, so a burst of load elsewhere moves the measured side less)."""
+    entry = load_registry().get("smollm2-135m")
+    runtime = Runtime(entry, smollm2, notify=lambda _: None)
+    spec = Method("mlxspec", "prompt-lookup")
+    prompt = BenchPrompt("copy", "copy", COPY_PROMPT)
+    bench = Bench(runtime, [prompt], [Method(PLAIN), spec], max_tokens=64, repeats=5)
+    bench.prepare()
+    row = next(r for r in build_rows(list(bench.runs())) if r["method"] == spec.name)
+    measured, estimated = row["speedup"], row["estimated_speedup"]
+    assert measured > 1.2, f"the copy prompt should speculate well; bench measured {measured:.2f}x"
+    assert estimated == pytest.approx(measured, rel=0.15), (
+        f"estimated {estimated:.2f}x (run record) vs measured {measured:.2f}x (bench)"
+    )
