@@ -39,7 +39,9 @@ def chi_square(counts: Counter, probs: np.ndarray) -> float:
 def significant(statistic: float, dof: int, z: float = 3.72) -> bool:
     """Beyond what chance gives at alpha 1e-4 (z: its normal quantile). Wilson-Hilferty's
     chi-square quantile errs by <7%, on the safe side, down to 1 dof; dof + 4.5 sqrt(2 dof)
-    would flag one run in ~500 at 4 dof."""
+    would flag one run in ~500 at 4 dof. With 0 dof (one category) nothing can differ."""
+    if dof < 1:
+        return False
     h = 2 / (9 * dof)
     return statistic >= dof * (1 - h + z * np.sqrt(h)) ** 3
 

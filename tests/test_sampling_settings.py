@@ -210,11 +210,18 @@ def bin_probabilities(row: np.ndarray) -> np.ndarray:
     return np.array([ordered[a:b].sum() for a, b in zip(edges, edges[1:])])
 
 
+def repeats(run: tuple[int, ...], window: int = 6) -> int:
+    """How many of the run's tokens occur among the `window` tokens before them."""
+    tokens = PROMPT + list(run)
+    return sum(tokens[i] in tokens[max(0, i - window) : i] for i in range(len(PROMPT), len(tokens)))
+
+
 def differences(spec_runs, plain_runs) -> list[str]:
     """The laws that differ between two sets of runs: at each position the token and its
-    binned rank under the target ("end" after EOS), and the first two tokens together."""
+    binned rank under the target ("end" after EOS), the first two tokens together, and
+    how many tokens repeat a recent one (what a repetition penalty is about)."""
     spec_rows, plain_rows = target_rows(spec_runs), target_rows(plain_runs)
-    laws = {"tokens 1-2": lambda run, rows: run[:2]}
+    laws = {"tokens 1-2": lambda run, rows: run[:2], "repeats": lambda run, rows: repeats(run)}
     for i in range(MAX_TOKENS):
         laws[f"token {i + 1}"] = lambda run, rows, i=i: run[i] if len(run) > i else "end"
         laws[f"rank of token {i + 1}"] = lambda run, rows, i=i: (
@@ -260,8 +267,10 @@ def test_sampled_speculation_follows_the_target_token_by_token(tree):
     """k = 3 over 4 tokens: refusals at every draft position, bonuses after full accepts
     (and, for trees, after paths of 2), each token checked against its exact law."""
     runs = engine_runs("temperature", tree)
-    assert not departures_from_the_target(runs)
-    assert not differences(runs.tokens, mlx_lm_runs("temperature"))
+    departures = departures_from_the_target(runs)
+    assert not departures, departures
+    found = differences(runs.tokens, mlx_lm_runs("temperature"))
+    assert not found, found
     assert min(runs.kept[n] for n in range(2 if tree else K + 1)) >= 20, runs.kept
     assert len(runs.bonuses) >= 100
 
@@ -298,5 +307,6 @@ def test_sampling_settings_during_speculation_match_mlx_lm(name, tree):
     """Top-p, top-k and a repetition penalty through lines and trees: the law of the
     first four tokens equals mlx-lm's `make_sampler` + `generate_step` with them."""
     runs = engine_runs(name, tree)
-    assert not differences(runs.tokens, mlx_lm_runs(name))
+    found = differences(runs.tokens, mlx_lm_runs(name))
+    assert not found, found
     assert min(runs.kept[n] for n in range(2 if tree else K + 1)) >= 10, runs.kept
