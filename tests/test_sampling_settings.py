@@ -30,8 +30,15 @@ import mlxspec.engine
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Bonus, Rejected, TokenEvent
 from mlxspec.policy import VerifyCost
-from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
-from mlxspec.sampling import SamplingSettings, rejection_sample, sample_from
+from mlxspec.proposers import (
+    Draft,
+    DraftModel,
+    PromptLookup,
+    ProposalContext,
+    Situation,
+    truncated_model,
+)
+from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample, sample_from
 
 EOS = set(byte_tokenizer().eos_token_ids)
 
@@ -149,6 +156,31 @@ class Runs:
     kept: Counter
 
 
+class GreedyLine:
+    """The drafter's likeliest line without its q (one-hot drafts, as prompt lookup's):
+    the engine must then take the multi-candidate rule (sample_walk) on a line."""
+
+    name, needs_hidden, cost_hint = "greedy-line", False, 0.0
+
+    def __init__(self, drafter: DraftModel):
+        self.drafter, self.k_max = drafter, drafter.k_max
+
+    def situation(self, ctx: ProposalContext) -> Situation:
+        return Situation(self, "greedy-line")
+
+    def propose(self, ctx: ProposalContext, k: int) -> Draft:
+        greedy = TokenScorer(replace(ctx.scorer.settings, temperature=0.0))
+        return self.drafter.propose(replace(ctx, scorer=greedy), k)
+
+
+# How a round drafts: (proposer, tree); the rounds' accepted lengths each must reach.
+DRAFTING = {
+    "line": ("draft-model", False, K + 1),  # drafts with q: rejection_sample
+    "tree": ("draft-model", True, K),  # sample_walk over a tree (2 deep at most here)
+    "one-hot-line": ("greedy-line", False, 2),  # sample_walk on a line, drafts of q=1
+}
+
+
 @cache
 def sampled_engine() -> Engine:
     """A flat target (many tokens with mass) and its flattened self as the drafter: q
@@ -156,7 +188,8 @@ def sampled_engine() -> Engine:
     verify cost keeps every node of a tree."""
     model = tiny_model("llama", seed=5, sharpness=5.0)
     draft = DraftModel(Flattened(model, 0.5), k_max=K)
-    return Engine(model, byte_tokenizer(), "llama", [draft], VerifyCost({1: 1.0, 64: 1.0}, 1.0))
+    proposers = [draft, GreedyLine(draft)]
+    return Engine(model, byte_tokenizer(), "llama", proposers, VerifyCost({1: 1.0, 64: 1.0}, 1.0))
 
 
 def with_eos(tokens: tuple[int, ...]) -> tuple[int, ...]:
@@ -172,12 +205,13 @@ def mlx_lm_runs(name: str) -> list[tuple[int, ...]]:
     ]
 
 
-def engine_runs(name: str, tree: bool) -> Runs:
+def engine_runs(name: str, drafting: str) -> Runs:
     engine, runs = sampled_engine(), Runs([], [], Counter())
+    proposer, tree, _ = DRAFTING[drafting]
     for seed in range(RUNS):
         sampling = replace(SAMPLED[name], seed=seed)
         settings = GenerationSettings(max_tokens=MAX_TOKENS, k=K, tree=tree, sampling=sampling)
-        events = list(engine.stream(PROMPT, settings, "draft-model"))
+        events = list(engine.stream(PROMPT, settings, proposer))
         record = events[-1].record
         assert record.tree == tree and (record.tree_rounds > 0) == tree
         emitted = [(type(e), t) for e in events if isinstance(e, TokenEvent) for t in e.tokens]
@@ -262,16 +296,23 @@ def departures_from_the_target(runs: Runs) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["line", "tree"])
-def test_sampled_speculation_follows_the_target_token_by_token(tree):
+def assert_every_outcome_happened(runs: Runs, drafting: str, at_least: int) -> None:
+    """Rounds that kept each possible number of drafts: refusals at every position and,
+    for lines with q, full accepts."""
+    levels = DRAFTING[drafting][2]
+    assert min(runs.kept[n] for n in range(levels)) >= at_least, runs.kept
+
+
+@pytest.mark.parametrize("drafting", DRAFTING)
+def test_sampled_speculation_follows_the_target_token_by_token(drafting):
     """k = 3 over 4 tokens: refusals at every draft position, bonuses after full accepts
-    (and, for trees, after paths of 2), each token checked against its exact law."""
-    runs = engine_runs("temperature", tree)
+    (for trees after paths of 2), each token checked against its exact law."""
+    runs = engine_runs("temperature", drafting)
     departures = departures_from_the_target(runs)
     assert not departures, departures
     found = differences(runs.tokens, mlx_lm_runs("temperature"))
     assert not found, found
-    assert min(runs.kept[n] for n in range(2 if tree else K + 1)) >= 20, runs.kept
+    assert_every_outcome_happened(runs, drafting, 20)
     assert len(runs.bonuses) >= 100
 
 
@@ -285,28 +326,29 @@ def bonus_from_the_last_draft_row(draft_tokens, draft_probs, target_probs, rng):
 
 
 @pytest.mark.parametrize(
-    "name, broken, tree",
+    "name, broken, drafting",
     [
-        ("rejection_sample", broken_rule, False),
-        ("rejection_sample", bonus_from_the_last_draft_row, False),
-        ("sample_walk", resample_from_p, True),
+        ("rejection_sample", broken_rule, "line"),
+        ("rejection_sample", bonus_from_the_last_draft_row, "line"),
+        ("sample_walk", resample_from_p, "tree"),
+        ("sample_walk", resample_from_p, "one-hot-line"),
     ],
-    ids=["line-resamples-from-p", "line-bonus-from-the-wrong-row", "tree-resamples-from-p"],
+    ids=["line-resamples-from-p", "line-bonus-from-the-wrong-row", "tree", "one-hot-line"],
 )
-def test_the_end_to_end_check_catches_a_wrong_acceptance_rule(monkeypatch, name, broken, tree):
+def test_the_end_to_end_check_catches_a_wrong_acceptance_rule(monkeypatch, name, broken, drafting):
     monkeypatch.setattr(mlxspec.engine, name, broken)
-    assert departures_from_the_target(engine_runs("temperature", tree))
+    assert departures_from_the_target(engine_runs("temperature", drafting))
 
 
-SETTINGS_CASES = [("top-p", False), ("top-k", True)]
-SETTINGS_CASES += [("top-p-top-k-penalty", tree) for tree in (False, True)]
+SETTINGS_CASES = [("top-p", "line"), ("top-k", "tree")]
+SETTINGS_CASES += [("top-p-top-k-penalty", drafting) for drafting in ("line", "tree")]
 
 
-@pytest.mark.parametrize("name, tree", SETTINGS_CASES)
-def test_sampling_settings_during_speculation_match_mlx_lm(name, tree):
+@pytest.mark.parametrize("name, drafting", SETTINGS_CASES)
+def test_sampling_settings_during_speculation_match_mlx_lm(name, drafting):
     """Top-p, top-k and a repetition penalty through lines and trees: the law of the
     first four tokens equals mlx-lm's `make_sampler` + `generate_step` with them."""
-    runs = engine_runs(name, tree)
+    runs = engine_runs(name, drafting)
     found = differences(runs.tokens, mlx_lm_runs(name))
     assert not found, found
-    assert min(runs.kept[n] for n in range(2 if tree else K + 1)) >= 10, runs.kept
+    assert_every_outcome_happened(runs, drafting, 10)
