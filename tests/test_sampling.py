@@ -6,6 +6,7 @@ from collections import Counter
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from tiny_models import byte_tokenizer, tiny_model
@@ -35,10 +36,21 @@ def chi_square(counts: Counter, probs: np.ndarray) -> float:
     return float(((observed - expected) ** 2 / expected).sum())
 
 
+def significant(statistic: float, dof: int, z: float = 3.72) -> bool:
+    """Beyond what chance gives at alpha 1e-4 (z: its normal quantile). Wilson-Hilferty's
+    chi-square quantile errs by <7%, on the safe side, down to 1 dof; dof + 4.5 sqrt(2 dof)
+    would flag one run in ~500 at 4 dof. With 0 dof (one category) nothing can differ."""
+    if dof < 1:
+        return False
+    h = 2 / (9 * dof)
+    return statistic >= dof * (1 - h + z * np.sqrt(h)) ** 3
+
+
 def simulate(rule, one_hot: bool = False, seed: int = 0):
-    """First and (when the first draft was accepted) second emitted tokens."""
+    """First, second (when the first draft was accepted) and bonus (after both drafts
+    were accepted: drawn from the row after the last draft) emitted tokens."""
     rng = np.random.default_rng(seed)
-    first, second = Counter(), Counter()
+    first, second, bonus = Counter(), Counter(), Counter()
     for _ in range(TRIALS):
         if one_hot:
             drafts, q = [4, 5], None  # a lookup draft: fixed tokens
@@ -49,7 +61,9 @@ def simulate(rule, one_hot: bool = False, seed: int = 0):
         first[emitted[0]] += 1
         if n >= 1:
             second[emitted[1]] += 1
-    return first, second
+        if n == len(drafts):
+            bonus[emitted[2]] += 1
+    return first, second, bonus
 
 
 def broken_rule(drafts, q, p, rng):
@@ -63,19 +77,26 @@ def broken_rule(drafts, q, p, rng):
 
 
 def test_rejection_sampling_matches_target_distribution_with_adversarial_draft():
-    first, second = simulate(rejection_sample)
+    first, second, _ = simulate(rejection_sample)
     assert chi_square(first, P[0]) < CRITICAL_DF5
     assert chi_square(second, P[1]) < CRITICAL_DF5
 
 
 def test_rejection_sampling_matches_target_distribution_with_one_hot_draft():
-    first, second = simulate(rejection_sample, one_hot=True)
+    first, second, _ = simulate(rejection_sample, one_hot=True)
     assert chi_square(first, P[0]) < CRITICAL_DF5
     assert chi_square(second, P[1]) < CRITICAL_DF5
 
 
+@pytest.mark.parametrize("one_hot", [False, True], ids=["drafter-q", "one-hot"])
+def test_the_bonus_after_a_full_accept_follows_the_row_after_the_last_draft(one_hot):
+    _, _, bonus = simulate(rejection_sample, one_hot=one_hot)
+    assert sum(bonus.values()) >= 500, "too few full accepts to test the bonus"
+    assert chi_square(bonus, P[2]) < CRITICAL_DF5
+
+
 def test_the_chi_square_check_catches_a_broken_accept_rule():
-    first, _ = simulate(broken_rule)
+    first, _, _ = simulate(broken_rule)
     assert chi_square(first, P[0]) > 10 * CRITICAL_DF5
 
 
@@ -133,10 +154,10 @@ def test_engine_sampling_with_a_draft_model_matches_the_target():
     statistic = float(((observed - expected) ** 2 / expected).sum())
     dof = len(observed) - 1
     assert dof >= 3, "the test model is too confident to test anything"
-    assert statistic < dof + 4.5 * np.sqrt(2 * dof), (statistic, dof)  # ~ alpha 1e-4
+    assert not significant(statistic, dof), (statistic, dof)
 
     statistic, dof = two_sample_chi_square(spec_pairs, plain_pairs)
-    assert statistic < dof + 4.5 * np.sqrt(2 * dof), (statistic, dof)
+    assert not significant(statistic, dof), (statistic, dof)
 
 
 def test_a_fixed_seed_reproduces_a_sampled_run():
