@@ -67,7 +67,9 @@ def lossless_run(model, proposer, **settings) -> tuple[int, int]:
             -1
         ]
         reference = plain_greedy(model, prompt, 40, {EOS})
-        assert_lossless(model, prompt, reference, list(done.token_ids), f"medusa {settings}")
+        assert_lossless(
+            model, prompt, reference, list(done.token_ids), f"medusa {settings}", done.record
+        )
         drafted += done.record.drafted
         accepted += done.record.accepted
     return drafted, accepted
