@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.engine import Engine, GenerationSettings
-from mlxspec.events import Done, RunRecord
+from mlxspec.events import OUTPUT_EVENTS, Corrected, Done, Rejected, RunRecord, Step
 from mlxspec.policy import VerifyCost
 from mlxspec.proposers import (
     Draft,
@@ -44,6 +44,7 @@ class Oracle:
         self.name, self.k_max = name, k_max
         self.prompt_len, self.reference = prompt_len, reference
         self.round = 0
+        self.corrupted: list[int | None] = []  # per round: the draft position corrupted
 
     def situation(self, ctx):
         return Situation(self, "oracle")
@@ -56,6 +57,7 @@ class Oracle:
         bad = self.round % (k + 1)  # == k: no corruption this round
         if bad < k:
             tokens[bad] = (tokens[bad] + 1) % VOCAB
+        self.corrupted.append(bad if bad < k else None)
         return Draft(tokens)
 
 
@@ -124,6 +126,39 @@ def test_every_rejection_position_is_exercised():
     accepted_counts = {e.accepted for e in events if type(e).__name__ == "Step" and e.drafted == 4}
     assert accepted_counts == {0, 1, 2, 3, 4}
     assert list(events[-1].token_ids) == reference
+
+
+def test_a_correction_sits_exactly_where_the_draft_was_corrupted():
+    """The oracle corrupts a known draft position each round: the target keeps the drafts
+    before it, and its Corrected token is plain greedy's token at that very position of
+    the output (the Rejected event starts with the corrupted draft)."""
+    tokenizer = byte_tokenizer()
+    model = tiny_model("qwen3", seed=6)
+    prompt = [11, 12, 13]
+    reference = plain_greedy(model, prompt, 40, set(tokenizer.eos_token_ids))
+    assert len(reference) == 40
+    oracle = Oracle(len(prompt), reference, k_max=3)
+    engine = Engine(model, tokenizer, "qwen3", [oracle], verify_cost=CPU_LIKE_COST)
+    events = list(engine.stream(prompt, GenerationSettings(max_tokens=40, k=3), "oracle"))
+    steps = [e for e in events if isinstance(e, Step)]
+    assert len([s for s in steps if s.drafted]) == len(oracle.corrupted)
+    expected, start, rejected, corrupted = {}, 0, [], iter(oracle.corrupted)
+    for step in steps:
+        bad = next(corrupted) if step.drafted else None
+        if bad is not None and bad < step.drafted:
+            assert step.accepted == bad  # every draft before the corrupted one was kept
+            expected[start + bad] = reference[start + bad]
+            rejected.append((reference[start + bad] + 1) % VOCAB)
+        start += step.accepted + 1
+    assert len(expected) >= 5
+    corrected, position = {}, 0
+    for event in (e for e in events if isinstance(e, OUTPUT_EVENTS)):
+        for token in event.tokens:
+            if isinstance(event, Corrected):
+                corrected[position] = token
+            position += 1
+    assert corrected == expected
+    assert [e.tokens[0] for e in events if isinstance(e, Rejected)] == rejected
 
 
 def test_verify_rounding_is_far_below_the_near_tie_bound():
