@@ -244,6 +244,8 @@ class Engine:
                 situation.source.verified(tree, choices or scorer.greedy_tokens(processed))
             if sampling.greedy:
                 path, own_token = greedy_walk(tree, choices)
+                if proposer is not None:  # plain rounds round exactly like plain decoding
+                    record.near_ties += scorer.near_ties(processed, [0, *path])
             elif draft is not None and draft.probs is not None:  # a drafter's own q
                 target_probs = np.asarray(scorer.probabilities(processed))
                 draft_probs = _match_width(draft.probs, target_probs.shape[-1])

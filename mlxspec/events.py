@@ -69,9 +69,8 @@ class ProgressNote(str):
 class RunRecord:
     """What one generation did: the governance record behind `--json` and `x_mlxspec`.
 
-    `lossless` means the output is what the target alone would produce (greedy: the
-    same tokens up to float rounding at near-tied logits; sampling: the same
-    distribution, by rejection sampling).
+    `lossless` (computed, see the property) says whether the output is guaranteed to be
+    what the target alone would produce.
     """
 
     model: str
@@ -106,7 +105,9 @@ class RunRecord:
     k_policy: str = "adaptive"
     cache_strategy: str = "trim"
     finish_reason: str = "length"
-    lossless: bool = True
+    # Greedy speculative choices whose best two logits were within NEAR_TIE (see
+    # `lossless`): where rounding alone could have picked another token than plain decoding.
+    near_ties: int = 0
     device: dict[str, Any] = field(default_factory=dict)
     # Distributed runs (--ranks/--hostfile): the target sharded over `ranks` processes.
     ranks: int = 1
@@ -116,6 +117,20 @@ class RunRecord:
     collective_rounds: int = 0
     allreduce_seconds: float = 0.0  # one hidden-state all-reduce, measured at start
     allreduces_per_forward: int = 0  # inside the sharded model's forward pass
+
+    @property
+    def lossless(self) -> bool:
+        """True when the output is guaranteed to be what the target alone would produce.
+
+        Greedy: the same tokens as plain decoding, unless a speculative round chose a
+        token whose margin over the runner-up was below NEAR_TIE (`near_ties` > 0): a
+        batched verify rounds differently from one-token steps, so there plain decoding
+        may have picked the other token. Plain rounds (no proposer) are plain decoding.
+        Sampling: the same distribution by exact rejection sampling, so always True;
+        its arithmetic is float32 like plain sampling's. Every acceptance path in the
+        engine is exact, so near ties are the only thing that makes this False.
+        """
+        return self.near_ties == 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -154,6 +169,7 @@ class RunRecord:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["lossless"] = self.lossless
         data["acceptance_rate"] = round(self.acceptance_rate, 4)
         data["mean_accepted_length"] = round(self.mean_accepted_length, 4)
         data["acceptance_by_position"] = [  # P(kept | drafted) at each position

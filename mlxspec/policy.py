@@ -41,7 +41,7 @@ class VerifyCost:
 
     def __call__(self, m: int) -> float:
         sizes = sorted(self.points)
-        if m <= sizes[0]:
+        if m <= sizes[0] or len(sizes) == 1:  # one point: no slope, a flat cost
             return self.points[sizes[0]]
         if m >= sizes[-1]:  # extrapolate with the last slope
             a, b = sizes[-2], sizes[-1]

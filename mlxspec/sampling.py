@@ -19,6 +19,11 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 if TYPE_CHECKING:
     from mlxspec.tree import DraftTree
 
+# Logit margin under which greedy choices are not guaranteed to match plain decoding: a
+# batched verify (and a cache filled by one) rounds differently from one-token steps, by
+# ~1e-5 on the models measured (tests/test_lossless.py keeps it 10x below this bound).
+NEAR_TIE = 1e-3
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -84,6 +89,12 @@ class TokenScorer:
 
     def greedy_tokens(self, processed: mx.array) -> list[int]:
         return mx.argmax(processed, axis=-1).tolist()
+
+    def near_ties(self, processed: mx.array, rows: list[int]) -> int:
+        """How many of `rows` have their best two logits closer than NEAR_TIE: there
+        rounding alone may make speculation pick another token than plain decoding."""
+        top2 = mx.topk(processed[mx.array(rows)], 2, axis=-1)
+        return int(mx.sum(mx.abs(top2[:, 1] - top2[:, 0]) < NEAR_TIE).item())
 
     def probabilities(self, processed: mx.array) -> mx.array:
         """The distribution plain sampling draws from, as float32 rows (m, V)."""

@@ -7,27 +7,55 @@ Tolerance rule: speculative tokens must equal the reference token for token. A
 batched verify never rounds exactly like a one-token step, so a divergence is
 tolerated only where the reference's own top-2 logit gap at that position is below
 NEAR_TIE, which `test_verify_rounding_is_far_below_the_near_tie_bound` justifies by
-measuring |batched - single-step| logits (it must stay 10x below NEAR_TIE). Every
-tolerated case is printed; a divergence at a larger gap fails.
+measuring |batched - single-step| logits (it must stay 10x below NEAR_TIE). After a
+tolerated divergence the comparison goes on: plain greedy is regenerated from the
+prompt plus the speculative output up to and including the divergent token, so a
+later bug in the same run still fails. Each tolerated divergence is reported with
+`warnings.warn` (pytest's warnings summary shows it in CI output) and counted against
+the caps below; where the engine's run record is given, it must have flagged the
+near tie (`record.lossless` False).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-NEAR_TIE = 1e-3  # logits; measured |batched - single| is ~1e-5 on these models
+from mlxspec.sampling import NEAR_TIE
+
+# The tiny test models' LM heads are scaled so that near ties are rare (a few in the
+# whole suite, measured); two in one comparison, or many in a session, would mean the
+# tolerance hides a rounding bug rather than forgiving float noise.
+MAX_TOLERATED_PER_COMPARISON = 1
+MAX_TOLERATED_PER_SESSION = 5
+tolerated_in_session: list[str] = []
 
 
-def plain_greedy(model, prompt: list[int], max_tokens: int, eos: set[int]) -> list[int]:
+class NearTieWarning(UserWarning):
+    """A speculative token that differs from plain greedy at a near tie (float noise)."""
+
+
+class Reference(list):
+    """Plain greedy tokens, remembering how they were made, so that they can be
+    regenerated from a diverged prefix."""
+
+    def __init__(self, tokens: list[int], max_tokens: int, eos: set[int]):
+        super().__init__(tokens)
+        self.max_tokens, self.eos = max_tokens, eos
+
+
+def plain_greedy(model, prompt: list[int], max_tokens: int, eos: set[int]) -> Reference:
     out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        token = int(token)
-        if token in eos:
-            break
-        out.append(token)
-    return out
+    if max_tokens > 0:
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+            token = int(token)
+            if token in eos:
+                break
+            out.append(token)
+    return Reference(out, max_tokens, eos)
 
 
 def top2_gap(model, tokens: list[int]) -> float:
@@ -40,17 +68,51 @@ def top2_gap(model, tokens: list[int]) -> float:
     return top[1] - top[0]
 
 
-def assert_lossless(model, prompt: list[int], reference: list[int], got: list[int], label: str):
-    """Equal token for token, or diverging only at a near tie of the reference."""
-    if got == reference:
-        return
-    n = min(len(got), len(reference))
-    first = next((i for i in range(n) if got[i] != reference[i]), n)
-    gap = top2_gap(model, prompt + reference[:first])
-    assert gap < NEAR_TIE, (
-        f"{label}: speculative output diverges from plain greedy at token {first} where the "
-        f"target's top-2 logit gap is {gap:.2e} (>= {NEAR_TIE}): a real bug\n"
-        f"  plain: {reference[max(0, first - 3) : first + 3]}\n"
-        f"  spec:  {got[max(0, first - 3) : first + 3]}"
-    )
-    print(f"TOLERATED near tie: {label} at token {first}, top-2 gap {gap:.2e} < {NEAR_TIE}")
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (a length difference counts); None if equal."""
+    if list(a) == list(b):
+        return None
+    common = min(len(a), len(b))
+    return next((i for i in range(common) if a[i] != b[i]), common)
+
+
+def assert_lossless(
+    model, prompt: list[int], reference: Reference, got: list[int], label: str, record=None
+) -> None:
+    """Equal token for token, or diverging only at near ties of plain greedy (at most
+    MAX_TOLERATED_PER_COMPARISON), each followed by an exact match of plain greedy
+    regenerated from the diverged prefix. `record` (a RunRecord or its dict), where
+    given, must have flagged any tolerated near tie."""
+    got, tolerated = list(got), 0
+    while (first := first_difference(reference, got)) is not None:
+        gap = top2_gap(model, prompt + got[:first])
+        assert gap < NEAR_TIE, (
+            f"{label}: speculative output diverges from plain greedy at token {first} where "
+            f"the target's top-2 logit gap is {gap:.2e} (>= {NEAR_TIE}): a real bug\n"
+            f"  plain: {reference[max(0, first - 3) : first + 3]}\n"
+            f"  spec:  {got[max(0, first - 3) : first + 3]}"
+        )
+        tolerated += 1
+        tolerated_in_session.append(f"{label} at token {first}")
+        assert tolerated <= MAX_TOLERATED_PER_COMPARISON, (
+            f"{label}: {tolerated} near-tie divergences in one output (at most "
+            f"{MAX_TOLERATED_PER_COMPARISON}): rounding noise does not repeat like that"
+        )
+        assert len(tolerated_in_session) <= MAX_TOLERATED_PER_SESSION, (
+            f"{len(tolerated_in_session)} near-tie divergences in this session (at most "
+            f"{MAX_TOLERATED_PER_SESSION}): {tolerated_in_session}"
+        )
+        if record is not None:
+            lossless = record["lossless"] if isinstance(record, dict) else record.lossless
+            assert not lossless, f"{label}: a near tie changed the output, yet lossless=True"
+        warnings.warn(
+            NearTieWarning(
+                f"TOLERATED near tie: {label} at token {first}, top-2 gap {gap:.2e} < {NEAR_TIE}"
+            ),
+            stacklevel=2,
+        )
+        if first == len(got):  # speculation stopped (EOS) where plain went on: nothing after
+            return
+        kept = got[: first + 1]
+        rest = plain_greedy(model, prompt + kept, reference.max_tokens - len(kept), reference.eos)
+        reference = Reference(kept + rest, reference.max_tokens, reference.eos)

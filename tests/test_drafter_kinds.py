@@ -67,7 +67,9 @@ def test_self_spec_with_an_exit_head_is_lossless_and_reloads(teacher, exit_head,
     for prompt in [s[:10] for s in target_sequences(model, 4, seed=9, length=0)]:
         done = list(engine.stream(prompt, GenerationSettings(max_tokens=30, k=3), "exit"))[-1]
         reference = plain_greedy(model, prompt, 30, {EOS})
-        assert_lossless(model, prompt, reference, list(done.token_ids), "self-spec exit")
+        assert_lossless(
+            model, prompt, reference, list(done.token_ids), "self-spec exit", done.record
+        )
         drafted, accepted = drafted + done.record.drafted, accepted + done.record.accepted
     print(f"acceptance {accepted}/{drafted}")
     assert drafted > 0 and accepted > 0

@@ -188,7 +188,9 @@ def test_an_eagle3_head_drafts_losslessly_alone_and_in_a_chain(target, tmp_path,
             settings = GenerationSettings(max_tokens=30, k=3, tree=tree)
             done = list(engine.stream(prompt, settings, name))[-1]
             reference = plain_greedy(model, prompt, 30, {EOS})
-            assert_lossless(model, prompt, reference, list(done.token_ids), f"{name} {n}")
+            assert_lossless(
+                model, prompt, reference, list(done.token_ids), f"{name} {n}", done.record
+            )
             assert done.record.drafted > 0
 
 

@@ -67,7 +67,9 @@ def lossless_run(model, proposer, **settings) -> tuple[int, int]:
             -1
         ]
         reference = plain_greedy(model, prompt, 40, {EOS})
-        assert_lossless(model, prompt, reference, list(done.token_ids), f"medusa {settings}")
+        assert_lossless(
+            model, prompt, reference, list(done.token_ids), f"medusa {settings}", done.record
+        )
         drafted += done.record.drafted
         accepted += done.record.accepted
     return drafted, accepted
@@ -79,7 +81,7 @@ def test_trained_medusa_drafts_losslessly_as_a_line_and_as_a_tree(trained, tree)
     proposer = MedusaProposer(heads, Engine(model, byte_tokenizer()).target)
     drafted, accepted = lossless_run(model, proposer, k=3, tree=tree)
     print(f"medusa tree={tree}: accepted {accepted}/{drafted}")
-    assert drafted > 0 and accepted > 0
+    assert 0 < accepted < drafted
 
 
 def test_saved_heads_load_back_and_published_checkpoints_map_in(trained, tmp_path):

@@ -51,7 +51,12 @@ def test_every_proposer_is_lossless_on_smollm2(runtime, smollm2, proposer, k, tr
         settings = GenerationSettings(max_tokens=MAX_TOKENS, k=k, tree=tree)
         done = list(engine.stream(prompt, settings, name))[-1]
         assert_lossless(
-            smollm2.model, prompt, reference, list(done.token_ids), f"{name} {text[:30]}"
+            smollm2.model,
+            prompt,
+            reference,
+            list(done.token_ids),
+            f"{name} {text[:30]}",
+            done.record,
         )
         drafted += done.record.drafted
         tree_rounds += done.record.tree_rounds

@@ -18,8 +18,8 @@ from test_units import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.engine import Engine, GenerationSettings
-from mlxspec.events import Done
-from mlxspec.proposers import PromptLookup
+from mlxspec.events import OUTPUT_EVENTS, Accepted, Done
+from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
 from mlxspec.registry import Defaults, Registry, parse_registry_text
 from mlxspec.server import ModelInfo, RegistryProvider, ServerLimits, create_app
 from mlxspec.server.providers import NotDownloaded
@@ -39,16 +39,20 @@ class RecordingEngine(Engine):
         self.runs: list[dict] = []
 
     def stream(self, *args, **kwargs):
-        run = {"finished": False}
+        run = {"finished": False, "events": []}
         self.runs.append(run)
-        yield from super().stream(*args, **kwargs)
+        for event in super().stream(*args, **kwargs):
+            run["events"].append(event)
+            yield event
         run["finished"] = True
 
 
 def tiny_engine(name: str) -> RecordingEngine:
+    """Prompt lookup, and a draft model (its own first two layers) that drafts trees."""
     model = tiny_model("llama", seed=SEEDS[name])
+    draft = DraftModel(truncated_model(model, 2), name="draft", k_max=4)
     return RecordingEngine(
-        model, byte_tokenizer(), name, [PromptLookup()], verify_cost=CPU_LIKE_COST
+        model, byte_tokenizer(), name, [PromptLookup(), draft], verify_cost=CPU_LIKE_COST
     )
 
 
@@ -69,7 +73,7 @@ class TinyProvider:
     def __init__(self, max_tokens: int = 32):
         defaults = Defaults(max_tokens=max_tokens, context=CONTEXT)
         self.models = {
-            name: ModelInfo(name, ("prompt-lookup", "none"), defaults)
+            name: ModelInfo(name, ("prompt-lookup", "draft", "none"), defaults)
             for name in [*SEEDS, "tiny-absent"]
         }
         self.opened: list[TinyRuntime] = []
@@ -164,9 +168,11 @@ def test_lists_the_providers_models(client):
 
 
 def test_a_request_can_ask_for_draft_trees(client):
-    response = chat(client, ECHO, max_tokens=40, extra_body={"mlxspec": {"tree": True}})
+    tree = {"tree": True, "proposer": "draft", "k": 3}  # a fixed k: it drafts every round
+    response = chat(client, ECHO, max_tokens=40, extra_body={"mlxspec": tree})
     record = response.model_extra["x_mlxspec"]
     assert record["tree"] is True and record["tree_unavailable"] == ""
+    assert record["tree_rounds"] > 0 and record["tree_nodes"] >= record["tree_rounds"]
     assert response.choices[0].message.content == direct_answer(
         [{"role": "user", "content": ECHO}], 40
     )
@@ -184,7 +190,7 @@ def test_chat_answer_is_the_engines_with_usage_and_run_record(client):
     assert response.choices[0].finish_reason == record["finish_reason"]
 
 
-def test_stream_says_what_the_plain_answer_says_with_provenance_and_usage(client):
+def test_stream_says_what_the_plain_answer_says_with_provenance_and_usage(client, provider):
     plain = chat(client, ECHO, max_tokens=64).choices[0].message.content
     chunks = list(
         chat(
@@ -199,7 +205,15 @@ def test_stream_says_what_the_plain_answer_says_with_provenance_and_usage(client
     deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.content]
     assert "".join(d.content for d in deltas) == plain
     marks = [d.model_extra["x_mlxspec"]["provenance"] for d in deltas]
-    assert set(marks) <= {"accepted", "target"} and "accepted" in marks
+    assert {"accepted", "target"} == set(marks)
+    # Piece by piece, the marks are the engine's own events for this very request.
+    events = provider.engine.runs[-1]["events"]
+    expected = [
+        (e.text, "accepted" if isinstance(e, Accepted) else "target")
+        for e in events
+        if isinstance(e, OUTPUT_EVENTS) and e.text
+    ]
+    assert [(d.content, mark) for d, mark in zip(deltas, marks)] == expected
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].model_extra["x_mlxspec"]["accepted"] > 0
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0

@@ -135,7 +135,7 @@ def test_tree_greedy_matches_plain_greedy_for_every_proposer(family):
                 settings = GenerationSettings(max_tokens=MAX_TOKENS, k=k, tree=True)
                 done = list(engine.stream(prompt, settings, name))[-1]
                 label = f"{family} tree proposer={name} k={k} prompt={prompt[:5]}..."
-                assert_lossless(model, prompt, reference, list(done.token_ids), label)
+                assert_lossless(model, prompt, reference, list(done.token_ids), label, done.record)
                 record = done.record
                 assert record.tree and sum(record.accepted_lengths) == record.verify_steps
                 tree_rounds += record.tree_rounds
@@ -157,7 +157,9 @@ def test_models_without_plain_kv_caches_fall_back_to_a_line_and_say_why(family):
         engine.stream(prompt, GenerationSettings(max_tokens=MAX_TOKENS, tree=True), "lookup")
     )[-1]
     assert not done.record.tree and "KV cache" in done.record.tree_unavailable
-    assert_lossless(model, prompt, reference, list(done.token_ids), f"{family} fallback")
+    assert_lossless(
+        model, prompt, reference, list(done.token_ids), f"{family} fallback", done.record
+    )
 
 
 def simulate_walk(walk, seed: int = 0, trials: int = 40_000) -> Counter:
@@ -262,7 +264,7 @@ def test_lookahead_is_lossless_and_gets_drafts_accepted(family):
             settings = GenerationSettings(max_tokens=MAX_TOKENS, k=k)
             done = list(engine.stream(prompt, settings, "lookahead"))[-1]
             label = f"{family} lookahead k={k} prompt={prompt[:5]}..."
-            assert_lossless(model, prompt, reference, list(done.token_ids), label)
+            assert_lossless(model, prompt, reference, list(done.token_ids), label, done.record)
             accepted += done.record.accepted
             tree_rounds += done.record.tree_rounds
     if family != "gemma3_text":  # its random output never repeats: nothing to guess

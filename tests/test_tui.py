@@ -197,6 +197,11 @@ def test_answer_streams_in_with_accepted_drafts_styled_apart(models, monkeypatch
         assert [s == styles[ACCEPTED] for s in style_per_char(text)] == [
             k == ACCEPTED for k in kinds
         ]
+        # One character per byte token here, so the accepted-styled characters count the
+        # accepted tokens: exactly the record's.
+        assert len(done.text) == len(done.token_ids)
+        accepted_styled = sum(s == styles[ACCEPTED] for s in style_per_char(text))
+        assert accepted_styled == done.record.accepted
         # ...and the screen shows both colours.
         colours = {seg.style.color for seg in view.body.render_line(0) if seg.text.strip()}
         assert {styles[ACCEPTED].color, styles[OWN].color} <= colours

@@ -172,18 +172,42 @@ def test_events_rebuild_the_output_and_rejected_drafts_stay_out():
     assert rejected == done.record.drafted - done.record.accepted
 
 
+def round_ends(events) -> list[int]:
+    """Output length (tokens) at the end of each round: a round yields accepted + 1."""
+    ends, total = [], 0
+    for step in (e for e in events if isinstance(e, Step)):
+        total += step.accepted + 1
+        ends.append(total)
+    return ends
+
+
 def test_stop_string_spanning_rounds_ends_the_answer_before_it():
+    """A stop string whose first half one round produced and whose second half the next
+    did: nothing of it is ever shown, and the answer ends right before it."""
     engine = engine_with_lookup(seed=2)
     prompt = list(b"the cat sat on the mat. the cat")
+    settings = GenerationSettings(max_tokens=40, k=5)
     plain = list(engine.stream(prompt, GenerationSettings(max_tokens=40)))[-1]
     full = plain.text
-    assert len(full) > 12
-    stop = full[8:12]
-    cut = full.index(stop)
-    done = list(
+    assert len(full) == len(plain.token_ids)  # one character per token: indexes agree
+    spec = list(engine.stream(prompt, settings, "prompt-lookup"))
+    steps = [e for e in spec if isinstance(e, Step)]
+    # A boundary after a round that kept drafts, where a 4-character window first occurs.
+    cut = next(
+        end - 2
+        for end, step in zip(round_ends(spec), steps)
+        if step.accepted
+        and 8 <= end <= len(full) - 2
+        and full.index(full[end - 2 : end + 2]) == end - 2
+    )
+    stop = full[cut : cut + 4]
+    events = list(
         engine.stream(prompt, GenerationSettings(max_tokens=40, stop=[stop], k=5), "prompt-lookup")
-    )[-1]
+    )
+    done = events[-1]
+    assert any(cut < end < cut + len(stop) for end in round_ends(events))  # spans two rounds
     assert done.text == full[:cut]
+    assert "".join(e.text for e in events if isinstance(e, OUTPUT_EVENTS)) == done.text
     assert done.record.finish_reason == "stop"
     # Token ids and counts end where the text does, not where generation stopped.
     assert done.token_ids == plain.token_ids[: len(done.token_ids)]
