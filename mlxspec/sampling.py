@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 # batched verify (and a cache filled by one) rounds differently from one-token steps, by
 # ~1e-5 on the models measured (tests/test_lossless.py keeps it 10x below this bound).
 NEAR_TIE = 1e-3
+# Half-precision logits (bf16/fp16, as Macs run most models) carry only 8-11 bits of
+# mantissa, so two ways of summing the same products can land several units in the last
+# place apart: there a tie is any gap within this many machine epsilons (relative to the
+# larger logit; 1-2 ulps each). At logit 30 that is 7e-6 in fp32, so fp32 keeps NEAR_TIE,
+# and 0.47 in bf16 (whose ulp there is 0.125). Not measured on Metal: no Mac here.
+NEAR_TIE_EPS = 2
 
 
 @dataclass(frozen=True)
@@ -91,10 +97,11 @@ class TokenScorer:
         return mx.argmax(processed, axis=-1).tolist()
 
     def near_ties(self, processed: mx.array, rows: list[int]) -> int:
-        """How many of `rows` have their best two logits closer than NEAR_TIE: there
+        """How many of `rows` have their best two logits within `near_tie_bound`: there
         rounding alone may make speculation pick another token than plain decoding."""
         top2 = mx.topk(processed[mx.array(rows)], 2, axis=-1)
-        return int(mx.sum(mx.abs(top2[:, 1] - top2[:, 0]) < NEAR_TIE).item())
+        bound = near_tie_bound(top2, processed.dtype)
+        return int(mx.sum(mx.abs(top2[:, 1] - top2[:, 0]) < bound).item())
 
     def probabilities(self, processed: mx.array) -> mx.array:
         """The distribution plain sampling draws from, as float32 rows (m, V)."""
@@ -106,6 +113,14 @@ class TokenScorer:
         if 0 < self.settings.top_k < vocab:
             logprobs = apply_top_k(logprobs, self.settings.top_k)
         return mx.softmax(logprobs * (1.0 / self.settings.temperature), axis=-1)
+
+
+def near_tie_bound(top: mx.array, dtype: mx.Dtype) -> mx.array:
+    """The logit gap below which a batched verify and one-token steps may disagree: NEAR_TIE
+    (measured on fp32), or NEAR_TIE_EPS epsilons of the larger logit where the logits' own
+    precision is coarser than that (half precision)."""
+    scale = mx.abs(top.astype(mx.float32)).max(axis=-1)
+    return mx.maximum(NEAR_TIE, NEAR_TIE_EPS * mx.finfo(dtype).eps * scale)
 
 
 def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -23,6 +23,7 @@ from mlxspec.proposers import (
     Situation,
     truncated_model,
 )
+from mlxspec.sampling import SamplingSettings, TokenScorer
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "lfm2"]
 MAX_TOKENS = 40
@@ -278,3 +279,14 @@ def test_the_run_record_flags_a_near_tie_as_not_lossless():
         assert done.record.to_dict()["lossless"] is lossless_expected
         plain = run(engine, prompt, "none", None)  # plain decoding is its own reference
         assert plain.record.lossless is True
+
+
+def test_half_precision_logits_widen_the_near_tie_bound():
+    """bf16 logits near 30 are 0.125 apart at best: a 0.2 gap there is rounding, not a
+    choice, so the record must not call such a round lossless; in fp32 it is a clear margin."""
+    scorer = TokenScorer(SamplingSettings())
+    logits = mx.array([[30.0, 29.8, 1.0], [30.0, 10.0, 1.0]])
+    assert scorer.near_ties(logits, [0, 1]) == 0
+    assert scorer.near_ties(logits.astype(mx.bfloat16), [0, 1]) == 1
+    assert scorer.near_ties(logits.astype(mx.float16), [0, 1]) == 0  # 11 bits: 0.03 at 30
+    assert scorer.near_ties(mx.array([[1.0, 1.0005, 0.0]]), [0]) == 1  # NEAR_TIE in fp32
