@@ -30,7 +30,9 @@ from mlxspec.proposers import (
 from mlxspec.proposers.draft_model import VocabularyMismatch
 from mlxspec.proposers.head import HeadProposer
 from mlxspec.proposers.medusa import MedusaProposer
+from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.registry import ModelEntry, ProposerConfig
+from mlxspec.suffix.store import history_store
 
 
 class ProposerError(ValueError):
@@ -44,7 +46,13 @@ def parameter_count(model: nn.Module) -> int:
 class Runtime:
     def __init__(self, entry: ModelEntry, loaded: LoadedModel, notify: Callable[[str], None]):
         self.entry, self.loaded, self.notify = entry, loaded, notify
-        self.engine = Engine(loaded.model, loaded.tokenizer, entry.name, notify=notify)
+        self.engine = Engine(
+            loaded.model,
+            loaded.tokenizer,
+            entry.name,
+            notify=notify,
+            history=history_store(entry.name),
+        )
 
     def proposer(self, name: str | None) -> str:
         """Make sure the named proposer (None: the entry's default) is built; its name."""
@@ -61,6 +69,15 @@ class Runtime:
             if config.kind == "prompt-lookup":
                 return PromptLookup(
                     config.name, options["ngram_max"], options["ngram_min"], options["k_max"]
+                )
+            if config.kind == "suffix":
+                return SuffixProposer(
+                    config.name,
+                    self.engine.history,
+                    options["k_max"],
+                    options["spec_factor"],
+                    options["min_match"],
+                    self.engine.vocab_size,
                 )
             if config.kind == "self-spec":
                 return self._self_spec(config)
