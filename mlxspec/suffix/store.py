@@ -211,7 +211,9 @@ _OPEN: dict[str, HistoryStore] = {}
 
 
 def history_store(model: str) -> HistoryStore:
-    """The one store object per model in this process (nothing is read until used)."""
-    if model not in _OPEN:
-        _OPEN[model] = HistoryStore(store_dir(model))
-    return _OPEN[model]
+    """The one store object per model and data dir in this process (nothing is read
+    until used)."""
+    directory = store_dir(model)
+    if str(directory) not in _OPEN:
+        _OPEN[str(directory)] = HistoryStore(directory)
+    return _OPEN[str(directory)]
