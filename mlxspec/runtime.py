@@ -32,7 +32,7 @@ from mlxspec.proposers.head import HeadProposer
 from mlxspec.proposers.medusa import MedusaProposer
 from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.registry import ModelEntry, ProposerConfig
-from mlxspec.suffix.store import history_store
+from mlxspec.suffix.store import HistoryStore, history_store
 
 
 class ProposerError(ValueError):
@@ -62,6 +62,15 @@ class Runtime:
         if config.name not in self.engine.proposers:
             self.engine.add_proposer(self._build(config))
         return config.name
+
+    def use_history(self, store: HistoryStore) -> None:
+        """Read and feed another history from now on (the bench gives each method its
+        own)."""
+        self.engine.history = store
+        for proposer in self.engine.proposers.values():
+            for member in getattr(proposer, "members", [proposer]):
+                if hasattr(member, "store"):
+                    member.store = store
 
     def _build(self, config: ProposerConfig) -> Proposer:
         options = config.options
