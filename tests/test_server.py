@@ -39,7 +39,7 @@ class RecordingEngine(Engine):
         self.runs: list[dict] = []
 
     def stream(self, *args, **kwargs):
-        run = {"finished": False}
+        run = {"finished": False, "settings": args[1] if len(args) > 1 else None}
         self.runs.append(run)
         yield from super().stream(*args, **kwargs)
         run["finished"] = True
@@ -170,6 +170,12 @@ def test_a_request_can_ask_for_draft_trees(client):
     assert response.choices[0].message.content == direct_answer(
         [{"role": "user", "content": ECHO}], 40
     )
+
+
+def test_a_request_can_turn_the_history_off(client, provider):
+    chat(client, ECHO, extra_body={"mlxspec": {"history": False}})
+    chat(client, ECHO)
+    assert [run["settings"].history for run in provider.engine.runs[-2:]] == [False, True]
 
 
 def test_chat_answer_is_the_engines_with_usage_and_run_record(client):
@@ -331,6 +337,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": HELLO, "mlxspec": {"proposer": "oracle"}}, 400, "invalid_proposer"),
     (CHAT, {"messages": HELLO, "mlxspec": {"k": -1}}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "mlxspec": {"draft": 4}}, 400, "invalid_value"),
+    (CHAT, {"messages": HELLO, "mlxspec": {"history": "no"}}, 400, "invalid_value"),
     (CHAT, {"messages": [{"role": "user", "content": TOO_LONG}]}, 400, "invalid_request"),
     (
         CHAT,

@@ -229,3 +229,13 @@ def test_no_history_leaves_the_store_byte_identical(tmp_path):
 def test_every_entry_offers_suffix():
     registry = load_registry()
     assert all(entry.proposer("suffix").kind == "suffix" for entry in registry.entries.values())
+
+
+def test_history_can_be_turned_off_per_model(tmp_path):
+    from mlxspec.registry import RegistryError, parse_registry_text
+
+    text = '[models.m]\ntarget = "smollm2-135m"\n[models.m.defaults]\nhistory = {}\n'
+    entries, _ = parse_registry_text(text.format("false"), tmp_path / "models.toml")
+    assert entries["m"].defaults.history is False
+    with pytest.raises(RegistryError, match="history"):
+        parse_registry_text(text.format("0"), tmp_path / "models.toml")
