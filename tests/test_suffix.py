@@ -239,3 +239,18 @@ def test_history_can_be_turned_off_per_model(tmp_path):
     assert entries["m"].defaults.history is False
     with pytest.raises(RegistryError, match="history"):
         parse_registry_text(text.format("0"), tmp_path / "models.toml")
+
+
+def test_a_long_journal_is_folded_into_the_index(tmp_path, monkeypatch):
+    """A server that keeps its index loaded still keeps the journal short (and picks up
+    what another process appended meanwhile)."""
+    import mlxspec.suffix.store as store_module
+
+    monkeypatch.setattr(store_module, "JOURNAL_BYTES", 1000)
+    store = HistoryStore(tmp_path)
+    len(store.index)
+    HistoryStore(tmp_path).add([77] * 10)  # another process's request
+    for n in range(10):
+        store.add([n] * 30)
+    assert (tmp_path / "journal.bin").stat().st_size <= 1000 + 30 * 4 + 12
+    assert 77 in store.index.tokens.tolist() and 9 in store.index.tokens.tolist()

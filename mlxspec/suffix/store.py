@@ -32,6 +32,9 @@ from mlxspec.paths import data_dir
 from mlxspec.suffix.index import PrefixIndex
 
 DEFAULT_BOUND = 64 * 2**20  # bytes of index.bin: ~8M tokens (two int32 each)
+# A journal this long is merged into the index at the next add: merging inserts each
+# token with a binary search (~50 us), so ~64k tokens cost a few seconds, now and then.
+JOURNAL_BYTES = 256 * 2**10
 MAGIC = b"MLXSFX01"
 HEADER = struct.Struct("<8sQQII")  # magic, stream length, order length, their CRC32s
 RECORD = struct.Struct("<4sII")  # magic, token count, CRC32 of the tokens
@@ -76,11 +79,11 @@ class HistoryStore:
                 journal.flush()
                 os.fsync(journal.fileno())
             journal_bytes = self._path("journal.bin").stat().st_size
-        if self._index is not None:
+        if journal_bytes > JOURNAL_BYTES:  # fold the journal in (with other processes' part)
+            self._load()
+        elif self._index is not None:
             self._index.add_document(list(tokens))
             self._index.drop_oldest(self.bound_bytes // 8)
-        elif journal_bytes > self.bound_bytes // 2:  # nobody loads it: fold it in now
-            self._load()
 
     def clear(self) -> None:
         with self._locked():
