@@ -196,7 +196,9 @@ class Engine:
         finished = None
         while finished is None:
             # 1. Draft: a line of k tokens, or a tree at most k deep.
-            ctx = ProposalContext(sequence, scorer, rng, self.target, hidden, settings.history)
+            ctx = ProposalContext(
+                sequence, scorer, rng, self.target, hidden, history=settings.history
+            )
             left = max_tokens - len(produced) - 1
             situation, k = policy.choose_among(candidates(proposer, ctx), left)
             draft_start = time.perf_counter()
