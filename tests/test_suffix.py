@@ -50,13 +50,15 @@ def brute_longest(index: PrefixIndex, context: list[int]) -> tuple[int, int]:
 def test_index_stays_sorted_and_finds_the_longest_match(seed):
     rng = random.Random(seed)
     index = PrefixIndex()
+    # Few distinct ids (long matches), spread over a real vocabulary's range.
+    alphabet = [rng.randrange(50_000) for _ in range(4)]
     for _ in range(rng.randint(1, 6)):
-        index.add_document([rng.randint(0, 3) for _ in range(rng.randint(1, 60))])
+        index.add_document([rng.choice(alphabet) for _ in range(rng.randint(1, 60))])
     keys = [index.key(int(p)) for p in index.order]
     assert keys == sorted(keys)
     rebuilt = PrefixIndex(index.tokens)  # the bulk sort agrees with insertion
     assert [rebuilt.key(int(p)) for p in rebuilt.order] == keys
-    context = [rng.randint(0, 3) for _ in range(10)]
+    context = [rng.choice(alphabet) for _ in range(10)]
     length, lo, hi = index.longest_match(context)
     assert (length, hi - lo) == brute_longest(index, context)
     index.drop_oldest(len(index.tokens) // 2)
@@ -67,6 +69,19 @@ def test_index_stays_sorted_and_finds_the_longest_match(seed):
 
 def context_for(tokens: list[int], history: bool = True) -> ProposalContext:
     return ProposalContext(tokens, None, None, None, None, history)
+
+
+def test_request_index_built_whole_or_round_by_round_agrees():
+    """The request's index is built in bulk at a new prompt, then grows each round."""
+    rng = random.Random(5)
+    phrase = [rng.randrange(49_000) for _ in range(12)]
+    tokens = [rng.randrange(49_000) for _ in range(40)] + phrase + [7, 8] + phrase
+    growing = SuffixProposer()
+    for end in range(45, len(tokens)):
+        ctx = context_for(tokens[:end], history=False)
+        found, fresh = growing.situation(ctx), SuffixProposer().situation(ctx)
+        assert (found and found.key) == (fresh and fresh.key)
+    assert found.key == "request>=8"
 
 
 def test_periodic_text_drafts_past_one_period():

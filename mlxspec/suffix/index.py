@@ -143,7 +143,9 @@ def sort_positions(tokens: np.ndarray) -> np.ndarray:
     """The order of all real tokens by backward key, by prefix doubling: ranks of keys of
     length 2k from pairs of ranks of length k (numpy sorts, ~log2(MAX_MATCH) of them)."""
     n = len(tokens)
-    rank = tokens.astype(np.int64) + 1  # SENTINEL -> 0, below every token
+    # Ranks below n (SENTINEL, the smallest id, -> 0): a pair of ranks packs into one
+    # int64 as rank * (n + 2) + rank without collisions, whatever the token ids.
+    rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64).reshape(-1)
     ended = tokens == SENTINEL  # the key of this length already reached a document start
     span = 1
     while span < MAX_MATCH:
