@@ -306,7 +306,7 @@ draft = "nobody/also-absent"
     entries, default = parse_registry_text(text, tmp_path / "models.toml")
     provider = RegistryProvider(Registry(entries, default, (tmp_path / "models.toml",)))
     assert provider.default == "here" and set(provider.models) == {"here", "absent"}
-    assert provider.models["absent"].proposers == ("draft-model", "prompt-lookup", "none")
+    assert provider.models["absent"].proposers == ("draft-model", "prompt-lookup", "suffix", "none")
     provider.check("here", None)  # the default model may download: the operator chose it
     with pytest.raises(NotDownloaded, match="nobody/surely-not-downloaded, nobody/also-absent"):
         provider.check("absent", "draft-model")
