@@ -31,6 +31,12 @@ TREE_OPTION = click.option(
     help="Verify a tree of candidate drafts per round (default: the model's `tree` setting).",
 )
 
+NO_HISTORY_OPTION = click.option(
+    "--no-history",
+    is_flag=True,
+    help="Neither read nor add to the model's history of earlier requests (suffix decoding).",
+)
+
 
 def fail_cleanly(func):
     """Turn the errors users can cause into one clear line (no traceback)."""
@@ -83,6 +89,7 @@ def main() -> None:
 @click.option(
     "--color/--no-color", default=None, help="Colour accepted drafts (default: on a TTY)."
 )
+@NO_HISTORY_OPTION
 @distributed_options
 @fail_cleanly
 def generate(
@@ -100,6 +107,7 @@ def generate(
     chat,
     as_json,
     color,
+    no_history,
 ):
     """Generate an answer to PROMPT ('-' reads stdin), streaming it to stdout.
 
@@ -139,6 +147,7 @@ def generate(
         context=defaults.context,
         tree=defaults.tree if tree is None else tree,
         tree_nodes=defaults.tree_nodes,
+        history=defaults.history and not no_history,
     )
     request = [{"role": "user", "content": prompt}] if chat else prompt
     colour = sys.stdout.isatty() if color is None else color
@@ -181,8 +190,9 @@ def generate(
     "--color/--no-color", default=None, help="--plain: colour accepted drafts (default: on a TTY)."
 )
 @TREE_OPTION
+@NO_HISTORY_OPTION
 @fail_cleanly
-def chat(model, proposer, plain, color, tree):
+def chat(model, proposer, plain, color, tree, no_history):
     """Chat with a model and watch speculation at work.
 
     Accepted drafts are coloured as they stream in; the status bar shows the proposer,
@@ -194,7 +204,11 @@ def chat(model, proposer, plain, color, tree):
       mlxspec chat --model qwen3-8b --proposer draft-model
       printf 'Name three primes\\n/quit\\n' | mlxspec chat --plain
     """
-    registry = load_registry().including(model).with_defaults(tree=tree)
+    registry = (
+        load_registry()
+        .including(model)
+        .with_defaults(tree=tree, history=False if no_history else None)
+    )
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
     warn_if_slow_blas()
@@ -261,6 +275,53 @@ def models(as_json):
         )
     facts = device.describe()
     click.echo(f"device: {facts['device']}, BLAS: {facts['blas']}, mlx {facts['mlx']}")
+
+
+@main.command()
+@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--clear", is_flag=True, help="Empty the history.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@fail_cleanly
+def history(model, clear, as_json):
+    """Show (or --clear) a model's history of earlier requests, which suffix decoding
+    drafts from: where it is, its size and how often its drafts were kept.
+
+    \b
+    Examples:
+      mlxspec history
+      mlxspec history --model qwen3-8b --clear
+    """
+    from mlxspec.suffix.store import history_store
+
+    entry = load_registry().get(model)
+    store = history_store(entry.name)
+    if clear:
+        store.clear()
+        say(f"cleared the history of {entry.name} ({store.directory})")
+        return
+    index, stats = store.index, store.stats()
+    facts = {
+        "model": entry.name,
+        "path": str(store.directory),
+        "bytes": store.size_bytes(),
+        "bound_bytes": store.bound_bytes,
+        "documents": index.documents,
+        "tokens": len(index),
+        "drafted": stats["drafted"],
+        "accepted": stats["accepted"],
+        "hit_rate": round(stats["accepted"] / stats["drafted"], 4) if stats["drafted"] else 0.0,
+    }
+    if as_json:
+        click.echo(json.dumps(facts, indent=2))
+        return
+    click.echo(f"{entry.name}: {facts['documents']} requests, {facts['tokens']:,} tokens")
+    click.echo(
+        f"  {facts['bytes'] / 2**20:.1f} of {store.bound_bytes / 2**20:.0f} MB in {facts['path']}"
+    )
+    click.echo(
+        f"  drafts from history: {facts['accepted']:,} kept of {facts['drafted']:,} "
+        f"({facts['hit_rate']:.0%})"
+    )
 
 
 @main.command()

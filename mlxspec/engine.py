@@ -39,6 +39,7 @@ from mlxspec.policy import (
 from mlxspec.proposers.base import ProposalContext, Proposer, hidden_capture
 from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
 from mlxspec.speedup import round_steps
+from mlxspec.suffix.store import HistoryStore
 from mlxspec.target import Target
 from mlxspec.text import TextStream
 from mlxspec.tree import DraftTree, best_size, chain, greedy_walk, keep_best, sample_walk
@@ -59,6 +60,7 @@ class GenerationSettings:
     context: int = 8192  # prompt + completion tokens the model may see
     tree: bool = False  # verify a tree of candidates per round instead of one line
     tree_nodes: int = 32  # most draft nodes a tree may have (its verify cost prunes it)
+    history: bool = True  # read and feed the model's history of earlier requests
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -80,12 +82,14 @@ class Engine:
         proposers: Sequence[Proposer] = (),
         verify_cost: VerifyCost | None = None,
         notify: Callable[[str], None] = lambda _: None,
+        history: HistoryStore | None = None,
     ):
         self.name, self.tokenizer = name, tokenizer
         self.target = Target(model)
         self.proposers = {p.name: p for p in proposers}
         self._verify_cost = verify_cost
         self.notify = notify  # one-line progress messages for long, rare work
+        self.history = history  # fed every finished request (prompt + output)
         self._policies: dict[tuple[str, int | None], Policy] = {}
         self.vocab_size = len(tokenizer.get_vocab())
 
@@ -212,7 +216,9 @@ class Engine:
         finished = None
         while finished is None:
             # 1. Draft: a line of k tokens, or a tree at most k deep.
-            ctx = ProposalContext(sequence, scorer, rng, self.target, hidden)
+            ctx = ProposalContext(
+                sequence, scorer, rng, self.target, hidden, history=settings.history
+            )
             left = max_tokens - len(produced) - 1
             situation, k = policy.choose_among(candidates(proposer, ctx), left)
             draft_start = time.perf_counter()
@@ -317,6 +323,10 @@ class Engine:
         record.finish_reason = finished
         record.completion_tokens = len(emitted)
         record.decode_seconds = time.perf_counter() - first_token_at
+        if hasattr(proposer, "annotate"):
+            proposer.annotate(record)
+        if settings.history and self.history is not None:
+            self.history.add([*prompt_tokens, *produced])
         yield Done(record, text.text, tuple(emitted))
 
     def _relative_verify_cost(self, policy: Policy, m: int) -> float:

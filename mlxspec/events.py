@@ -96,6 +96,11 @@ class RunRecord:
     tree_rounds: int = 0
     tree_nodes: int = 0
     tree_unavailable: str = ""
+    # Suffix decoding: draft tokens from this request's own text and from the model's
+    # history of earlier requests; the history's size in tokens (0: not read).
+    drafted_from_request: int = 0
+    drafted_from_history: int = 0
+    history_tokens: int = 0
     time_to_first_token: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # after the first round (which prefill and TTFT cover)

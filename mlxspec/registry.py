@@ -37,6 +37,7 @@ SHIPPED_FILE = _PACKAGE_COPY if _PACKAGE_COPY.is_file() else SHIPPED_ROOT / "mod
 ENV_VAR = "MLXSPEC_MODELS"
 NONE = "none"  # the reserved proposer name meaning "no speculation"
 FALLBACK = "prompt-lookup"  # needs no weights, so every entry gets one
+SUFFIX = "suffix"  # needs no weights either (drafts from the model's history): on every entry
 
 
 class RegistryError(ValueError):
@@ -59,6 +60,7 @@ class Defaults:
     context: int = 8192
     tree: bool = False  # draft trees instead of lines (where the model supports them)
     tree_nodes: int = 32
+    history: bool = True  # keep and read the model's history of requests (suffix decoding)
 
 
 @dataclass(frozen=True)
@@ -180,11 +182,16 @@ _DEFAULTS_OPTIONS = {
     "context": _int(1, None),
     "tree": _Option(bool, "true or false", None),
     "tree_nodes": _int(1, None),
+    "history": _Option(bool, "true or false", None),
 }
 _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
     kind: {**options, "k_max": _int(1, 32)}
     for kind, options in {
         "prompt-lookup": {"ngram_max": _int(1, 4), "ngram_min": _int(1, 2)},
+        "suffix": {
+            "spec_factor": _Option(float, "a number > 0", 1.0, lambda v: v > 0),
+            "min_match": _int(1, 2),
+        },
         "draft-model": {"draft": _REFERENCE, "draft_layers": _int(1, None)},
         "self-spec": {
             "layers": _int(1),
@@ -364,8 +371,9 @@ def _entry(name: str, table: Any, source: Path, base: ModelEntry | None = None) 
         (key, _proposer(key, value, where, _section(name, "proposers", key)))
         for key, value in proposer_tables.items()
     )
-    if FALLBACK not in proposers:
-        proposers[FALLBACK] = _proposer(FALLBACK, {}, where, _section(name, "proposers", FALLBACK))
+    for always in (FALLBACK, SUFFIX):
+        if always not in proposers:
+            proposers[always] = _proposer(always, {}, where, _section(name, "proposers", always))
     for proposer in proposers.values():
         if proposer.kind == "chain":
             _check_chain(proposer, proposers, where, _section(name, "proposers", proposer.name))

@@ -30,7 +30,9 @@ from mlxspec.proposers import (
 from mlxspec.proposers.draft_model import VocabularyMismatch
 from mlxspec.proposers.head import HeadProposer
 from mlxspec.proposers.medusa import MedusaProposer
+from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.registry import ModelEntry, ProposerConfig
+from mlxspec.suffix.store import HistoryStore, history_store
 
 
 class ProposerError(ValueError):
@@ -44,7 +46,13 @@ def parameter_count(model: nn.Module) -> int:
 class Runtime:
     def __init__(self, entry: ModelEntry, loaded: LoadedModel, notify: Callable[[str], None]):
         self.entry, self.loaded, self.notify = entry, loaded, notify
-        self.engine = Engine(loaded.model, loaded.tokenizer, entry.name, notify=notify)
+        self.engine = Engine(
+            loaded.model,
+            loaded.tokenizer,
+            entry.name,
+            notify=notify,
+            history=history_store(entry.name),
+        )
 
     def proposer(self, name: str | None) -> str:
         """Make sure the named proposer (None: the entry's default) is built; its name."""
@@ -55,12 +63,30 @@ class Runtime:
             self.engine.add_proposer(self._build(config))
         return config.name
 
+    def use_history(self, store: HistoryStore) -> None:
+        """Read and feed another history from now on (the bench gives each method its
+        own)."""
+        self.engine.history = store
+        for proposer in self.engine.proposers.values():
+            for member in getattr(proposer, "members", [proposer]):
+                if hasattr(member, "store"):
+                    member.store = store
+
     def _build(self, config: ProposerConfig) -> Proposer:
         options = config.options
         try:
             if config.kind == "prompt-lookup":
                 return PromptLookup(
                     config.name, options["ngram_max"], options["ngram_min"], options["k_max"]
+                )
+            if config.kind == "suffix":
+                return SuffixProposer(
+                    config.name,
+                    self.engine.history,
+                    options["k_max"],
+                    options["spec_factor"],
+                    options["min_match"],
+                    self.engine.vocab_size,
                 )
             if config.kind == "self-spec":
                 return self._self_spec(config)

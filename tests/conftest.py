@@ -18,6 +18,13 @@ def smollm2():
 # --- Fixtures of other modules go below --------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def private_data_dir(tmp_path_factory, monkeypatch):
+    """Every test writes the model history (suffix decoding) to its own data dir, never
+    the user's."""
+    monkeypatch.setenv("MLXSPEC_DATA", str(tmp_path_factory.mktemp("data")))
+
+
 # --- Reports -----------------------------------------------------------------------------------
 
 

@@ -502,3 +502,28 @@ def test_fixed_k_rows_calibrate_before_the_first_timed_row(tiny_runtime, log, mo
     row = next(r for r in build_rows(list(bench.runs())) if r["method"] == fixed.name)
     assert log == ["calibrate", "prepared"]
     assert row["estimated_speedup"] > 0
+
+
+def test_a_replay_builds_each_methods_own_history_and_never_the_users(tiny_runtime, log):
+    """The agent suite's replay: the same request twice, the second drafts from the
+    first's answer in its own method's history; nothing reaches the user's store."""
+    from mlxspec.suffix.store import store_dir
+
+    again = BenchPrompt("twice", "agent-later", "Count: one two three four five")
+    prompts = [BenchPrompt("first", "agent-first", again.text), again]
+    methods = [Method(PLAIN), Method("mlxspec", "suffix"), Method("mlxspec", "prompt-lookup")]
+    bench = Bench(tiny_runtime, prompts, methods, max_tokens=24, repeats=2, replay=True)
+    assert [(p.id, r) for p, r, _ in bench.plan[::3]] == [
+        ("first", 0),
+        ("twice", 0),
+        ("first", 1),
+        ("twice", 1),
+    ]
+    bench.prepare()
+    runs = list(bench.runs())
+    by = {(run.prompt.id, run.repeat, run.method.name): run.measurement for run in runs}
+    for repeat in (0, 1):  # a fresh history each repeat: the first request finds nothing
+        first = by[("first", repeat, "mlxspec:suffix")]
+        later = by[("twice", repeat, "mlxspec:suffix")]
+        assert later.accepted >= len(later.tokens) - 4 > first.accepted
+    assert not store_dir(tiny_runtime.entry.name).exists()

@@ -42,7 +42,7 @@ def test_shipped_file_loads_with_an_offline_default():
     assert entry.name == registry.default == "smollm2-135m"
     assert entry.target == "smollm2-135m" and entry.source == SHIPPED_FILE
     names = ["prompt-lookup", "self-spec", "draft-model", "head", "auto", "lookup-head"]
-    names += ["medusa", "lookahead", "none"]
+    names += ["medusa", "lookahead", "suffix", "none"]
     assert entry.proposer_names == names
     head = Path(entry.proposer("head").options["path"])  # the packaged head, resolved
     assert head == PACKAGE / "heads" / "smollm2-135m" and (head / "head.json").is_file()
@@ -83,7 +83,7 @@ def test_user_file_from_env_extends_overrides_and_sets_default(tmp_path, monkeyp
     replaced = registry.get("smollm2-135m")
     # Replaced whole: the shipped proposers are gone, only the implicit fallback is left.
     assert (replaced.target, replaced.source) == ("me/smol", user)
-    assert replaced.proposer_names == ["prompt-lookup", "none"]
+    assert replaced.proposer_names == ["prompt-lookup", "suffix", "none"]
     assert registry.get("qwen3-8b").source == SHIPPED_FILE
 
 
@@ -169,7 +169,7 @@ def test_proposer_lookup_default_none_and_unknown(tmp_path):
         entry.proposer("eagle")
     message = str(error.value)
     assert "unknown proposer 'eagle' for model 'foo'" in message
-    assert message.endswith("available: self-spec, prompt-lookup, none")
+    assert message.endswith("available: self-spec, prompt-lookup, suffix, none")
     assert "models.toml" not in message  # a typo on the command line is not the file's fault
 
 
@@ -302,7 +302,8 @@ BROKEN = [
         "default_proposer",
         ENTRY + 'default_proposer = "self-spec"\n',
         True,
-        "default_proposer 'self-spec' is not one of its proposers; use one of: prompt-lookup, none",
+        "default_proposer 'self-spec' is not one of its proposers; "
+        "use one of: prompt-lookup, suffix, none",
     ),
     ("no members", _proposer("auto", 'kind = "chain"'), True, "auto] is missing members"),
     (

@@ -39,7 +39,7 @@ class RecordingEngine(Engine):
         self.runs: list[dict] = []
 
     def stream(self, *args, **kwargs):
-        run = {"finished": False, "events": []}
+        run = {"finished": False, "events": [], "settings": args[1] if len(args) > 1 else None}
         self.runs.append(run)
         for event in super().stream(*args, **kwargs):
             run["events"].append(event)
@@ -178,6 +178,12 @@ def test_a_request_can_ask_for_draft_trees(client):
     )
 
 
+def test_a_request_can_turn_the_history_off(client, provider):
+    chat(client, ECHO, extra_body={"mlxspec": {"history": False}})
+    chat(client, ECHO)
+    assert [run["settings"].history for run in provider.engine.runs[-2:]] == [False, True]
+
+
 def test_chat_answer_is_the_engines_with_usage_and_run_record(client):
     response = chat(client, ECHO, max_tokens=40, extra_body={"mlxspec": {"k": 4}})
     answer = response.choices[0].message.content
@@ -314,7 +320,7 @@ draft = "nobody/also-absent"
     entries, default = parse_registry_text(text, tmp_path / "models.toml")
     provider = RegistryProvider(Registry(entries, default, (tmp_path / "models.toml",)))
     assert provider.default == "here" and set(provider.models) == {"here", "absent"}
-    assert provider.models["absent"].proposers == ("draft-model", "prompt-lookup", "none")
+    assert provider.models["absent"].proposers == ("draft-model", "prompt-lookup", "suffix", "none")
     provider.check("here", None)  # the default model may download: the operator chose it
     with pytest.raises(NotDownloaded, match="nobody/surely-not-downloaded, nobody/also-absent"):
         provider.check("absent", "draft-model")
@@ -345,6 +351,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": HELLO, "mlxspec": {"proposer": "oracle"}}, 400, "invalid_proposer"),
     (CHAT, {"messages": HELLO, "mlxspec": {"k": -1}}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "mlxspec": {"draft": 4}}, 400, "invalid_value"),
+    (CHAT, {"messages": HELLO, "mlxspec": {"history": "no"}}, 400, "invalid_value"),
     (CHAT, {"messages": [{"role": "user", "content": TOO_LONG}]}, 400, "invalid_request"),
     (
         CHAT,

@@ -38,6 +38,7 @@ def generation_settings(entry: ModelEntry, temperature: float | None = None) -> 
         context=defaults.context,
         tree=defaults.tree,
         tree_nodes=defaults.tree_nodes,
+        history=defaults.history,
     )
 
 

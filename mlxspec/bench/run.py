@@ -9,8 +9,10 @@ every method runs once (warm-up).
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlxspec.bench import BenchError
 from mlxspec.bench.lossless import Divergence, first_divergence, plain_top2_gap
@@ -24,6 +26,7 @@ from mlxspec.bench.runners import (
 from mlxspec.bench.suites import BenchPrompt
 from mlxspec.registry import NONE
 from mlxspec.runtime import Runtime
+from mlxspec.suffix.store import HistoryStore
 
 WARM_UP = [{"role": "user", "content": "Say hello, then count to five."}]
 WARM_UP_TOKENS = 8
@@ -41,8 +44,12 @@ class Run:
 
 
 def schedule(
-    prompts: list[BenchPrompt], methods: list[Method], repeats: int
+    prompts: list[BenchPrompt], methods: list[Method], repeats: int, replay: bool = False
 ) -> list[tuple[BenchPrompt, int, Method]]:
+    """Every (prompt, repeat, method); a replay goes through all prompts in order once per
+    repeat, so each repeat's history builds up as in a real session."""
+    if replay:
+        return [(p, r, m) for r in range(repeats) for p in prompts for m in methods]
     return [(p, r, m) for p in prompts for r in range(repeats) for m in methods]
 
 
@@ -54,12 +61,16 @@ class Bench:
         methods: list[Method],
         max_tokens: int,
         repeats: int,
+        replay: bool = False,
     ):
         if methods[0] != Method(PLAIN):
             raise ValueError("plain-mlx-lm must come first: every other row is checked against it")
         self.runtime, self.prompts, self.methods = runtime, prompts, methods
-        self.max_tokens, self.repeats = max_tokens, repeats
-        self.plan = schedule(prompts, methods, repeats)
+        self.max_tokens, self.repeats, self.replay = max_tokens, repeats, replay
+        self.plan = schedule(prompts, methods, repeats, replay)
+        # No run writes the user's history. A replay gives every (method, repeat) its own
+        # store, so a method never drafts from another's answers or an earlier repeat's.
+        self._histories = tempfile.TemporaryDirectory(prefix="mlxspec-bench-history-")
         self._draft = None  # mlx-lm's draft model: the very module mlxspec's proposer uses
         self._encoded: dict[str, list[int]] = {}
 
@@ -83,6 +94,7 @@ class Bench:
         self._encoded = {
             p.id: engine.encode_chat([{"role": "user", "content": p.text}]) for p in self.prompts
         }
+        self.runtime.use_history(HistoryStore(Path(self._histories.name) / "warm-up"))
         notify(f"warming up {len(self.methods)} methods")
         warm_up = engine.encode_chat(WARM_UP)
         for method in self.methods:
@@ -100,6 +112,9 @@ class Bench:
         for index, (prompt, repeat, method) in enumerate(self.plan):
             progress(index, self.total, prompt, method)
             tokens = self._encoded[prompt.id]
+            if self.replay:
+                folder = Path(self._histories.name) / f"{self.methods.index(method)}-{repeat}"
+                self.runtime.use_history(HistoryStore(folder))
             measurement = self.measure(method, tokens, self.max_tokens)
             reference.setdefault(prompt.id, measurement.tokens)  # plain runs first
             divergence = None
@@ -119,5 +134,11 @@ class Bench:
                 loaded.model, self._draft, loaded.tokenizer, prompt, max_tokens, method.k_label
             )
         return run_mlxspec(
-            self.runtime.engine, prompt, max_tokens, method.proposer, method.k, method.tree
+            self.runtime.engine,
+            prompt,
+            max_tokens,
+            method.proposer,
+            method.k,
+            method.tree,
+            self.replay,
         )

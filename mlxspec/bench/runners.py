@@ -126,10 +126,11 @@ def run_mlxspec(
     proposer: str,
     k: int | None,
     tree: bool = False,
+    history: bool = False,
 ) -> Measurement:
     cold_start(engine)
     settings = GenerationSettings(
-        max_tokens=max_tokens, k=k, context=len(prompt) + max_tokens, tree=tree
+        max_tokens=max_tokens, k=k, context=len(prompt) + max_tokens, tree=tree, history=history
     )
     clock = Clock()
     done = None

@@ -15,11 +15,12 @@ from mlxspec.bench.methods import Method, parse_methods, with_trees
 from mlxspec.bench.plot import require_matplotlib, save_plot
 from mlxspec.bench.report import document, markdown
 from mlxspec.bench.run import Bench, Progress, Run
-from mlxspec.bench.suites import BenchPrompt, load_suite, read_prompts
+from mlxspec.bench.suites import REPLAYED, BenchPrompt, load_suite, read_prompts
 from mlxspec.registry import ModelEntry
 from mlxspec.runtime import Runtime, parameter_count
 
 QUICK_REPEATS, REPEATS = 1, 3
+REPLAY_METHODS = "prompt-lookup,suffix"  # what a replayed suite compares with plain
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class BenchRequest:
     methods: list[Method]
     max_tokens: int
     repeats: int
+    replay: bool = False  # in order, each method with its own history building up
 
 
 class Interrupted(Exception):
@@ -58,11 +60,13 @@ def plan(
     else:
         source, prompts = f"suite {suite}", load_suite(suite)
     quick = prompts_file is None and suite == "quick"
+    replay = prompts_file is None and suite in REPLAYED
     # quick stays a few minutes on a laptop CPU: the headline methods, one repeat.
-    methods = with_trees(parse_methods(proposers or ("core" if quick else "all"), entry), tree)
+    default = "core" if quick else REPLAY_METHODS if replay else "all"
+    methods = with_trees(parse_methods(proposers or default, entry), tree)
     if repeats is None:
-        repeats = QUICK_REPEATS if quick else REPEATS
-    return BenchRequest(entry, source, prompts, methods, max_tokens, repeats)
+        repeats = QUICK_REPEATS if quick or replay else REPEATS
+    return BenchRequest(entry, source, prompts, methods, max_tokens, repeats, replay)
 
 
 def execute(
@@ -72,7 +76,14 @@ def execute(
     progress: Progress,
 ) -> dict[str, Any]:
     """Prepare, measure the machine, run every timed row; the result document."""
-    bench = Bench(runtime, request.prompts, request.methods, request.max_tokens, request.repeats)
+    bench = Bench(
+        runtime,
+        request.prompts,
+        request.methods,
+        request.max_tokens,
+        request.repeats,
+        request.replay,
+    )
     bench.prepare(notify)
     notify("measuring memory bandwidth")
     bandwidth = measure_bandwidth()
@@ -93,7 +104,12 @@ def execute(
             "max_tokens": request.max_tokens,
             "repeats": request.repeats,
             "sampling": "greedy",
-            "order": "for each prompt, for each repeat, every method in turn",
+            "order": (
+                "for each repeat, each prompt in order, every method in turn; each method "
+                "with its own history, empty at each repeat's start"
+                if request.replay
+                else "for each prompt, for each repeat, every method in turn; history off"
+            ),
             "decode_rate": "tokens after the first round / seconds after the first round",
         },
     )

@@ -14,7 +14,15 @@ from pathlib import Path
 
 from mlxspec.bench import BenchError
 
-SUITE_FILES = {"code": "code.jsonl", "chat": "chat.jsonl", "summarize": "summarize.jsonl"}
+SUITE_FILES = {
+    "code": "code.jsonl",
+    "chat": "chat.jsonl",
+    "summarize": "summarize.jsonl",
+    "agent": "agent.jsonl",
+}
+# Suites replayed in order, with the model's history (suffix decoding) building up from
+# one request to the next: sessions of similar requests, as an agent or editor sends.
+REPLAYED = ("agent",)
 # Two copy-heavy edits, one summary with quotes, one question over a document, one open
 # question: each kind of work once, small enough for a few minutes on a laptop CPU.
 QUICK = ("code-rename", "code-fix", "summarize-council", "qa-handbook", "chat-habits")
@@ -33,7 +41,8 @@ def load_suite(name: str) -> list[BenchPrompt]:
     """The prompts of a shipped suite."""
     if name not in SUITES:
         raise BenchError(f"unknown suite {name!r}; choose one of: {', '.join(SUITES)}")
-    files = SUITE_FILES.values() if name in ("quick", "all") else [SUITE_FILES[name]]
+    independent = [file for suite, file in SUITE_FILES.items() if suite not in REPLAYED]
+    files = independent if name in ("quick", "all") else [SUITE_FILES[name]]
     prompts = []
     for file in files:
         source = resources.files("mlxspec.bench") / "prompts" / file

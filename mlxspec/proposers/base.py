@@ -32,6 +32,7 @@ class ProposalContext:
     # token. F: the final normed state, after the captured layers the proposer asked for
     # (`hidden_capture`). None for proposers that do not need them.
     hidden: mx.array | None = None
+    history: bool = True  # may proposers read the model's history of earlier requests?
 
 
 @dataclass(frozen=True)

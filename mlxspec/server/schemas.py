@@ -36,6 +36,11 @@ class MlxspecOptions(BaseModel):
     k: int | None = Field(None, ge=0, le=256, description="Fixed draft length; omit: adaptive.")
     tree: bool | None = Field(None, description="Verify draft trees; omit: the model's setting.")
     provenance: bool = Field(False, description="Mark each streamed piece accepted/target.")
+    history: bool | None = Field(
+        None,
+        description="false: neither read nor add to the model's history of requests "
+        "(suffix decoding); omit: the model's setting.",
+    )
 
 
 class StreamOptions(BaseModel):

@@ -1,0 +1,2 @@
+"""Suffix decoding's memory: a prefix-array index over token streams and the persistent
+per-model history store it is kept in."""

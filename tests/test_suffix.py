@@ -1,0 +1,271 @@
+"""Suffix decoding: the prefix index, the history store on disk, the proposer, lossless."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from lossless import assert_lossless, plain_greedy
+from test_lossless import CPU_LIKE_COST, FAMILIES
+from tiny_models import byte_tokenizer, tiny_model
+
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.events import Done
+from mlxspec.proposers.base import ProposalContext
+from mlxspec.proposers.suffix import SuffixProposer
+from mlxspec.registry import load_registry
+from mlxspec.sampling import SamplingSettings
+from mlxspec.suffix.index import MAX_MATCH, SENTINEL, PrefixIndex
+from mlxspec.suffix.store import HistoryStore, HistoryWarning
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def brute_longest(index: PrefixIndex, context: list[int]) -> tuple[int, int]:
+    """(longest match, how many places it ends at), by trying every position."""
+    best, count = 0, 0
+    for position in range(len(index.tokens)):
+        length = 0
+        while (
+            length < min(len(context), MAX_MATCH)
+            and position - length >= 0
+            and index.tokens[position - length] == context[-1 - length]
+        ):
+            length += 1
+        if length > best:
+            best, count = length, 1
+        elif length == best and length:
+            count += 1
+    return best, count
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_index_stays_sorted_and_finds_the_longest_match(seed):
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    # Few distinct ids (long matches), spread over a real vocabulary's range.
+    alphabet = [rng.randrange(50_000) for _ in range(4)]
+    for _ in range(rng.randint(1, 6)):
+        index.add_document([rng.choice(alphabet) for _ in range(rng.randint(1, 60))])
+    keys = [index.key(int(p)) for p in index.order]
+    assert keys == sorted(keys)
+    rebuilt = PrefixIndex(index.tokens)  # the bulk sort agrees with insertion
+    assert [rebuilt.key(int(p)) for p in rebuilt.order] == keys
+    context = [rng.choice(alphabet) for _ in range(10)]
+    length, lo, hi = index.longest_match(context)
+    assert (length, hi - lo) == brute_longest(index, context)
+    index.drop_oldest(len(index.tokens) // 2)
+    assert index.tokens[0] == SENTINEL
+    keys = [index.key(int(p)) for p in index.order]
+    assert keys == sorted(keys) and len(keys) == np.count_nonzero(index.tokens != SENTINEL)
+
+
+def context_for(tokens: list[int], history: bool = True) -> ProposalContext:
+    return ProposalContext(tokens, None, None, None, None, history)
+
+
+def test_request_index_built_whole_or_round_by_round_agrees():
+    """The request's index is built in bulk at a new prompt, then grows each round."""
+    rng = random.Random(5)
+    phrase = [rng.randrange(49_000) for _ in range(12)]
+    tokens = [rng.randrange(49_000) for _ in range(40)] + phrase + [7, 8] + phrase
+    growing = SuffixProposer()
+    for end in range(45, len(tokens)):
+        ctx = context_for(tokens[:end], history=False)
+        found, fresh = growing.situation(ctx), SuffixProposer().situation(ctx)
+        assert (found and found.key) == (fresh and fresh.key)
+    assert found.key == "request>=8"
+
+
+def test_periodic_text_drafts_past_one_period():
+    """ "Beta Beta Beta": the latest match leaves one period; copying with overlap goes on."""
+    beta = [66, 101, 116, 97, 32]
+    proposer = SuffixProposer(store=None)
+    tokens = beta * 4
+    situation = proposer.situation(context_for(tokens))
+    assert situation is not None and situation.key.startswith("request")
+    assert proposer.propose(context_for(tokens), 12).tokens == (beta * 3)[:12]
+
+
+def test_history_continuation_scored_by_frequency(tmp_path):
+    """Three earlier requests went on "x", one "y": the tree keeps both, x scored 3/4."""
+    store = HistoryStore(tmp_path)
+    for follower in (7, 7, 7, 9):
+        store.add([1, 2, 3, 4, follower, 8])
+    proposer = SuffixProposer(store=store)
+    ctx = context_for([5, 2, 3, 4])
+    situation = proposer.situation(ctx)
+    assert situation.key == "history>=3"
+    tree = proposer.propose_tree(ctx, 2, 8)
+    first = {tree.tokens[i]: tree.scores[i] for i, p in enumerate(tree.parents) if p == 0}
+    assert first == {7: 0.75, 9: 0.25}
+    assert proposer.propose(ctx, 2).tokens == [7, 8]
+    assert proposer.situation(context_for([5, 2, 3, 4], history=False)) is None
+
+
+def test_store_persists_across_processes(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        from mlxspec.suffix.store import HistoryStore
+        HistoryStore({str(tmp_path)!r}).add([10, 11, 12, 13, 14])
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT)
+    index = HistoryStore(tmp_path).index
+    assert index.longest_match([99, 11, 12])[0] == 2
+    assert (tmp_path / "index.bin").exists() and not (tmp_path / "journal.bin").exists()
+
+
+def test_size_bound_drops_the_oldest(tmp_path):
+    bound = 4096
+    store = HistoryStore(tmp_path, bound_bytes=bound)
+    for n in range(40):
+        store.add([n] * 50)
+    store = HistoryStore(tmp_path, bound_bytes=bound)
+    tokens = store.index.tokens.tolist()
+    assert (tmp_path / "index.bin").stat().st_size <= bound
+    assert 39 in tokens and 0 not in tokens
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "journal"])
+def test_damaged_store_is_rebuilt_with_one_warning(tmp_path, damage):
+    HistoryStore(tmp_path).add([1, 2, 3, 4])
+    len(HistoryStore(tmp_path).index)  # writes index.bin
+    path = tmp_path / "index.bin"
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:-3])
+    elif damage == "garbage":
+        path.write_bytes(bytes(range(256)) * 4)
+    else:
+        (tmp_path / "journal.bin").write_bytes(b"SFXJ\x05\x00\x00\x00garbage")
+    with pytest.warns(HistoryWarning) as caught:
+        index = HistoryStore(tmp_path).index
+    assert len(caught) == 1
+    assert len(index) == (4 if damage == "journal" else 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(HistoryStore(tmp_path).index) == len(index)  # repaired on disk
+
+
+def test_two_writers_at_once_leave_a_valid_store(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from mlxspec.suffix.store import HistoryStore
+        base = int(sys.argv[1])
+        for n in range(60):
+            store = HistoryStore({str(tmp_path)!r})
+            store.add([base + n] * 20)
+            if n % 3 == 0:
+                len(store.index)  # a reader merging the journal while the other appends
+        """
+    )
+    writers = [
+        subprocess.Popen([sys.executable, "-c", script, str(base)], cwd=ROOT) for base in (0, 100)
+    ]
+    assert all(writer.wait(timeout=120) == 0 for writer in writers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no damage to report
+        index = HistoryStore(tmp_path).index
+    keys = [index.key(int(p)) for p in index.order]
+    assert keys == sorted(keys)
+    assert index.documents == 120  # none lost to a merge racing an append
+
+
+def history_engine(family: str, seed: int, store: HistoryStore) -> tuple:
+    tokenizer = byte_tokenizer()
+    model = tiny_model(family, seed=seed)
+    engine = Engine(model, tokenizer, family, verify_cost=CPU_LIKE_COST, history=store)
+    engine.add_proposer(SuffixProposer("suffix", store, k_max=8, vocab_size=engine.vocab_size))
+    return model, tokenizer, engine
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_suffix_is_lossless_with_helpful_and_misleading_history(family, tmp_path):
+    store = HistoryStore(tmp_path)
+    model, tokenizer, engine = history_engine(family, 0, store)
+    eos = set(tokenizer.eos_token_ids)
+    rng = random.Random(family)
+    prompts = [[rng.randrange(256) for _ in range(12)] for _ in range(2)]
+    for prompt in prompts:
+        reference = plain_greedy(model, prompt, 40, eos)
+        store.add([*prompt, *reference])  # helpful: what the model really says next
+        misleading = [(t + 1) % 256 for t in reference]
+        store.add([*prompt, *misleading])  # and twice a wrong version of it
+        store.add([*prompt, *reference[:5], *misleading[5:]])
+        for tree in (False, True):
+            for k in (None, 4):
+                settings = GenerationSettings(max_tokens=40, k=k, tree=tree)
+                done = list(engine.stream(prompt, settings, "suffix"))[-1]
+                label = f"{family} tree={tree} k={k}"
+                assert_lossless(model, prompt, reference, list(done.token_ids), label)
+                assert done.record.drafted_from_history > 0, label
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_suffix_sampling_runs_on_history(family, tmp_path):
+    """Sampling with drafts from history: every round's multi-candidate rejection keeps
+    the target's distribution (tested in test_trees); here the history path is exercised."""
+    store = HistoryStore(tmp_path)
+    model, _, engine = history_engine(family, 1, store)
+    prompt = list(range(40, 52))
+    store.add([*prompt, *range(60, 100)])
+    sampling = SamplingSettings(temperature=0.7, seed=3)
+    for tree in (False, True):
+        settings = GenerationSettings(max_tokens=30, sampling=sampling, tree=tree)
+        done = list(engine.stream(prompt, settings, "suffix"))[-1]
+        assert isinstance(done, Done) and done.record.drafted_from_history > 0
+        assert all(0 <= t < engine.vocab_size for t in done.token_ids)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_no_history_leaves_the_store_byte_identical(tmp_path):
+    store = HistoryStore(tmp_path)
+    store.add([1, 2, 3, 4, 5, 6])  # a journal not merged yet: a read would merge it
+    before = digest(tmp_path)
+    _, _, engine = history_engine("llama", 0, HistoryStore(tmp_path))
+    settings = GenerationSettings(max_tokens=10, history=False)
+    done = list(engine.stream([1, 2, 3, 4], settings, "suffix"))[-1]
+    assert digest(tmp_path) == before and done.record.history_tokens == 0
+    list(engine.stream([1, 2, 3, 4], GenerationSettings(max_tokens=10), "suffix"))
+    assert digest(tmp_path) != before  # with history on, the same run reads and writes it
+
+
+def test_every_entry_offers_suffix():
+    registry = load_registry()
+    assert all(entry.proposer("suffix").kind == "suffix" for entry in registry.entries.values())
+
+
+def test_history_can_be_turned_off_per_model(tmp_path):
+    from mlxspec.registry import RegistryError, parse_registry_text
+
+    text = '[models.m]\ntarget = "smollm2-135m"\n[models.m.defaults]\nhistory = {}\n'
+    entries, _ = parse_registry_text(text.format("false"), tmp_path / "models.toml")
+    assert entries["m"].defaults.history is False
+    with pytest.raises(RegistryError, match="history"):
+        parse_registry_text(text.format("0"), tmp_path / "models.toml")
+
+
+def test_a_long_journal_is_folded_into_the_index(tmp_path, monkeypatch):
+    """A server that keeps its index loaded still keeps the journal short (and picks up
+    what another process appended meanwhile)."""
+    import mlxspec.suffix.store as store_module
+
+    monkeypatch.setattr(store_module, "JOURNAL_BYTES", 1000)
+    store = HistoryStore(tmp_path)
+    len(store.index)
+    HistoryStore(tmp_path).add([77] * 10)  # another process's request
+    for n in range(10):
+        store.add([n] * 30)
+    assert (tmp_path / "journal.bin").stat().st_size <= 1000 + 30 * 4 + 12
+    assert 77 in store.index.tokens.tolist() and 9 in store.index.tokens.tolist()
