@@ -101,13 +101,17 @@ class Engine:
     def _policy(self, proposer: Proposer | None, fixed_k: int | None) -> Policy:
         """One policy per proposer and k setting, kept across requests: what it learned
         about acceptance and costs in this conversation carries over to the next turn."""
+        key = (proposer.name if proposer else "none", 0 if proposer is None else fixed_k)
+        if key not in self._policies:
+            self._policies[key] = self.new_policy(proposer, fixed_k)
+        return self._policies[key]
+
+    def new_policy(self, proposer: Proposer | None, fixed_k: int | None) -> Policy:
+        """A policy that has learned nothing yet (no proposer: k = 0)."""
         if proposer is None:
             fixed_k = 0
-        key = (proposer.name if proposer else "none", fixed_k)
-        if key not in self._policies:
-            cost = self.verify_cost if fixed_k is None else VerifyCost({1: 1.0, 2: 1.0}, 1.0)
-            self._policies[key] = Policy(cost, fixed_k=fixed_k)
-        return self._policies[key]
+        cost = self.verify_cost if fixed_k is None else VerifyCost({1: 1.0, 2: 1.0}, 1.0)
+        return Policy(cost, fixed_k=fixed_k)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids for a conversation, through the model's own chat template."""
@@ -123,6 +127,18 @@ class Engine:
     ) -> Iterator[Event]:
         """Generate from a raw string, token ids or chat messages; yield events."""
         settings = settings or GenerationSettings()
+        prompt_tokens, max_tokens = self.check_request(prompt, settings, proposer)
+        active = self.proposers.get(proposer) if proposer else None
+        yield from self._run(prompt_tokens, settings, active, max_tokens)
+
+    def check_request(
+        self,
+        prompt: str | list[int] | list[dict],
+        settings: GenerationSettings,
+        proposer: str | None,
+    ) -> tuple[list[int], int]:
+        """(prompt token ids, most tokens to generate), or GenerationError naming what is
+        wrong with the request."""
         if isinstance(prompt, str):
             prompt_tokens = self.tokenizer.encode(prompt)
         elif prompt and isinstance(prompt[0], dict):
@@ -142,8 +158,7 @@ class Engine:
             raise GenerationError(
                 f"unknown proposer '{proposer}'; available: none, {', '.join(self.proposers)}"
             )
-        active = self.proposers.get(proposer) if proposer else None
-        yield from self._run(prompt_tokens, settings, active, min(settings.max_tokens, room))
+        return prompt_tokens, min(settings.max_tokens, room)
 
     def new_run(
         self,

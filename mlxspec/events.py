@@ -78,6 +78,8 @@ class RunRecord:
     tree_rounds: int = 0
     tree_nodes: int = 0
     tree_unavailable: str = ""
+    # Batched serving: batch_sizes[b] = rounds this request ran in a target pass of b rows.
+    batch_sizes: list[int] = field(default_factory=list)
     time_to_first_token: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # after the first round (which prefill and TTFT cover)

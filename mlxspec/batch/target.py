@@ -18,8 +18,6 @@ import mlx.nn as nn
 from mlx_lm.generate import _extend_cache, _merge_caches
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from mlxspec.target import PREFILL_CHUNK
-
 # Left padding a batch may carry before it is cut (a copy of every layer's cache).
 COMPACT_AT = 64
 
@@ -46,7 +44,7 @@ class Prefill:
     def done(self) -> bool:
         return not self.todo
 
-    def advance(self, chunk: int = PREFILL_CHUNK) -> None:
+    def advance(self, chunk: int) -> None:
         """Feed the next chunk, so that the batch's rounds go on between chunks."""
         piece, self.todo = self.todo[:chunk], self.todo[chunk:]
         if piece:
