@@ -23,6 +23,7 @@ import mlxspec
 from mlxspec.engine import GenerationError, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.sampling import SamplingSettings
+from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError, install_error_handlers
 from mlxspec.server.providers import ModelInfo, ModelProvider, NotDownloaded
 from mlxspec.server.responses import Reply, sse
@@ -35,6 +36,7 @@ class ServerLimits:
     max_body_bytes: int = 1 << 20
     max_tokens: int = 4096  # per request; longer prompts are bounded by the model's context
     max_waiting: int = 16  # requests queued behind the running one; more get 429
+    max_batch: int = 1  # requests generating together (continuous batching when > 1)
 
 
 class BodyLimit:
@@ -86,7 +88,10 @@ def create_app(
     preload: str | None = None,
 ) -> FastAPI:
     """An app serving `provider`'s models; `preload` loads one before the first request."""
-    worker = Worker(provider, limits.max_waiting, preload)
+    if limits.max_batch > 1:
+        worker = BatchedWorker(provider, limits.max_waiting, limits.max_batch, preload)
+    else:
+        worker = Worker(provider, limits.max_waiting, preload)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -107,6 +112,7 @@ def create_app(
             "status": "ok",
             "model": worker.resident,
             "busy": worker.busy,
+            "active": worker.active,
             "waiting": worker.waiting,
         }
 

@@ -88,6 +88,11 @@ class Worker:
         self.thread = threading.Thread(target=self._serve, name="mlxspec-generation", daemon=True)
 
     @property
+    def active(self) -> int:
+        """Requests generating now."""
+        return int(self.busy)
+
+    @property
     def waiting(self) -> int:
         return self._waiting.qsize()
 
@@ -137,6 +142,9 @@ class Worker:
                 self._run(job)
                 self._running, self.busy = None, False
             job.end()
+        self._release_streams()
+
+    def _release_streams(self) -> None:
         # MLX 0.32 can abort the process at exit when a thread that ran generations
         # ends with its streams alive (seen in the chat app); release them here.
         self._model = None
