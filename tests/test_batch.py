@@ -197,3 +197,32 @@ def test_requests_the_batch_cannot_serve_are_refused_in_one_line():
     with pytest.raises(GenerationError, match="context allows"):
         scheduler.submit([1] * 20, GenerationSettings(context=10))
     assert not scheduler.busy
+
+
+class Failing(Oracle):
+    """An oracle whose proposer breaks on its fourth round."""
+
+    def propose(self, ctx, k):
+        if self.round == 3:
+            raise RuntimeError("proposer broke")
+        return super().propose(ctx, k)
+
+
+def test_a_request_that_fails_ends_alone_and_the_batch_goes_on():
+    scheduler = scheduler_for("llama", seed=8)
+    model, eos = scheduler.engine.target.model, {VOCAB - 1}
+    prompts = sample_prompts(9)[:3]
+    references = [plain_greedy(model, p, MAX_TOKENS, eos) for p in prompts]
+    settings = GenerationSettings(max_tokens=MAX_TOKENS, k=2)
+    kinds = [Oracle, Failing, Oracle]
+    ids = [
+        scheduler.submit(p, settings, kind(len(p), r))
+        for kind, p, r in zip(kinds, prompts, references)
+    ]
+    events = collect(scheduler)
+    assert list(scheduler.failed) == [ids[1]]
+    assert "proposer broke" in str(scheduler.failed[ids[1]])
+    assert not any(isinstance(e, Done) for e in events.get(ids[1], []))
+    for i in (0, 2):
+        done = events[ids[i]][-1]
+        assert_lossless(model, prompts[i], references[i], list(done.token_ids), f"row {i}")

@@ -55,6 +55,7 @@ class Slot:
     proposer: Proposer | None
     prefill: Prefill | None = None
     cancelled: bool = False
+    error: Exception | None = None  # what ended it, if its own drafting or accepting failed
     events: list[Event] = field(default_factory=list)
 
 
@@ -78,6 +79,9 @@ class Scheduler:
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
         self.active: list[Slot] = []  # in the order of the target's rows
+        # Requests that failed on their own (a proposer or detokenizer error): they left
+        # the batch, which went on; the caller reports and removes them.
+        self.failed: dict[int, Exception] = {}
         self._ids = itertools.count()
 
     @property
@@ -138,7 +142,7 @@ class Scheduler:
         out = {slot.request_id: slot.events for slot in self.active if slot.events}
         for slot in self.active:
             slot.events = []
-        self._leave([slot for slot in self.active if slot.run.finished is not None])
+        self._leave([s for s in self.active if s.run.finished is not None or s.error])
         return out
 
     def drain(self) -> Iterator[dict[int, list[Event]]]:
@@ -168,7 +172,11 @@ class Scheduler:
         return Round(situation, draft, tree, time.perf_counter() - start)
 
     def _round(self) -> None:
-        rounds = [self._draft(slot) for slot in self.active]
+        drafted = {slot.request_id: self._guarded(slot, self._draft, slot) for slot in self.active}
+        self._leave([slot for slot in self.active if slot.error])
+        if not self.active:
+            return
+        rounds = [drafted[slot.request_id] for slot in self.active]
         rows = [[slot.run.sequence[-1], *r.tree.tokens] for slot, r in zip(self.active, rounds)]
         round_start = time.perf_counter()
         logits = self.target.verify(rows)
@@ -178,17 +186,34 @@ class Scheduler:
         ]
         mx.eval(processed)
         accepted = [
-            slot.run.accept(r.tree, rows_processed, r.draft)
+            self._guarded(slot, slot.run.accept, r.tree, rows_processed, r.draft) or ([], -1)
             for slot, r, rows_processed in zip(self.active, rounds, processed)
         ]
         self.target.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
         batch = len(self.active)
         for slot, r, (path, own_token) in zip(self.active, rounds, accepted):
+            if slot.error:
+                continue
             sizes = slot.run.record.batch_sizes
             sizes.extend([0] * (batch + 1 - len(sizes)))
             sizes[batch] += 1
-            slot.events.extend(
-                slot.run.advance(r.tree, path, own_token, r.situation, r.draft_seconds, round_start)
-            )
-            if slot.run.finished is not None:
-                slot.events.append(slot.run.done())
+            self._guarded(slot, self._advance, slot, r, path, own_token, round_start)
+
+    def _advance(
+        self, slot: Slot, r: Round, path: list[int], own_token: int, round_start: float
+    ) -> None:
+        run = slot.run
+        slot.events.extend(
+            run.advance(r.tree, path, own_token, r.situation, r.draft_seconds, round_start)
+        )
+        if run.finished is not None:
+            slot.events.append(run.done())
+
+    def _guarded(self, slot: Slot, step, *args):
+        """Run one request's own step; if it fails, that request alone ends."""
+        try:
+            return step(*args)
+        except Exception as error:  # any failure of this request's own code
+            slot.error, slot.events = error, []
+            self.failed[slot.request_id] = error
+            return None

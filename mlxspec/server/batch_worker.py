@@ -19,7 +19,13 @@ from mlxspec.engine import GenerationError
 from mlxspec.events import OUTPUT_EVENTS, Done
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelProvider
-from mlxspec.server.worker import Job, Worker, _check_token_ids, _prepare_proposer
+from mlxspec.server.worker import (
+    Job,
+    Worker,
+    _check_token_ids,
+    _internal_error,
+    _prepare_proposer,
+)
 
 log = logging.getLogger("mlxspec.server")
 
@@ -48,11 +54,7 @@ class BatchedWorker(Worker):
         return len(scheduler.waiting) + len(scheduler.joining) + len(scheduler.active)
 
     def _serve(self) -> None:
-        if self.preload is not None:
-            try:
-                self._open(self.preload)
-            except ApiError as err:
-                log.error("%s", err.message)
+        self._open_preload()
         stopping = False
         while not stopping or self._rows():
             if not stopping:
@@ -137,6 +139,12 @@ class BatchedWorker(Worker):
             log.exception("batched generation failed")
             self._fail_all()
             return
+        for request_id, error in scheduler.failed.items():
+            log.error("request %d failed: %r", request_id, error)
+            if job := self._jobs.pop(request_id, None):
+                job.post(_internal_error())
+                job.end()
+        scheduler.failed.clear()
         for request_id, events in out.items():
             job = self._jobs.get(request_id)
             for event in events if job else ():
@@ -148,14 +156,8 @@ class BatchedWorker(Worker):
 
     def _fail_all(self) -> None:
         """A round failed: end every request in it with an error and start afresh."""
-        error = ApiError(
-            500,
-            "generation failed; the server log has the details",
-            code="internal_error",
-            type="server_error",
-        )
         for job in self._jobs.values():
-            job.post(error)
+            job.post(_internal_error())
             job.end()
         self._jobs.clear()
         self._scheduler = None  # its rows went with it

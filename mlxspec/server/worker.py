@@ -131,11 +131,7 @@ class Worker:
         return job
 
     def _serve(self) -> None:
-        if self.preload is not None:
-            try:
-                self._open(self.preload)
-            except ApiError as err:
-                log.error("%s", err.message)
+        self._open_preload()
         while (job := self._waiting.get()) is not None:
             if not (job.cancelled or self._stopping.is_set()):
                 self._running, self.busy = job, True
@@ -143,6 +139,13 @@ class Worker:
                 self._running, self.busy = None, False
             job.end()
         self._release_streams()
+
+    def _open_preload(self) -> None:
+        if self.preload is not None:
+            try:
+                self._open(self.preload)
+            except ApiError as err:
+                log.error("%s", err.message)
 
     def _release_streams(self) -> None:
         # MLX 0.32 can abort the process at exit when a thread that ran generations
@@ -172,14 +175,7 @@ class Worker:
             job.post(ApiError(400, str(err), code="invalid_request"))
         except Exception:
             log.exception("generation failed")
-            job.post(
-                ApiError(
-                    500,
-                    "generation failed; the server log has the details",
-                    code="internal_error",
-                    type="server_error",
-                )
-            )
+            job.post(_internal_error())
 
     def _open(self, name: str) -> OpenModel:
         if self.resident == name:
@@ -200,6 +196,15 @@ class Worker:
             ) from None
         self.resident = name
         return self._model
+
+
+def _internal_error() -> ApiError:
+    return ApiError(
+        500,
+        "generation failed; the server log has the details",
+        code="internal_error",
+        type="server_error",
+    )
 
 
 def _prepare_proposer(model: OpenModel, name: str | None) -> str:
