@@ -7,8 +7,10 @@ batch, whenever it joined or others left, and however its drafts were cut.
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from lossless import assert_lossless, plain_greedy
 from test_lossless import CPU_LIKE_COST, MAX_TOKENS, Oracle
@@ -19,7 +21,7 @@ from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import BatchTarget, Prefill
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
-from mlxspec.proposers import DraftModel, PromptLookup
+from mlxspec.proposers import Draft, DraftModel, PromptLookup, Situation
 from mlxspec.sampling import SamplingSettings
 
 BATCHED = ["llama", "qwen3"]
@@ -226,3 +228,57 @@ def test_a_request_that_fails_ends_alone_and_the_batch_goes_on():
     for i in (0, 2):
         done = events[ids[i]][-1]
         assert_lossless(model, prompts[i], references[i], list(done.token_ids), f"row {i}")
+
+
+class Fixed:
+    """Drafts the same two tokens every round (q one-hot): rejections are frequent."""
+
+    name, k_max, needs_hidden, cost_hint = "fixed", 2, False, 0.0
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def situation(self, ctx):
+        return Situation(self, "fixed")
+
+    def propose(self, ctx, k):
+        return Draft(self.tokens[:k])
+
+
+def test_sampled_rows_follow_their_own_target_distribution():
+    """First tokens of seeded sampled requests, batched 8 at a time with rows of two
+    prompts of different lengths, against each prompt's exact target law (chi-square)."""
+    scheduler = scheduler_for("llama", seed=5)
+    model = scheduler.engine.target.model
+    prompts = {"short": [40, 41, 42, 43], "long": [7, 8, 9, 10, 11, 12, 13, 14, 15]}
+    runs = 300
+    laws = {
+        name: np.array(mx.softmax(model(mx.array([p]))[0, -1] / 3.0).tolist())
+        for name, p in prompts.items()
+    }
+    drafted = {
+        name: Fixed([int(np.argmax(law)), int(np.argsort(law)[-2])]) for name, law in laws.items()
+    }
+    owner = {}
+    for seed in range(runs):
+        for name, prompt in prompts.items():
+            sampling = SamplingSettings(temperature=3.0, seed=seed)
+            settings = GenerationSettings(max_tokens=2, k=2, sampling=sampling)
+            owner[scheduler.submit(prompt, settings, drafted[name])] = name
+    first = {name: Counter() for name in prompts}
+    for out in scheduler.drain():
+        for request_id, events in out.items():
+            if isinstance(events[-1], Done):
+                assert events[-1].record.drafted == 1
+                ids = events[-1].token_ids  # empty when the first token was the EOS
+                first[owner[request_id]][ids[0] if ids else VOCAB - 1] += 1
+    for name, law in laws.items():
+        likely = [t for t in range(len(law)) if law[t] * runs >= 5]
+        observed = np.array(
+            [first[name][t] for t in likely] + [runs - sum(first[name][t] for t in likely)]
+        )
+        expected = np.array([law[t] for t in likely] + [1 - law[likely].sum()]) * runs
+        statistic = float(((observed - expected) ** 2 / expected).sum())
+        dof = len(observed) - 1
+        assert dof >= 3, f"{name}: the test model is too confident to test anything"
+        assert statistic < dof + 4.5 * np.sqrt(2 * dof), (name, statistic, dof)  # ~ alpha 1e-4
