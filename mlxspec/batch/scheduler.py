@@ -54,6 +54,7 @@ class Slot:
     run: RequestRun
     proposer: Proposer | None
     prefill: Prefill | None = None
+    admitted_at: float = 0.0  # when its prefill began (time to first token counts from submit)
     cancelled: bool = False
     error: Exception | None = None  # what ended it, if its own drafting or accepting failed
     events: list[Event] = field(default_factory=list)
@@ -127,13 +128,14 @@ class Scheduler:
         while self.waiting and len(self.joining) + len(self.active) < self.max_batch:
             slot = self.waiting.popleft()
             slot.prefill = Prefill(self.target.model, slot.run.sequence[:-1])
+            slot.admitted_at = time.perf_counter()
             self.joining.append(slot)
         for slot in list(self.joining):
             slot.prefill.advance(self.prefill_chunk)
             if slot.prefill.done:
                 self.target.join(slot.prefill)
                 slot.prefill = None
-                slot.run.record.prefill_seconds = time.perf_counter() - slot.run.start
+                slot.run.record.prefill_seconds = time.perf_counter() - slot.admitted_at
                 self.joining.remove(slot)
                 self.active.append(slot)
         if not self.active:
