@@ -49,6 +49,7 @@ def test_concurrent_clients_share_rounds_and_get_their_solo_answers(base_url):
     assert sum(map(ran_beside_others, answers)) >= 2  # the rounds really were shared
     health = httpx.get(f"{base_url}/health").json()
     assert health["active"] == 0 and health["waiting"] == 0
+    assert health["tokens_per_second"] > 0  # the answers just relayed
 
 
 def test_a_client_that_leaves_frees_its_slot_and_the_others_go_on(base_url):

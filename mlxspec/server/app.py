@@ -113,6 +113,7 @@ def create_app(
             "model": worker.resident,
             "busy": worker.busy,
             "active": worker.active,
+            "tokens_per_second": round(worker.tokens_per_second, 2),
             "waiting": worker.waiting,
         }
 

@@ -16,7 +16,7 @@ import queue
 from mlxspec.batch.scheduler import Scheduler, unbatchable_reason
 from mlxspec.batch.target import unsupported_reason
 from mlxspec.engine import GenerationError
-from mlxspec.events import OUTPUT_EVENTS, Done
+from mlxspec.events import Done
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelProvider
 from mlxspec.server.worker import (
@@ -148,8 +148,7 @@ class BatchedWorker(Worker):
         for request_id, events in out.items():
             job = self._jobs.get(request_id)
             for event in events if job else ():
-                if isinstance(event, (*OUTPUT_EVENTS, Done)):
-                    job.post(event)
+                self._relay(job, event)
                 if isinstance(event, Done):
                     del self._jobs[request_id]
                     job.end()

@@ -16,6 +16,8 @@ import gc
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -30,6 +32,7 @@ log = logging.getLogger("mlxspec.server")
 # What a client may tell to retry after when the queue is full: a guess, since the
 # wait depends on the requests ahead; clients back off further on repeated 429s.
 RETRY_AFTER_SECONDS = 2
+RATE_WINDOW = 10.0  # seconds of output /health's tokens_per_second averages over
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,24 @@ class Worker:
         self._waiting: queue.Queue[Job | None] = queue.Queue()
         self._running: Job | None = None
         self._stopping = threading.Event()
+        self._relayed: deque[tuple[float, int]] = deque()  # (when, output tokens)
         self.thread = threading.Thread(target=self._serve, name="mlxspec-generation", daemon=True)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens relayed over the last RATE_WINDOW seconds, all requests together."""
+        now = time.monotonic()
+        while self._relayed and self._relayed[0][0] < now - RATE_WINDOW:
+            self._relayed.popleft()
+        # Sum a snapshot: the worker thread appends while the event loop reads.
+        return sum(n for _, n in list(self._relayed)) / RATE_WINDOW
+
+    def _relay(self, job: Job, event: object) -> None:
+        """Hand an output event or Done to its request, counting its tokens."""
+        if isinstance(event, OUTPUT_EVENTS):
+            self._relayed.append((time.monotonic(), len(event.tokens)))
+        if isinstance(event, (*OUTPUT_EVENTS, Done)):
+            job.post(event)
 
     @property
     def active(self) -> int:
@@ -165,8 +185,7 @@ class Worker:
                 for event in events:
                     if job.cancelled:
                         break
-                    if isinstance(event, (*OUTPUT_EVENTS, Done)):
-                        job.post(event)
+                    self._relay(job, event)
             finally:
                 events.close()  # a cancelled run stops here, between two rounds
         except ApiError as err:
