@@ -21,7 +21,14 @@ from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import BatchTarget, Prefill
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
-from mlxspec.proposers import Draft, DraftModel, PromptLookup, Situation
+from mlxspec.proposers import (
+    Draft,
+    DraftModel,
+    PromptLookup,
+    SelfSpeculation,
+    Situation,
+    truncated_model,
+)
 from mlxspec.sampling import SamplingSettings
 
 BATCHED = ["llama", "qwen3"]
@@ -187,10 +194,10 @@ def test_a_seeded_sampled_request_reproduces_under_the_same_schedule():
 
 def test_requests_the_batch_cannot_serve_are_refused_in_one_line():
     scheduler = scheduler_for("llama")
-    draft = DraftModel(tiny_model("llama", seed=9), name="draft", k_max=3)
-    scheduler.engine.add_proposer(draft)
+    engine = scheduler.engine
+    engine.add_proposer(SelfSpeculation(engine.target, layers=1, name="self-spec"))
     for proposer, message in [
-        ("draft", "keeps a KV cache of its own"),
+        ("self-spec", "runs the target's own layers and cache"),
         ("nope", "unknown proposer"),
     ]:
         with pytest.raises(GenerationError, match=message) as err:
@@ -282,3 +289,28 @@ def test_sampled_rows_follow_their_own_target_distribution():
         dof = len(observed) - 1
         assert dof >= 3, f"{name}: the test model is too confident to test anything"
         assert statistic < dof + 4.5 * np.sqrt(2 * dof), (name, statistic, dof)  # ~ alpha 1e-4
+
+
+def test_draft_model_rows_draft_as_they_would_alone():
+    """Each request gets its own draft cache (weights shared): its drafts, and so its
+    accepted counts, are those of the same request run alone with the same draft."""
+    scheduler = scheduler_for("qwen3", seed=3)
+    engine, eos = scheduler.engine, {VOCAB - 1}
+    engine.add_proposer(DraftModel(truncated_model(engine.target.model, 2), "draft", k_max=4))
+    prompts = sample_prompts(10)[:4]
+    settings = GenerationSettings(max_tokens=MAX_TOKENS, k=3)
+    alone = []
+    for prompt in prompts:
+        engine.reset()
+        alone.append(list(engine.stream(prompt, settings, "draft"))[-1])
+    ids = [scheduler.submit(p, settings, "draft") for p in prompts]
+    events, compared = collect(scheduler), 0
+    for i, prompt in zip(ids, prompts):
+        done = events[i][-1]
+        reference = plain_greedy(engine.target.model, prompt, MAX_TOKENS, eos)
+        assert_lossless(engine.target.model, prompt, reference, list(done.token_ids), f"{i}")
+        if list(done.token_ids) == list(alone[i].token_ids):  # else a tolerated near tie
+            assert done.record.accepted_lengths == alone[i].record.accepted_lengths
+            compared += 1
+    assert compared >= 3
+    assert sum(d[-1].record.accepted for d in events.values()) > 0

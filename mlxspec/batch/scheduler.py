@@ -27,6 +27,7 @@ from mlxspec.batch.target import BatchTarget, Prefill
 from mlxspec.engine import Engine, GenerationError, GenerationSettings, candidates
 from mlxspec.events import Event
 from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation
+from mlxspec.proposers.self_spec import SelfSpeculation
 from mlxspec.request import RequestRun
 from mlxspec.target import PREFILL_CHUNK
 from mlxspec.tree import DraftTree, chain
@@ -35,15 +36,28 @@ from mlxspec.tree import DraftTree, chain
 def unbatchable_reason(proposer: Proposer) -> str | None:
     """Why `proposer` cannot draft for one row of a batch yet (None: it can).
 
-    Proposers with a KV cache of their own, or that read the target's hidden states,
-    would need per-row state the batch does not keep yet.
+    Proposers that read the target's hidden states or its own layers and cache would
+    need per-row target state the batch does not hand out yet.
     """
     for member in [proposer, *getattr(proposer, "members", ())]:
         if member.needs_hidden:
             return f"proposer '{member.name}' reads the target's hidden states"
-        if hasattr(member, "cache") or hasattr(member, "decoder"):
-            return f"proposer '{member.name}' keeps a KV cache of its own"
+        if isinstance(member, SelfSpeculation):
+            return f"proposer '{member.name}' runs the target's own layers and cache"
     return None
+
+
+def private_copy(proposer: Proposer) -> Proposer:
+    """`proposer` for one request alone: its own caches and indexes, weights shared."""
+    if hasattr(proposer, "members"):
+        mine = copy.copy(proposer)
+        mine.members = [private_copy(member) for member in proposer.members]
+        return mine
+    if hasattr(proposer, "model"):  # a draft model: share the weights, start a new cache
+        mine = copy.copy(proposer)
+        mine.reset()
+        return mine
+    return copy.deepcopy(proposer)
 
 
 @dataclass
@@ -107,7 +121,7 @@ class Scheduler:
         if proposer is not None and (reason := unbatchable_reason(proposer)):
             raise GenerationError(f"cannot batch this request: {reason}")
         if named is not None and proposer is not None:
-            proposer = copy.deepcopy(proposer)  # its index follows this request alone
+            proposer = private_copy(proposer)
         policy = self.engine.new_policy(proposer, settings.k)
         run = self.engine.new_run(prompt_tokens, settings, proposer, max_tokens, policy)
         slot = Slot(next(self._ids), run, proposer)
