@@ -13,7 +13,11 @@ import httpx
 import openai
 import pytest
 from test_server import CHAT, ECHO, TinyProvider, direct_answer, serving, wait_until_idle
+from test_units import CPU_LIKE_COST
+from tiny_models import byte_tokenizer, tiny_model
 
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.proposers import PromptLookup
 from mlxspec.server import ServerLimits
 
 BATCH = ServerLimits(max_batch=4, max_waiting=16)
@@ -82,3 +86,34 @@ def test_a_bad_request_gets_a_4xx_and_disturbs_nobody(base_url):
         bad = httpx.post(base_url + CHAT, json=too_long, timeout=30)
         assert good.result().choices[0].message.content == solo
     assert bad.status_code == 400 and "context" in bad.json()["error"]["message"]
+
+
+class GemmaRuntime:
+    """A model whose rotating-window cache cannot be batched yet."""
+
+    def __init__(self):
+        model = tiny_model("gemma3_text", seed=2)
+        self.engine = Engine(
+            model, byte_tokenizer(), "gemma", [PromptLookup()], verify_cost=CPU_LIKE_COST
+        )
+
+    def proposer(self, name: str | None) -> str:
+        return "prompt-lookup" if name is None else name
+
+
+class GemmaProvider(TinyProvider):
+    def open(self, name: str) -> GemmaRuntime:
+        self.opened.append(GemmaRuntime())
+        return self.opened[-1]
+
+
+def test_a_model_the_batch_cannot_hold_serves_one_request_at_a_time():
+    provider = GemmaProvider()
+    with serving(provider, limits=BATCH) as url:
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda p: ask(url, p, max_tokens=12), PROMPTS[:3]))
+    engine = provider.opened[-1].engine
+    for prompt, answer in zip(PROMPTS[:3], answers):
+        events = engine.stream([{"role": "user", "content": prompt}], GenerationSettings(12))
+        assert answer.choices[0].message.content == list(events)[-1].text
+        assert answer.model_extra["x_mlxspec"]["batch_sizes"] == []  # it ran alone

@@ -111,6 +111,11 @@ class BatchedWorker(Worker):
             job.post(ApiError(400, str(err), code="invalid_request"))
             job.end()
             return
+        except Exception:  # the thread must outlive any one request's failure
+            log.exception("cannot start a request")
+            job.post(_internal_error())
+            job.end()
+            return
         self._jobs[request_id] = job
 
     def _alone(self, job: Job) -> None:
