@@ -378,9 +378,16 @@ def pull(name):
     type=click.IntRange(min=1),
     help="Largest max_tokens a request may ask for.",
 )
+@click.option(
+    "--max-batch",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Requests that generate together, sharing each target pass (1: one at a time).",
+)
 @TREE_OPTION
 @fail_cleanly
-def serve(model, host, port, api_key, max_waiting, max_tokens_limit, tree):
+def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, tree):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
     One generation runs at a time; the others wait in line. Requests may name any
@@ -409,7 +416,7 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, tree):
     except ListenError as err:
         raise click.ClickException(str(err)) from None
     warn_if_slow_blas()
-    limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting)
+    limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting, max_batch=max_batch)
     app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")

@@ -8,27 +8,16 @@ the target's own; the target's KV cache is rolled back past the rest.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
-import numpy as np
 
 from mlxspec import device
 from mlxspec.chat_template import encode_chat
-from mlxspec.events import (
-    Accepted,
-    Bonus,
-    Corrected,
-    Done,
-    Event,
-    ProgressNote,
-    Rejected,
-    RunRecord,
-    Step,
-)
+from mlxspec.events import Done, Event, ProgressNote, RunRecord
 from mlxspec.policy import (
     Policy,
     VerifyCost,
@@ -37,14 +26,12 @@ from mlxspec.policy import (
     measure_verify_cost,
 )
 from mlxspec.proposers.base import ProposalContext, Proposer, hidden_capture
-from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
+from mlxspec.request import RequestRun
+from mlxspec.sampling import SamplingSettings
 from mlxspec.speedup import round_steps
 from mlxspec.suffix.store import HistoryStore
 from mlxspec.target import Target
-from mlxspec.text import TextStream
-from mlxspec.tree import DraftTree, best_size, chain, greedy_walk, keep_best, sample_walk
-
-EVENT_FOR_KIND = {"accepted": Accepted, "corrected": Corrected, "bonus": Bonus}
+from mlxspec.tree import DraftTree, best_size, chain, keep_best
 
 
 class GenerationError(ValueError):
@@ -129,13 +116,17 @@ class Engine:
     def _policy(self, proposer: Proposer | None, fixed_k: int | None) -> Policy:
         """One policy per proposer and k setting, kept across requests: what it learned
         about acceptance and costs in this conversation carries over to the next turn."""
+        key = (proposer.name if proposer else "none", 0 if proposer is None else fixed_k)
+        if key not in self._policies:
+            self._policies[key] = self.new_policy(proposer, fixed_k)
+        return self._policies[key]
+
+    def new_policy(self, proposer: Proposer | None, fixed_k: int | None) -> Policy:
+        """A policy that has learned nothing yet (no proposer: k = 0)."""
         if proposer is None:
             fixed_k = 0
-        key = (proposer.name if proposer else "none", fixed_k)
-        if key not in self._policies:
-            cost = self.verify_cost if fixed_k is None else VerifyCost({1: 1.0, 2: 1.0}, 1.0)
-            self._policies[key] = Policy(cost, fixed_k=fixed_k)
-        return self._policies[key]
+        cost = self.verify_cost if fixed_k is None else VerifyCost({1: 1.0, 2: 1.0}, 1.0)
+        return Policy(cost, fixed_k=fixed_k)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids for a conversation, through the model's own chat template."""
@@ -151,6 +142,18 @@ class Engine:
     ) -> Iterator[Event]:
         """Generate from a raw string, token ids or chat messages; yield events."""
         settings = settings or GenerationSettings()
+        prompt_tokens, max_tokens = self.check_request(prompt, settings, proposer)
+        active = self.proposers.get(proposer) if proposer else None
+        yield from self._run(prompt_tokens, settings, active, max_tokens)
+
+    def check_request(
+        self,
+        prompt: str | list[int] | list[dict],
+        settings: GenerationSettings,
+        proposer: str | None,
+    ) -> tuple[list[int], int]:
+        """(prompt token ids, most tokens to generate), or GenerationError naming what is
+        wrong with the request."""
         if isinstance(prompt, str):
             prompt_tokens = self.tokenizer.encode(prompt)
         elif prompt and isinstance(prompt[0], dict):
@@ -170,8 +173,46 @@ class Engine:
             raise GenerationError(
                 f"unknown proposer '{proposer}'; available: none, {', '.join(self.proposers)}"
             )
-        active = self.proposers.get(proposer) if proposer else None
-        yield from self._run(prompt_tokens, settings, active, min(settings.max_tokens, room))
+        return prompt_tokens, min(settings.max_tokens, room)
+
+    def new_run(
+        self,
+        prompt_tokens: list[int],
+        settings: GenerationSettings,
+        proposer: Proposer | None,
+        max_tokens: int,
+        policy: Policy,
+    ) -> RequestRun:
+        """A request's decoding state, its run record started."""
+        record = RunRecord(
+            model=self.name,
+            proposer=proposer.name if proposer else "none",
+            speculative=proposer is not None,
+            sampling={},
+            prompt_tokens=len(prompt_tokens),
+            k_policy=policy.label if proposer else "off",
+            cache_strategy=self.target.strategy,
+            device=device.describe(),
+        )
+        return RequestRun(
+            self.tokenizer,
+            record,
+            prompt_tokens,
+            settings.sampling,
+            settings.stop,
+            max_tokens,
+            policy,
+            proposer,
+            history=settings.history,
+        )
+
+    def finish(self, run: RequestRun) -> Done:
+        """End a request: its Done event, and its prompt and output fed to the model's
+        history (suffix decoding) unless history is off for it."""
+        done = run.done()
+        if run.history and self.history is not None:
+            self.history.add(run.transcript)
+        return done
 
     def _run(
         self,
@@ -180,23 +221,9 @@ class Engine:
         proposer: Proposer | None,
         max_tokens: int,
     ) -> Iterator[Event]:
-        sampling = settings.sampling
-        seed = sampling.seed if sampling.seed is not None else random.randrange(2**31)
-        rng = np.random.default_rng(seed)
-        scorer = TokenScorer(sampling)
         policy = self._policy(proposer, settings.k)
-        record = RunRecord(
-            model=self.name,
-            proposer=proposer.name if proposer else "none",
-            speculative=proposer is not None,
-            sampling={**sampling.to_dict(), "seed": seed},
-            prompt_tokens=len(prompt_tokens),
-            k_policy=policy.label if proposer else "off",
-            cache_strategy=self.target.strategy,
-            device=device.describe(),
-        )
-        eos = set(self.tokenizer.eos_token_ids)
-        text = TextStream(self.tokenizer, settings.stop)
+        run = self.new_run(prompt_tokens, settings, proposer, max_tokens, policy)
+        record, scorer, rng = run.record, run.scorer, run.rng
         capture = hidden_capture(proposer)
         needs_hidden = capture is not None
         can_tree = not self.target.tree_unsupported
@@ -205,22 +232,14 @@ class Engine:
             record.tree_unavailable = self.target.tree_unsupported
         record.tree = use_tree
 
-        start = time.perf_counter()
         record.reused_prompt_tokens, hidden = self.target.prepare(prompt_tokens, capture=capture)
-        record.prefill_seconds = time.perf_counter() - start
+        record.prefill_seconds = time.perf_counter() - run.start
 
-        sequence = list(prompt_tokens)  # ends with the pending token
-        produced: list[int] = []  # generated, EOS excluded
-        emitted: list[int] = []  # released as output: produced, cut at a stop string
-        first_token_at = None
-        finished = None
-        while finished is None:
+        sequence = run.sequence  # ends with the pending token
+        while run.finished is None:
             # 1. Draft: a line of k tokens, or a tree at most k deep.
-            ctx = ProposalContext(
-                sequence, scorer, rng, self.target, hidden, history=settings.history
-            )
-            left = max_tokens - len(produced) - 1
-            situation, k = policy.choose_among(candidates(proposer, ctx), left)
+            ctx = ProposalContext(sequence, scorer, rng, self.target, hidden, history=run.history)
+            situation, k = policy.choose_among(candidates(proposer, ctx), run.left)
             draft_start = time.perf_counter()
             if k and (use_tree or (can_tree and getattr(situation.source, "always_tree", False))):
                 tree = self._draft_tree(situation.source, ctx, k, settings.tree_nodes, policy)
@@ -245,89 +264,32 @@ class Engine:
             policy.observe_verify(len(tree) + 1, verify_seconds)
 
             # 3. Accept: a path of the tree (for a line, a prefix of it).
-            choices = scorer.greedy_tokens(processed) if sampling.greedy else None
+            choices = scorer.greedy_tokens(processed) if run.sampling.greedy else None
             if tree.tokens and hasattr(situation.source, "verified"):
                 situation.source.verified(tree, choices or scorer.greedy_tokens(processed))
-            if sampling.greedy:
-                path, own_token = greedy_walk(tree, choices)
-                if proposer is not None:  # plain rounds round exactly like plain decoding
-                    record.near_ties += scorer.near_ties(processed, [0, *path])
-            elif draft is not None and draft.probs is not None:  # a drafter's own q
-                target_probs = np.asarray(scorer.probabilities(processed))
-                draft_probs = _match_width(draft.probs, target_probs.shape[-1])
-                n, own_token = rejection_sample(tree.tokens, draft_probs, target_probs, rng)
-                path = list(range(1, n + 1))
-            else:  # candidates without q: multi-candidate rejection, exact for any tree
-                path, own_token = sample_walk(
-                    tree, np.asarray(scorer.probabilities(processed)), rng
-                )
-            n_accepted = len(path)
-            draft_tokens = tree.tokens
+            path, own_token = run.accept(tree, processed, draft, choices)
 
             # 4. Roll back what was refused, then emit.
             if tree.is_chain:
-                self.target.keep([pending, *tree.tokens], 1 + n_accepted)
+                self.target.keep([pending, *tree.tokens], 1 + len(path))
             else:
                 self.target.keep_nodes(pending, tree, path)
             if needs_hidden:  # rows of the tokens the cache just kept
                 hidden = hidden_rows[mx.array([0, *path])]
-            depth = max(tree.depths)
-            if draft_tokens:
-                record.count_round(depth, n_accepted)
-                policy.update(situation, depth, n_accepted, draft_seconds)
-            new_tokens = [*tree.path_tokens(path[-1] if path else 0), own_token]
-            kinds = ["accepted"] * n_accepted + [
-                "bonus" if not tree.children()[path[-1] if path else 0] else "corrected"
-            ]
-            produced_before = len(produced)
-            for token, kind in zip(new_tokens, kinds):
-                if token in eos:
-                    finished = "stop"
-                    break
-                produced.append(token)
-                text.add(kind, token)
-                if len(produced) >= max_tokens:
-                    finished = "length"
-                    break
-            sequence.extend(new_tokens)
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-                record.time_to_first_token = first_token_at - start
-                record.first_round_tokens = len(produced)
-
-            rejected = tuple(_refused_line(tree, path))
-            if rejected:
-                yield Rejected(rejected, self.tokenizer.decode(list(rejected)))
-            if finished is not None:
-                text.finish()
-            pieces = text.release(final=finished is not None)
-            emitted.extend(piece.token for piece in pieces if piece.token >= 0)
-            yield from _events(pieces)
-            if text.stopped:
-                finished = "stop"
-            round_seconds = time.perf_counter() - round_start + draft_seconds
-            plain_steps = round_steps(
-                round_seconds, verify_seconds, self._relative_verify_cost(policy, len(tree) + 1)
-            )
-            record.speedup_estimate.add_round(len(produced) - produced_before, plain_steps)
-            yield Step(
-                situation.source.name if draft_tokens else "none",
-                len(draft_tokens),
-                n_accepted,
-                round_seconds,
-                plain_steps,
+            cost = self._relative_verify_cost(policy, len(tree) + 1)
+            yield from run.advance(
+                tree,
+                path,
+                own_token,
+                situation,
+                draft_seconds,
+                round_start,
+                price=partial(round_steps, verify_seconds=verify_seconds, verify_cost=cost),
             )
 
         if needs_hidden:  # the last round's hidden states, for the next request to build on
             proposer.observe(ProposalContext(sequence, scorer, rng, self.target, hidden))
-        record.finish_reason = finished
-        record.completion_tokens = len(emitted)
-        record.decode_seconds = time.perf_counter() - first_token_at
-        if hasattr(proposer, "annotate"):
-            proposer.annotate(record)
-        if settings.history and self.history is not None:
-            self.history.add([*prompt_tokens, *produced])
-        yield Done(record, text.text, tuple(emitted))
+        yield self.finish(run)
 
     def _relative_verify_cost(self, policy: Policy, m: int) -> float:
         """c(m): a verify of m tokens relative to a one-token step, as the adaptive policy
@@ -352,17 +314,6 @@ class Engine:
         return keep_best(tree, best_size(tree, cost))
 
 
-def _refused_line(tree: DraftTree, path: list[int]) -> list[int]:
-    """The drafts the target refused, for display: below the last accepted node, the
-    line the drafter rated best (its best-scored child at every step; without scores, the
-    first)."""
-    kids, node, line = tree.children(), path[-1] if path else 0, []
-    while kids[node]:
-        node = max(kids[node], key=lambda c: tree.scores[c - 1] if tree.scores else -c)
-        line.append(tree.tokens[node - 1])
-    return line
-
-
 def candidates(proposer: Proposer | None, ctx: ProposalContext) -> list:
     """The situations this round could draft in: a chain offers each member's, and the
     policy picks the one with the best expected speed."""
@@ -372,31 +323,3 @@ def candidates(proposer: Proposer | None, ctx: ProposalContext) -> list:
         return proposer.situations(ctx)
     found = proposer.situation(ctx)
     return [found] if found is not None else []
-
-
-def _match_width(probs: mx.array | None, width: int) -> np.ndarray | None:
-    """Draft and target LM heads may be padded to different widths (e.g. Gemma 3 1B vs
-    12B); the extra ids are never real tokens, so zero-pad or cut the draft rows."""
-    if probs is None:
-        return None
-    rows = np.asarray(probs)
-    if rows.shape[-1] < width:
-        return np.pad(rows, ((0, 0), (0, width - rows.shape[-1])))
-    return rows[:, :width]
-
-
-def _events(pieces) -> Iterator[Event]:
-    """Group consecutive pieces of one kind into one event."""
-    group: list = []
-    for piece in pieces:
-        if group and group[-1].kind != piece.kind:
-            yield _event(group)
-            group = []
-        group.append(piece)
-    if group:
-        yield _event(group)
-
-
-def _event(group) -> Event:
-    tokens = tuple(p.token for p in group if p.token >= 0)
-    return EVENT_FOR_KIND[group[0].kind](tokens, "".join(p.text for p in group))

@@ -101,6 +101,8 @@ class RunRecord:
     drafted_from_request: int = 0
     drafted_from_history: int = 0
     history_tokens: int = 0
+    # Batched serving: batch_sizes[b] = rounds this request ran in a target pass of b rows.
+    batch_sizes: list[int] = field(default_factory=list)
     time_to_first_token: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # after the first round (which prefill and TTFT cover)

@@ -26,7 +26,7 @@ from test_sampling import Flattened, broken_rule, significant, two_sample_chi_sq
 from test_trees import resample_from_p
 from tiny_models import byte_tokenizer, tiny_model
 
-import mlxspec.engine
+import mlxspec.request
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Bonus, Rejected, TokenEvent
 from mlxspec.policy import VerifyCost
@@ -336,7 +336,7 @@ def bonus_from_the_last_draft_row(draft_tokens, draft_probs, target_probs, rng):
     ids=["line-resamples-from-p", "line-bonus-from-the-wrong-row", "tree", "one-hot-line"],
 )
 def test_the_end_to_end_check_catches_a_wrong_acceptance_rule(monkeypatch, name, broken, drafting):
-    monkeypatch.setattr(mlxspec.engine, name, broken)
+    monkeypatch.setattr(mlxspec.request, name, broken)
     assert departures_from_the_target(engine_runs("temperature", drafting))
 
 

@@ -24,6 +24,7 @@ import mlxspec
 from mlxspec.engine import GenerationError, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.sampling import SamplingSettings
+from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError, install_error_handlers
 from mlxspec.server.providers import ModelInfo, ModelProvider, NotDownloaded
 from mlxspec.server.responses import Reply, sse
@@ -36,6 +37,7 @@ class ServerLimits:
     max_body_bytes: int = 1 << 20
     max_tokens: int = 4096  # per request; longer prompts are bounded by the model's context
     max_waiting: int = 16  # requests queued behind the running one; more get 429
+    max_batch: int = 1  # requests generating together (continuous batching when > 1)
 
 
 class BodyLimit:
@@ -87,7 +89,10 @@ def create_app(
     preload: str | None = None,
 ) -> FastAPI:
     """An app serving `provider`'s models; `preload` loads one before the first request."""
-    worker = Worker(provider, limits.max_waiting, preload)
+    if limits.max_batch > 1:
+        worker = BatchedWorker(provider, limits.max_waiting, limits.max_batch, preload)
+    else:
+        worker = Worker(provider, limits.max_waiting, preload)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,6 +113,8 @@ def create_app(
             "status": "ok",
             "model": worker.resident,
             "busy": worker.busy,
+            "active": worker.active,
+            "tokens_per_second": round(worker.tokens_per_second, 2),
             "waiting": worker.waiting,
         }
 

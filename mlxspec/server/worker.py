@@ -16,6 +16,8 @@ import gc
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -30,6 +32,7 @@ log = logging.getLogger("mlxspec.server")
 # What a client may tell to retry after when the queue is full: a guess, since the
 # wait depends on the requests ahead; clients back off further on repeated 429s.
 RETRY_AFTER_SECONDS = 2
+RATE_WINDOW = 10.0  # seconds of output /health's tokens_per_second averages over
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,29 @@ class Worker:
         self._waiting: queue.Queue[Job | None] = queue.Queue()
         self._running: Job | None = None
         self._stopping = threading.Event()
+        self._relayed: deque[tuple[float, int]] = deque()  # (when, output tokens)
         self.thread = threading.Thread(target=self._serve, name="mlxspec-generation", daemon=True)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens relayed over the last RATE_WINDOW seconds, all requests together."""
+        now = time.monotonic()
+        while self._relayed and self._relayed[0][0] < now - RATE_WINDOW:
+            self._relayed.popleft()
+        # Sum a snapshot: the worker thread appends while the event loop reads.
+        return sum(n for _, n in list(self._relayed)) / RATE_WINDOW
+
+    def _relay(self, job: Job, event: object) -> None:
+        """Hand an output event or Done to its request, counting its tokens."""
+        if isinstance(event, OUTPUT_EVENTS):
+            self._relayed.append((time.monotonic(), len(event.tokens)))
+        if isinstance(event, (*OUTPUT_EVENTS, Done)):
+            job.post(event)
+
+    @property
+    def active(self) -> int:
+        """Requests generating now."""
+        return int(self.busy)
 
     @property
     def waiting(self) -> int:
@@ -126,17 +151,23 @@ class Worker:
         return job
 
     def _serve(self) -> None:
-        if self.preload is not None:
-            try:
-                self._open(self.preload)
-            except ApiError as err:
-                log.error("%s", err.message)
+        self._open_preload()
         while (job := self._waiting.get()) is not None:
             if not (job.cancelled or self._stopping.is_set()):
                 self._running, self.busy = job, True
                 self._run(job)
                 self._running, self.busy = None, False
             job.end()
+        self._release_streams()
+
+    def _open_preload(self) -> None:
+        if self.preload is not None:
+            try:
+                self._open(self.preload)
+            except ApiError as err:
+                log.error("%s", err.message)
+
+    def _release_streams(self) -> None:
         # MLX 0.32 can abort the process at exit when a thread that ran generations
         # ends with its streams alive (seen in the chat app); release them here.
         self._model = None
@@ -154,8 +185,7 @@ class Worker:
                 for event in events:
                     if job.cancelled:
                         break
-                    if isinstance(event, (*OUTPUT_EVENTS, Done)):
-                        job.post(event)
+                    self._relay(job, event)
             finally:
                 events.close()  # a cancelled run stops here, between two rounds
         except ApiError as err:
@@ -164,14 +194,7 @@ class Worker:
             job.post(ApiError(400, str(err), code="invalid_request"))
         except Exception:
             log.exception("generation failed")
-            job.post(
-                ApiError(
-                    500,
-                    "generation failed; the server log has the details",
-                    code="internal_error",
-                    type="server_error",
-                )
-            )
+            job.post(_internal_error())
 
     def _open(self, name: str) -> OpenModel:
         if self.resident == name:
@@ -192,6 +215,15 @@ class Worker:
             ) from None
         self.resident = name
         return self._model
+
+
+def _internal_error() -> ApiError:
+    return ApiError(
+        500,
+        "generation failed; the server log has the details",
+        code="internal_error",
+        type="server_error",
+    )
 
 
 def _prepare_proposer(model: OpenModel, name: str | None) -> str:

@@ -1,0 +1,1 @@
+"""Continuous batching: several requests share one target forward per round."""

@@ -1,0 +1,235 @@
+"""Continuous batching with speculation inside it: many requests, one target pass a round.
+
+Each request keeps its own state (`RequestRun`: tokens, policy, scorer and rng, text
+stream, run record) and its own proposer. A round: every active request drafts (ragged
+lengths, k = 0 allowed), ONE batched verify runs over all rows, then each request
+accepts exactly as the single-sequence loop does (`RequestRun.accept`/`advance`), its
+row is trimmed to what it kept, and its events go to it alone.
+
+Continuous: `submit` queues a request; between rounds a queued request starts its
+prefill in a cache of its own, one chunk per round (so a long prompt never stalls the
+others for more than a chunk), and joins the batch when done. A finished or cancelled
+request leaves at the next round boundary and frees its slot.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from mlxspec.batch.target import BatchTarget, Prefill
+from mlxspec.engine import Engine, GenerationError, GenerationSettings, candidates
+from mlxspec.events import Event
+from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation
+from mlxspec.proposers.self_spec import SelfSpeculation
+from mlxspec.request import RequestRun
+from mlxspec.target import PREFILL_CHUNK
+from mlxspec.tree import DraftTree, chain
+
+
+def unbatchable_reason(proposer: Proposer) -> str | None:
+    """Why `proposer` cannot draft for one row of a batch yet (None: it can).
+
+    Proposers that read the target's hidden states or its own layers and cache would
+    need per-row target state the batch does not hand out yet.
+    """
+    for member in [proposer, *getattr(proposer, "members", ())]:
+        if member.needs_hidden:
+            return f"proposer '{member.name}' reads the target's hidden states"
+        if isinstance(member, SelfSpeculation):
+            return f"proposer '{member.name}' runs the target's own layers and cache"
+    return None
+
+
+def private_copy(proposer: Proposer) -> Proposer:
+    """`proposer` for one request alone: its own caches and indexes, weights shared."""
+    if hasattr(proposer, "members"):
+        mine = copy.copy(proposer)
+        mine.members = [private_copy(member) for member in proposer.members]
+        return mine
+    if hasattr(proposer, "reset"):  # e.g. a draft model's cache, suffix's request index:
+        mine = copy.copy(proposer)  # share weights and the history store, start afresh
+        mine.reset()
+        return mine
+    return copy.deepcopy(proposer)
+
+
+@dataclass
+class Slot:
+    """One request in the scheduler: queued, prefilling, or a row of the batch."""
+
+    request_id: int
+    run: RequestRun
+    proposer: Proposer | None
+    prefill: Prefill | None = None
+    admitted_at: float = 0.0  # when its prefill began (time to first token counts from submit)
+    cancelled: bool = False
+    error: Exception | None = None  # what ended it, if its own drafting or accepting failed
+    events: list[Event] = field(default_factory=list)
+
+
+@dataclass
+class Round:
+    """What one active request drafted this round."""
+
+    situation: Situation | None
+    draft: Draft | None
+    tree: DraftTree
+    draft_seconds: float
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_batch: int = 8):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.engine, self.max_batch = engine, max_batch
+        self.prefill_chunk = PREFILL_CHUNK  # prompt tokens a joining request feeds per round
+        self.target = BatchTarget(engine.target.model)
+        self.waiting: deque[Slot] = deque()
+        self.joining: list[Slot] = []
+        self.active: list[Slot] = []  # in the order of the target's rows
+        # Requests that failed on their own (a proposer or detokenizer error): they left
+        # the batch, which went on; the caller reports and removes them.
+        self.failed: dict[int, Exception] = {}
+        self._ids = itertools.count()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.joining or self.active)
+
+    def submit(
+        self,
+        prompt: str | list[int] | list[dict],
+        settings: GenerationSettings | None = None,
+        proposer: str | Proposer | None = None,
+    ) -> int:
+        """Queue a request; returns its id. A named proposer is copied for this request
+        alone; a Proposer object is used as is (it must not serve another request)."""
+        settings = settings or GenerationSettings()
+        if settings.tree:
+            raise GenerationError("draft trees are not supported in batched mode yet")
+        named = proposer if isinstance(proposer, str) else None
+        prompt_tokens, max_tokens = self.engine.check_request(prompt, settings, named)
+        if named is not None:
+            proposer = self.engine.proposers.get(named)  # None for "none"
+        if proposer is not None and (reason := unbatchable_reason(proposer)):
+            raise GenerationError(f"cannot batch this request: {reason}")
+        if named is not None and proposer is not None:
+            proposer = private_copy(proposer)
+        policy = self.engine.new_policy(proposer, settings.k)
+        run = self.engine.new_run(prompt_tokens, settings, proposer, max_tokens, policy)
+        slot = Slot(next(self._ids), run, proposer)
+        self.waiting.append(slot)
+        return slot.request_id
+
+    def cancel(self, request_id: int) -> None:
+        """The request leaves at the next round boundary, with no further events."""
+        for slot in [*self.waiting, *self.joining, *self.active]:
+            if slot.request_id == request_id:
+                slot.cancelled = True
+
+    def step(self) -> dict[int, list[Event]]:
+        """One round: admit and prefill (one chunk each), draft, verify all rows at once,
+        accept per row. Returns each request's events of this round (a request's last
+        list ends with its Done)."""
+        self._drop_cancelled()
+        while self.waiting and len(self.joining) + len(self.active) < self.max_batch:
+            slot = self.waiting.popleft()
+            slot.prefill = Prefill(self.target.model, slot.run.sequence[:-1])
+            slot.admitted_at = time.perf_counter()
+            self.joining.append(slot)
+        for slot in list(self.joining):
+            slot.prefill.advance(self.prefill_chunk)
+            if slot.prefill.done:
+                self.target.join(slot.prefill)
+                slot.prefill = None
+                slot.run.record.prefill_seconds = time.perf_counter() - slot.admitted_at
+                self.joining.remove(slot)
+                self.active.append(slot)
+        if not self.active:
+            return {}
+        self._round()
+        out = {slot.request_id: slot.events for slot in self.active if slot.events}
+        for slot in self.active:
+            slot.events = []
+        self._leave([s for s in self.active if s.run.finished is not None or s.error])
+        return out
+
+    def drain(self) -> Iterator[dict[int, list[Event]]]:
+        """Rounds until every submitted request is done (for scripts and tests)."""
+        while self.busy:
+            yield self.step()
+
+    def _drop_cancelled(self) -> None:
+        self.waiting = deque(s for s in self.waiting if not s.cancelled)
+        self.joining = [s for s in self.joining if not s.cancelled]
+        self._leave([s for s in self.active if s.cancelled])
+
+    def _leave(self, leaving: list[Slot]) -> None:
+        if not leaving:
+            return
+        keep = [i for i, slot in enumerate(self.active) if slot not in leaving]
+        self.target.leave(keep)
+        self.active = [self.active[i] for i in keep]
+
+    def _draft(self, slot: Slot) -> Round:
+        run = slot.run
+        ctx = ProposalContext(run.sequence, run.scorer, run.rng, self.target, history=run.history)
+        situation, k = run.policy.choose_among(candidates(slot.proposer, ctx), run.left)
+        start = time.perf_counter()
+        draft = situation.source.propose(ctx, k) if k else None
+        tree = chain(draft.tokens[:k] if draft else [])
+        return Round(situation, draft, tree, time.perf_counter() - start)
+
+    def _round(self) -> None:
+        drafted = {slot.request_id: self._guarded(slot, self._draft, slot) for slot in self.active}
+        self._leave([slot for slot in self.active if slot.error])
+        if not self.active:
+            return
+        rounds = [drafted[slot.request_id] for slot in self.active]
+        rows = [[slot.run.sequence[-1], *r.tree.tokens] for slot, r in zip(self.active, rounds)]
+        round_start = time.perf_counter()
+        logits = self.target.verify(rows)
+        processed = [
+            slot.run.scorer.process_tree(logits[i, : len(row)], slot.run.sequence, r.tree)
+            for i, (slot, r, row) in enumerate(zip(self.active, rounds, rows))
+        ]
+        mx.eval(processed)
+        accepted = [
+            self._guarded(slot, slot.run.accept, r.tree, rows_processed, r.draft) or ([], -1)
+            for slot, r, rows_processed in zip(self.active, rounds, processed)
+        ]
+        self.target.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
+        batch = len(self.active)
+        for slot, r, (path, own_token) in zip(self.active, rounds, accepted):
+            if slot.error:
+                continue
+            sizes = slot.run.record.batch_sizes
+            sizes.extend([0] * (batch + 1 - len(sizes)))
+            sizes[batch] += 1
+            self._guarded(slot, self._advance, slot, r, path, own_token, round_start)
+
+    def _advance(
+        self, slot: Slot, r: Round, path: list[int], own_token: int, round_start: float
+    ) -> None:
+        run = slot.run
+        slot.events.extend(
+            run.advance(r.tree, path, own_token, r.situation, r.draft_seconds, round_start)
+        )
+        if run.finished is not None:
+            slot.events.append(self.engine.finish(run))
+
+    def _guarded(self, slot: Slot, step, *args):
+        """Run one request's own step; if it fails, that request alone ends."""
+        try:
+            return step(*args)
+        except Exception as error:  # any failure of this request's own code
+            slot.error, slot.events = error, []
+            self.failed[slot.request_id] = error
+            return None

@@ -1,0 +1,201 @@
+"""One request's decoding state and the per-round steps every loop shares.
+
+The single-sequence loop (`Engine._run`) and the batched scheduler both keep one
+`RequestRun` per request: its tokens, sampling rng and scorer, policy, text stream and
+run record. Each round they hand it the verified logits; it decides what to keep
+(greedy walk or rejection sampling) and turns the result into events, so both loops
+accept and emit identically.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
+from mlxspec.policy import Policy
+from mlxspec.proposers.base import Draft, Proposer, Situation
+from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
+from mlxspec.text import TextStream
+from mlxspec.tree import DraftTree, greedy_walk, sample_walk
+
+EVENT_FOR_KIND = {"accepted": Accepted, "corrected": Corrected, "bonus": Bonus}
+
+
+class RequestRun:
+    def __init__(
+        self,
+        tokenizer,
+        record: RunRecord,
+        prompt_tokens: list[int],
+        sampling: SamplingSettings,
+        stop: Sequence[str],
+        max_tokens: int,
+        policy: Policy,
+        proposer: Proposer | None,
+        history: bool = True,
+    ):
+        self.tokenizer, self.record = tokenizer, record
+        self.history = history  # may proposers read, and the engine feed, the model's history?
+        self.prompt_tokens = list(prompt_tokens)
+        self.policy, self.proposer = policy, proposer
+        self.sampling, self.max_tokens = sampling, max_tokens
+        seed = sampling.seed if sampling.seed is not None else random.randrange(2**31)
+        record.sampling = {**sampling.to_dict(), "seed": seed}
+        self.rng = np.random.default_rng(seed)
+        self.scorer = TokenScorer(sampling)
+        self.eos = set(tokenizer.eos_token_ids)
+        self.text = TextStream(tokenizer, stop)
+        self.sequence = list(prompt_tokens)  # ends with the pending token
+        self.produced: list[int] = []  # generated, EOS excluded
+        self.emitted: list[int] = []  # released as output: produced, cut at a stop string
+        self.start = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished: str | None = None
+
+    @property
+    def transcript(self) -> list[int]:
+        """The prompt and what was generated (EOS excluded): what history keeps."""
+        return [*self.prompt_tokens, *self.produced]
+
+    @property
+    def left(self) -> int:
+        """Most drafts worth proposing: one token of every round is the target's own."""
+        return self.max_tokens - len(self.produced) - 1
+
+    def accept(
+        self,
+        tree: DraftTree,
+        processed: mx.array,
+        draft: Draft | None,
+        choices: list[int] | None = None,
+    ) -> tuple[list[int], int]:
+        """(accepted nodes, the target's own next token) from the verify's processed
+        logits: the greedy walk (over `choices`, the argmax rows, when already known),
+        rejection sampling against a drafter's q, or multi-candidate rejection for
+        drafts without q."""
+        if self.sampling.greedy:
+            path, own_token = greedy_walk(tree, choices or self.scorer.greedy_tokens(processed))
+            if self.proposer is not None:  # plain rounds round exactly like plain decoding
+                self.record.near_ties += self.scorer.near_ties(processed, [0, *path])
+            return path, own_token
+        target_probs = np.asarray(self.scorer.probabilities(processed))
+        if draft is not None and draft.probs is not None:  # a drafter's own q
+            draft_probs = match_width(draft.probs, target_probs.shape[-1])
+            n, own_token = rejection_sample(tree.tokens, draft_probs, target_probs, self.rng)
+            return list(range(1, n + 1)), own_token
+        return sample_walk(tree, target_probs, self.rng)
+
+    def advance(
+        self,
+        tree: DraftTree,
+        path: list[int],
+        own_token: int,
+        situation: Situation | None,
+        draft_seconds: float,
+        round_start: float,
+        price: Callable[[float], float] | None = None,
+    ) -> Iterator[Event]:
+        """Take in one verified round: count it, extend the sequence, yield its events.
+
+        `price(round_seconds)` is what the round cost in plain target steps
+        (mlxspec/speedup.py); the run record's speedup estimate adds it up. A batched
+        round shares its pass with other requests and has no such price (None)."""
+        n_accepted, record = len(path), self.record
+        if tree.tokens:
+            depth = max(tree.depths)
+            record.count_round(depth, n_accepted)
+            self.policy.update(situation, depth, n_accepted, draft_seconds)
+        new_tokens = [*tree.path_tokens(path[-1] if path else 0), own_token]
+        kinds = ["accepted"] * n_accepted + [
+            "bonus" if not tree.children()[path[-1] if path else 0] else "corrected"
+        ]
+        produced_before = len(self.produced)
+        for token, kind in zip(new_tokens, kinds):
+            if token in self.eos:
+                self.finished = "stop"
+                break
+            self.produced.append(token)
+            self.text.add(kind, token)
+            if len(self.produced) >= self.max_tokens:
+                self.finished = "length"
+                break
+        self.sequence.extend(new_tokens)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+            record.time_to_first_token = self.first_token_at - self.start
+            record.first_round_tokens = len(self.produced)
+
+        rejected = tuple(refused_line(tree, path))
+        if rejected:
+            yield Rejected(rejected, self.tokenizer.decode(list(rejected)))
+        if self.finished is not None:
+            self.text.finish()
+        pieces = self.text.release(final=self.finished is not None)
+        self.emitted.extend(piece.token for piece in pieces if piece.token >= 0)
+        yield from _events(pieces)
+        if self.text.stopped:
+            self.finished = "stop"
+        round_seconds = time.perf_counter() - round_start + draft_seconds
+        plain_steps = 1.0
+        if price is not None:
+            plain_steps = price(round_seconds)
+            record.speedup_estimate.add_round(len(self.produced) - produced_before, plain_steps)
+        yield Step(
+            situation.source.name if tree.tokens else "none",
+            len(tree.tokens),
+            n_accepted,
+            round_seconds,
+            plain_steps,
+        )
+
+    def done(self) -> Done:
+        if hasattr(self.proposer, "annotate"):  # e.g. drafts from history vs the request
+            self.proposer.annotate(self.record)
+        self.record.finish_reason = self.finished
+        self.record.completion_tokens = len(self.emitted)
+        self.record.decode_seconds = time.perf_counter() - self.first_token_at
+        return Done(self.record, self.text.text, tuple(self.emitted))
+
+
+def refused_line(tree: DraftTree, path: list[int]) -> list[int]:
+    """The drafts the target refused, for display: below the last accepted node, the
+    line the drafter rated best (its best-scored child at every step; without scores, the
+    first)."""
+    kids, node, line = tree.children(), path[-1] if path else 0, []
+    while kids[node]:
+        node = max(kids[node], key=lambda c: tree.scores[c - 1] if tree.scores else -c)
+        line.append(tree.tokens[node - 1])
+    return line
+
+
+def match_width(probs: mx.array | None, width: int) -> np.ndarray | None:
+    """Draft and target LM heads may be padded to different widths (e.g. Gemma 3 1B vs
+    12B); the extra ids are never real tokens, so zero-pad or cut the draft rows."""
+    if probs is None:
+        return None
+    rows = np.asarray(probs)
+    if rows.shape[-1] < width:
+        return np.pad(rows, ((0, 0), (0, width - rows.shape[-1])))
+    return rows[:, :width]
+
+
+def _events(pieces) -> Iterator[Event]:
+    """Group consecutive pieces of one kind into one event."""
+    group: list = []
+    for piece in pieces:
+        if group and group[-1].kind != piece.kind:
+            yield _event(group)
+            group = []
+        group.append(piece)
+    if group:
+        yield _event(group)
+
+
+def _event(group) -> Event:
+    tokens = tuple(p.token for p in group if p.token >= 0)
+    return EVENT_FOR_KIND[group[0].kind](tokens, "".join(p.text for p in group))

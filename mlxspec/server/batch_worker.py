@@ -1,0 +1,175 @@
+"""The generation thread with continuous batching: up to `max_batch` requests share
+each target pass (`mlxspec.batch.Scheduler`).
+
+Between rounds the thread takes queued requests into free slots, relays each request's
+events to its own channel, and drops requests whose client went away (their slot is
+free by the next round). A request the batch cannot serve (a model whose cache cannot
+be batched, a proposer with state of its own, draft trees) and a request for another
+model wait until the batch has drained, then run alone as in `Worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+
+from mlxspec.batch.scheduler import Scheduler, unbatchable_reason
+from mlxspec.batch.target import unsupported_reason
+from mlxspec.engine import GenerationError
+from mlxspec.events import Done
+from mlxspec.server.errors import ApiError
+from mlxspec.server.providers import ModelProvider
+from mlxspec.server.worker import (
+    Job,
+    Worker,
+    _check_token_ids,
+    _internal_error,
+    _prepare_proposer,
+)
+
+log = logging.getLogger("mlxspec.server")
+
+
+class BatchedWorker(Worker):
+    def __init__(
+        self, provider: ModelProvider, max_waiting: int, max_batch: int, preload: str | None = None
+    ):
+        super().__init__(provider, max_waiting, preload)
+        self.max_batch = max_batch
+        self._scheduler: Scheduler | None = None  # for the resident model, when it batches
+        self._jobs: dict[int, Job] = {}  # request id in the scheduler -> its job
+        self._held: Job | None = None  # waits for the batch to drain, then runs alone
+
+    @property
+    def active(self) -> int:
+        """Requests generating now: the batch's (prefilling ones included), or the one
+        running alone."""
+        return self._rows() or int(self._running is not None)
+
+    def _rows(self) -> int:
+        """Requests the scheduler holds: it, not the job table, says what still runs."""
+        scheduler = self._scheduler
+        if scheduler is None:
+            return 0
+        return len(scheduler.waiting) + len(scheduler.joining) + len(scheduler.active)
+
+    def _serve(self) -> None:
+        self._open_preload()
+        stopping = False
+        while not stopping or self._rows():
+            if not stopping:
+                stopping = self._admit()
+            if self._rows():
+                self._round()
+            self.busy = self._rows() > 0
+        if self._held is not None:  # stopped while it waited for the batch to drain
+            self._held.end()
+        self._release_streams()
+
+    def _admit(self) -> bool:
+        """Take queued requests into free slots (waiting for one when idle); True once
+        the queue says stop."""
+        while self._rows() < self.max_batch:
+            if self._held is not None:
+                if self._rows():
+                    return False
+                job, self._held = self._held, None
+                self._alone(job)
+                continue
+            try:
+                job = self._waiting.get(block=not self._rows())
+            except queue.Empty:
+                return False
+            if job is None:
+                return True
+            if job.cancelled or self._stopping.is_set():
+                job.end()
+                continue
+            self._take(job)
+        return False
+
+    def _take(self, job: Job) -> None:
+        request = job.generation
+        if self.resident != request.model and self._rows():
+            self._held = job
+            return
+        try:
+            model = self._open(request.model)
+            proposer = _prepare_proposer(model, request.proposer)
+            _check_token_ids(request.prompt, model.engine.vocab_size)
+            scheduler = self._scheduler_for(model.engine)
+            reason = _alone_reason(model.engine, proposer, request.settings)
+            if scheduler is None or reason:
+                self._held = job
+                return
+            request_id = scheduler.submit(request.prompt, request.settings, proposer)
+        except ApiError as err:
+            job.post(err)
+            job.end()
+            return
+        except GenerationError as err:
+            job.post(ApiError(400, str(err), code="invalid_request"))
+            job.end()
+            return
+        except Exception:  # the thread must outlive any one request's failure
+            log.exception("cannot start a request")
+            job.post(_internal_error())
+            job.end()
+            return
+        self._jobs[request_id] = job
+
+    def _alone(self, job: Job) -> None:
+        self._running, self.busy = job, True
+        self._run(job)
+        self._running, self.busy = None, False
+        job.end()
+
+    def _scheduler_for(self, engine) -> Scheduler | None:
+        if self._scheduler is None or self._scheduler.engine is not engine:
+            self._scheduler = None
+            if unsupported_reason(engine.target.model) is None:
+                self._scheduler = Scheduler(engine, self.max_batch)
+        return self._scheduler
+
+    def _round(self) -> None:
+        scheduler = self._scheduler
+        for request_id, job in list(self._jobs.items()):
+            if job.cancelled or self._stopping.is_set():
+                scheduler.cancel(request_id)
+                del self._jobs[request_id]
+                job.end()
+        try:
+            out = scheduler.step()
+        except Exception:
+            log.exception("batched generation failed")
+            self._fail_all()
+            return
+        for request_id, error in scheduler.failed.items():
+            log.error("request %d failed: %r", request_id, error)
+            if job := self._jobs.pop(request_id, None):
+                job.post(_internal_error())
+                job.end()
+        scheduler.failed.clear()
+        for request_id, events in out.items():
+            job = self._jobs.get(request_id)
+            for event in events if job else ():
+                self._relay(job, event)
+                if isinstance(event, Done):
+                    del self._jobs[request_id]
+                    job.end()
+
+    def _fail_all(self) -> None:
+        """A round failed: end every request in it with an error and start afresh."""
+        for job in self._jobs.values():
+            job.post(_internal_error())
+            job.end()
+        self._jobs.clear()
+        self._scheduler = None  # its rows went with it
+
+
+def _alone_reason(engine, proposer: str, settings) -> str | None:
+    """Why a request must run alone rather than in the batch (None: it can batch)."""
+    if settings.tree:
+        return "draft trees"
+    found = engine.proposers.get(proposer)
+    return unbatchable_reason(found) if found is not None else None

@@ -1,0 +1,119 @@
+"""`serve --max-batch`: concurrent clients share target passes, each gets its solo answer.
+
+A real uvicorn server (the `serving` helper of test_server) and the official `openai`
+client, with the tiny llamas of test_server behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from test_server import CHAT, ECHO, TinyProvider, direct_answer, serving, wait_until_idle
+from test_units import CPU_LIKE_COST
+from tiny_models import byte_tokenizer, tiny_model
+
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.proposers import PromptLookup
+from mlxspec.server import ServerLimits
+
+BATCH = ServerLimits(max_batch=4, max_waiting=16)
+PROMPTS = [f"{word} {word} {word} {ECHO}" for word in ("alpha", "beta", "gamma", "delta", "pi")]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with serving(TinyProvider(), limits=BATCH) as url:
+        yield url
+
+
+def ask(base_url: str, content: str, max_tokens: int = 40):
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0, timeout=60)
+    return client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens,
+        temperature=0,
+    )
+
+
+def ran_beside_others(response) -> bool:
+    sizes = response.model_extra["x_mlxspec"]["batch_sizes"]
+    return any(sizes[2:])
+
+
+def test_concurrent_clients_share_rounds_and_get_their_solo_answers(base_url):
+    solo = [direct_answer([{"role": "user", "content": p}], 40) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: ask(base_url, p), PROMPTS))
+    assert [a.choices[0].message.content for a in answers] == solo
+    assert sum(map(ran_beside_others, answers)) >= 2  # the rounds really were shared
+    health = httpx.get(f"{base_url}/health").json()
+    assert health["active"] == 0 and health["waiting"] == 0
+    assert health["tokens_per_second"] > 0  # the answers just relayed
+
+
+def test_a_client_that_leaves_frees_its_slot_and_the_others_go_on(base_url):
+    solo = direct_answer([{"role": "user", "content": PROMPTS[0]}], 40)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0, timeout=60)
+    with ThreadPoolExecutor(1) as pool:
+        stream = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": ECHO}],
+            max_tokens=3000,
+            temperature=0,
+            stream=True,
+        )
+        pieces = iter(stream)
+        next(pieces)
+        other = pool.submit(ask, base_url, PROMPTS[0])
+        next(pieces)
+        stream.close()
+        assert other.result().choices[0].message.content == solo
+    started = time.monotonic()
+    wait_until_idle(base_url)
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_bad_request_gets_a_4xx_and_disturbs_nobody(base_url):
+    solo = direct_answer([{"role": "user", "content": PROMPTS[1]}], 40)
+    too_long = {"messages": [{"role": "user", "content": "x" * 2000}], "max_tokens": 4}
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(ask, base_url, PROMPTS[1])
+        bad = httpx.post(base_url + CHAT, json=too_long, timeout=30)
+        assert good.result().choices[0].message.content == solo
+    assert bad.status_code == 400 and "context" in bad.json()["error"]["message"]
+
+
+class GemmaRuntime:
+    """A model whose rotating-window cache cannot be batched yet."""
+
+    def __init__(self):
+        model = tiny_model("gemma3_text", seed=2)
+        self.engine = Engine(
+            model, byte_tokenizer(), "gemma", [PromptLookup()], verify_cost=CPU_LIKE_COST
+        )
+
+    def proposer(self, name: str | None) -> str:
+        return "prompt-lookup" if name is None else name
+
+
+class GemmaProvider(TinyProvider):
+    def open(self, name: str) -> GemmaRuntime:
+        self.opened.append(GemmaRuntime())
+        return self.opened[-1]
+
+
+def test_a_model_the_batch_cannot_hold_serves_one_request_at_a_time():
+    provider = GemmaProvider()
+    with serving(provider, limits=BATCH) as url:
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda p: ask(url, p, max_tokens=12), PROMPTS[:3]))
+    engine = provider.opened[-1].engine
+    for prompt, answer in zip(PROMPTS[:3], answers):
+        events = engine.stream([{"role": "user", "content": prompt}], GenerationSettings(12))
+        assert answer.choices[0].message.content == list(events)[-1].text
+        assert answer.model_extra["x_mlxspec"]["batch_sizes"] == []  # it ran alone
