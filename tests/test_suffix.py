@@ -244,6 +244,9 @@ def test_no_history_leaves_the_store_byte_identical(tmp_path):
 def test_every_entry_offers_suffix():
     registry = load_registry()
     assert all(entry.proposer("suffix").kind == "suffix" for entry in registry.entries.values())
+    # --model with a hub id or a path too: the agent suite's default methods need it.
+    named = registry.including("someone/some-model").get("someone/some-model")
+    assert named.proposer("suffix").kind == "suffix"
 
 
 def test_history_can_be_turned_off_per_model(tmp_path):
