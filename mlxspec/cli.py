@@ -278,7 +278,7 @@ def models(as_json):
 
 
 @main.command()
-@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--model", "-m", help=MODEL_HELP)
 @click.option("--clear", is_flag=True, help="Empty the history.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @fail_cleanly
@@ -293,7 +293,7 @@ def history(model, clear, as_json):
     """
     from mlxspec.suffix.store import history_store
 
-    entry = load_registry().get(model)
+    entry = load_registry().including(model).get(model)
     store = history_store(entry.name)
     if clear:
         store.clear()

@@ -163,3 +163,15 @@ def test_mistyped_proposer_names_the_model_and_the_closest_name():
         result, "'prompt-lokup'", "'smollm2-135m'", "available:", "did you mean 'prompt-lookup'"
     )
     assert "models.toml" not in result.output  # the file is fine; the flag is misspelt
+
+
+def test_history_of_a_model_named_by_hub_id(tmp_path, monkeypatch):
+    """`run/serve --model owner/name` keep that model's history: `history` shows it too."""
+    from mlxspec.suffix.store import history_store
+
+    monkeypatch.setenv("MLXSPEC_DATA", str(tmp_path))
+    history_store("someone/some-model").add([1, 2, 3, 4])
+    result = run("history", "--model", "someone/some-model", "--json")
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.output)
+    assert facts["model"] == "someone/some-model" and facts["documents"] == 1
