@@ -294,3 +294,18 @@ def test_history_hits_are_counted_in_either_loop(batched, tmp_path):
         list(engine.stream(prompt, settings, "suffix"))
     stats = store.stats()
     assert stats["drafted"] > 0 and stats["accepted"] > 0, stats
+
+
+def test_suffix_in_a_chain_reports_its_draft_origins(tmp_path):
+    """A models.toml chain may list suffix: its record and history stats still count."""
+    from mlxspec.proposers import Chain, PromptLookup
+
+    store = HistoryStore(tmp_path)
+    model, tokenizer, engine = history_engine("llama", 0, store)
+    suffix = SuffixProposer("suffix", store, k_max=8, vocab_size=engine.vocab_size)
+    engine.add_proposer(Chain([suffix, PromptLookup("prompt-lookup")], name="both"))
+    prompt = list(range(40, 52))
+    store.add([*prompt, *plain_greedy(model, prompt, 30, set(tokenizer.eos_token_ids))])
+    done = list(engine.stream(prompt, GenerationSettings(max_tokens=30), "both"))[-1]
+    assert done.record.drafted_from_history > 0
+    assert store.stats()["drafted"] == done.record.drafted_from_history
