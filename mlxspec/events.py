@@ -132,7 +132,8 @@ class RunRecord:
         Greedy: the same tokens as plain decoding, unless a speculative round chose a
         token whose margin over the runner-up was below NEAR_TIE (`near_ties` > 0): a
         batched verify rounds differently from one-token steps, so there plain decoding
-        may have picked the other token. Plain rounds (no proposer) are plain decoding.
+        may have picked the other token. Plain rounds (no proposer) of a request decoding
+        alone are plain decoding; in a batch (serve --max-batch) they are counted too.
         Sampling: the same distribution by exact rejection sampling, so always True;
         its arithmetic is float32 like plain sampling's. Every acceptance path in the
         engine is exact, so near ties are the only thing that makes this False.

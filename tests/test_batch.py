@@ -314,3 +314,22 @@ def test_draft_model_rows_draft_as_they_would_alone():
             compared += 1
     assert compared >= 3
     assert sum(d[-1].record.accepted for d in events.values()) > 0
+
+
+def test_plain_request_in_a_batch_is_checked_for_near_ties(monkeypatch):
+    """A plain request alone is plain decoding, but in a batch its row is padded to the
+    others' drafts and shares their pass: its record must not claim lossless blindly.
+    (NEAR_TIE raised so every choice counts as a near tie.)"""
+    from mlxspec import sampling
+
+    monkeypatch.setattr(sampling, "NEAR_TIE", 1e9)
+    scheduler = scheduler_for("llama", seed=2, max_batch=2)
+    prompts = sample_prompts(3)[:2]
+    settings = GenerationSettings(max_tokens=12)
+    plain = scheduler.submit(prompts[0], settings, "none")
+    scheduler.submit(prompts[1], GenerationSettings(max_tokens=12, k=3), "lookup")
+    events = collect(scheduler)
+    assert events[plain][-1].record.near_ties > 0
+    assert events[plain][-1].record.lossless is False
+    alone = list(scheduler.engine.stream(prompts[0], settings, "none"))[-1]
+    assert alone.record.near_ties == 0 and alone.record.lossless is True

@@ -124,6 +124,7 @@ class Scheduler:
             proposer = private_copy(proposer)
         policy = self.engine.new_policy(proposer, settings.k)
         run = self.engine.new_run(prompt_tokens, settings, proposer, max_tokens, policy)
+        run.shared_pass = True
         slot = Slot(next(self._ids), run, proposer)
         self.waiting.append(slot)
         return slot.request_id
