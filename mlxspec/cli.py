@@ -369,7 +369,7 @@ def pull(name):
     default=16,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Requests that may queue behind the running one; more get 429.",
+    help="Requests that may queue behind the running ones; more get 429.",
 )
 @click.option(
     "--max-tokens-limit",
@@ -390,9 +390,10 @@ def pull(name):
 def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, tree):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
-    One generation runs at a time; the others wait in line. Requests may name any
-    registry model (one is in memory at a time) and pass {"mlxspec": {"proposer": ...,
-    "k": ..., "tree": ..., "provenance": true}}; answers carry the run record as x_mlxspec.
+    One generation runs at a time (with --max-batch N, up to N share each target pass);
+    the others wait in line. Requests may name any registry model (one is in memory at a
+    time) and pass {"mlxspec": {"proposer": ..., "k": ..., "tree": ..., "history": false,
+    "provenance": true}}; answers carry the run record as x_mlxspec.
 
     \b
     Examples:
