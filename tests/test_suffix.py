@@ -309,3 +309,17 @@ def test_suffix_in_a_chain_reports_its_draft_origins(tmp_path):
     done = list(engine.stream(prompt, GenerationSettings(max_tokens=30), "both"))[-1]
     assert done.record.drafted_from_history > 0
     assert store.stats()["drafted"] == done.record.drafted_from_history
+
+
+def test_a_history_that_cannot_be_written_costs_speed_not_the_answer(tmp_path):
+    """History is on by default; a data dir that cannot be written (read-only home, a
+    file in the way) warns once and every request still completes."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    store = HistoryStore(blocker / "suffix")
+    _, _, engine = history_engine("llama", 0, store)
+    with pytest.warns(HistoryWarning) as warned:
+        for proposer in ("none", "suffix", "suffix"):
+            done = list(engine.stream([1, 2, 3, 4], GenerationSettings(max_tokens=6), proposer))
+            assert isinstance(done[-1], Done) and len(done[-1].token_ids) == 6
+    assert len(warned) == 1, [str(w.message) for w in warned]
