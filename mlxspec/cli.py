@@ -296,7 +296,12 @@ def history(model, clear, as_json):
     entry = load_registry().including(model).get(model)
     store = history_store(entry.name)
     if clear:
-        store.clear()
+        try:
+            store.clear()
+        except OSError as err:
+            raise click.ClickException(
+                f"cannot clear {store.directory}: {err.strerror or err}"
+            ) from None
         say(f"cleared the history of {entry.name} ({store.directory})")
         return
     index, stats = store.index, store.stats()

@@ -175,3 +175,10 @@ def test_history_of_a_model_named_by_hub_id(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     facts = json.loads(result.output)
     assert facts["model"] == "someone/some-model" and facts["documents"] == 1
+
+
+def test_history_clear_in_a_folder_that_cannot_be_used(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MLXSPEC_DATA", str(blocker))
+    assert_one_line_error(run("history", "--clear"), "cannot clear", str(blocker))
