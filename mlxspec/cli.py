@@ -278,7 +278,7 @@ def models(as_json):
 
 
 @main.command()
-@click.option("--model", "-m", help="Entry in models.toml (default: the registry's default).")
+@click.option("--model", "-m", help=MODEL_HELP)
 @click.option("--clear", is_flag=True, help="Empty the history.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @fail_cleanly
@@ -293,10 +293,15 @@ def history(model, clear, as_json):
     """
     from mlxspec.suffix.store import history_store
 
-    entry = load_registry().get(model)
+    entry = load_registry().including(model).get(model)
     store = history_store(entry.name)
     if clear:
-        store.clear()
+        try:
+            store.clear()
+        except OSError as err:
+            raise click.ClickException(
+                f"cannot clear {store.directory}: {err.strerror or err}"
+            ) from None
         say(f"cleared the history of {entry.name} ({store.directory})")
         return
     index, stats = store.index, store.stats()
@@ -369,7 +374,7 @@ def pull(name):
     default=16,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Requests that may queue behind the running one; more get 429.",
+    help="Requests that may queue behind the running ones; more get 429.",
 )
 @click.option(
     "--max-tokens-limit",
@@ -390,9 +395,10 @@ def pull(name):
 def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, tree):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
-    One generation runs at a time; the others wait in line. Requests may name any
-    registry model (one is in memory at a time) and pass {"mlxspec": {"proposer": ...,
-    "k": ..., "tree": ..., "provenance": true}}; answers carry the run record as x_mlxspec.
+    One generation runs at a time (with --max-batch N, up to N share each target pass);
+    the others wait in line. Requests may name any registry model (one is in memory at a
+    time) and pass {"mlxspec": {"proposer": ..., "k": ..., "tree": ..., "history": false,
+    "provenance": true}}; answers carry the run record as x_mlxspec.
 
     \b
     Examples:

@@ -4,6 +4,10 @@ Per round: the proposer drafts up to k tokens (k from the policy), the target ru
 ONCE over [pending token] + drafts, the longest acceptable prefix is kept (greedy:
 drafts equal to the target's argmax; sampling: rejection sampling), plus one token of
 the target's own; the target's KV cache is rolled back past the rest.
+
+This module drafts, verifies and rolls back one sequence at a time; what a round keeps
+and the events it yields are `RequestRun`'s (request.py), which the batched scheduler
+(batch/scheduler.py) shares, and `Engine.finish` ends a request for both loops.
 """
 
 from __future__ import annotations

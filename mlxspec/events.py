@@ -107,7 +107,8 @@ class RunRecord:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # after the first round (which prefill and TTFT cover)
     first_round_tokens: int = 0
-    # Tokens made over plain steps spent, each round priced with its own times.
+    # Tokens made over plain steps spent, each round priced with its own times (batched
+    # rounds are not priced: to_dict gives null then).
     speedup_estimate: SpeedupEstimate = field(default_factory=SpeedupEstimate)
     k_policy: str = "adaptive"
     cache_strategy: str = "trim"
@@ -132,7 +133,8 @@ class RunRecord:
         Greedy: the same tokens as plain decoding, unless a speculative round chose a
         token whose margin over the runner-up was below NEAR_TIE (`near_ties` > 0): a
         batched verify rounds differently from one-token steps, so there plain decoding
-        may have picked the other token. Plain rounds (no proposer) are plain decoding.
+        may have picked the other token. Plain rounds (no proposer) of a request decoding
+        alone are plain decoding; in a batch (serve --max-batch) they are counted too.
         Sampling: the same distribution by exact rejection sampling, so always True;
         its arithmetic is float32 like plain sampling's. Every acceptance path in the
         engine is exact, so near ties are the only thing that makes this False.
@@ -183,7 +185,8 @@ class RunRecord:
             round(a / d, 4) for a, d in zip(self.accepted_by_position, self.drafted_by_position)
         ]
         data["tokens_per_second"] = round(self.tokens_per_second, 3)
-        data["estimated_speedup"] = round(self.speedup_estimate.value, 3)
+        estimate = self.speedup_estimate  # none for batched rounds: they share a pass
+        data["estimated_speedup"] = round(estimate.value, 3) if estimate.steps else None
         data["mean_tree_nodes"] = round(
             self.tree_nodes / self.tree_rounds if self.tree_rounds else 0.0, 3
         )

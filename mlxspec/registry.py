@@ -127,7 +127,8 @@ class Registry:
     def including(self, model: str | None) -> Registry:
         """This registry, plus an entry for `model` when it is a model reference rather
         than an entry's name: a local folder or .gguf file, or a hub repo id, as mlx-lm
-        takes them. Such an entry drafts with prompt lookup (it needs no weights)."""
+        takes them. Such an entry drafts with prompt lookup (its default) or suffix decoding,
+        which need no weights."""
         if model is None or model in self.entries:
             return self
         entry = reference_entry(model)
@@ -412,12 +413,13 @@ def reference_entry(reference: str) -> ModelEntry | None:
         target = reference
     else:
         return None
-    fallback = _proposer(FALLBACK, {}, _Where(SHIPPED_FILE, reference), "--model")
+    where = _Where(SHIPPED_FILE, reference)
+    proposers = {name: _proposer(name, {}, where, "--model") for name in (FALLBACK, SUFFIX)}
     return ModelEntry(
         name=reference,
         target=target,
         description="named on the command line",
-        proposers=MappingProxyType({FALLBACK: fallback}),
+        proposers=MappingProxyType(proposers),
         default_proposer=FALLBACK,
         defaults=Defaults(),
         source=None,

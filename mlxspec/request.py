@@ -41,6 +41,9 @@ class RequestRun:
     ):
         self.tokenizer, self.record = tokenizer, record
         self.history = history  # may proposers read, and the engine feed, the model's history?
+        # Verified in a pass shared with other requests (the batch): even a plain round is
+        # then not plain decoding (its row is padded to the others'), so it counts near ties.
+        self.shared_pass = False
         self.prompt_tokens = list(prompt_tokens)
         self.policy, self.proposer = policy, proposer
         self.sampling, self.max_tokens = sampling, max_tokens
@@ -80,7 +83,7 @@ class RequestRun:
         drafts without q."""
         if self.sampling.greedy:
             path, own_token = greedy_walk(tree, choices or self.scorer.greedy_tokens(processed))
-            if self.proposer is not None:  # plain rounds round exactly like plain decoding
+            if self.proposer is not None or self.shared_pass:  # a plain round alone is exact
                 self.record.near_ties += self.scorer.near_ties(processed, [0, *path])
             return path, own_token
         target_probs = np.asarray(self.scorer.probabilities(processed))

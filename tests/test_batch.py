@@ -314,3 +314,35 @@ def test_draft_model_rows_draft_as_they_would_alone():
             compared += 1
     assert compared >= 3
     assert sum(d[-1].record.accepted for d in events.values()) > 0
+
+
+def test_plain_request_in_a_batch_is_checked_for_near_ties(monkeypatch):
+    """A plain request alone is plain decoding, but in a batch its row is padded to the
+    others' drafts and shares their pass: its record must not claim lossless blindly.
+    (NEAR_TIE raised so every choice counts as a near tie.)"""
+    from mlxspec import sampling
+
+    monkeypatch.setattr(sampling, "NEAR_TIE", 1e9)
+    scheduler = scheduler_for("llama", seed=2, max_batch=2)
+    prompts = sample_prompts(3)[:2]
+    settings = GenerationSettings(max_tokens=12)
+    plain = scheduler.submit(prompts[0], settings, "none")
+    scheduler.submit(prompts[1], GenerationSettings(max_tokens=12, k=3), "lookup")
+    events = collect(scheduler)
+    assert events[plain][-1].record.near_ties > 0
+    assert events[plain][-1].record.lossless is False
+    alone = list(scheduler.engine.stream(prompts[0], settings, "none"))[-1]
+    assert alone.record.near_ties == 0 and alone.record.lossless is True
+
+
+def test_batched_record_does_not_claim_a_speedup_it_did_not_estimate():
+    """A batched round shares its pass and has no price in plain steps: the record says
+    null, not 0.0x (which reads as 'infinitely slower'); alone it is estimated."""
+    scheduler = scheduler_for("llama", seed=3, max_batch=2)
+    prompt = sample_prompts(1)[0]
+    settings = GenerationSettings(max_tokens=8, k=2)
+    scheduler.submit(prompt, settings, "lookup")
+    done = next(e for got in collect(scheduler).values() for e in got if isinstance(e, Done))
+    assert done.record.to_dict()["estimated_speedup"] is None
+    alone = list(scheduler.engine.stream(prompt, settings, "lookup"))[-1]
+    assert alone.record.to_dict()["estimated_speedup"] > 0

@@ -163,3 +163,22 @@ def test_mistyped_proposer_names_the_model_and_the_closest_name():
         result, "'prompt-lokup'", "'smollm2-135m'", "available:", "did you mean 'prompt-lookup'"
     )
     assert "models.toml" not in result.output  # the file is fine; the flag is misspelt
+
+
+def test_history_of_a_model_named_by_hub_id(tmp_path, monkeypatch):
+    """`run/serve --model owner/name` keep that model's history: `history` shows it too."""
+    from mlxspec.suffix.store import history_store
+
+    monkeypatch.setenv("MLXSPEC_DATA", str(tmp_path))
+    history_store("someone/some-model").add([1, 2, 3, 4])
+    result = run("history", "--model", "someone/some-model", "--json")
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.output)
+    assert facts["model"] == "someone/some-model" and facts["documents"] == 1
+
+
+def test_history_clear_in_a_folder_that_cannot_be_used(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MLXSPEC_DATA", str(blocker))
+    assert_one_line_error(run("history", "--clear"), "cannot clear", str(blocker))

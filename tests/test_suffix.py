@@ -244,6 +244,9 @@ def test_no_history_leaves_the_store_byte_identical(tmp_path):
 def test_every_entry_offers_suffix():
     registry = load_registry()
     assert all(entry.proposer("suffix").kind == "suffix" for entry in registry.entries.values())
+    # --model with a hub id or a path too: the agent suite's default methods need it.
+    named = registry.including("someone/some-model").get("someone/some-model")
+    assert named.proposer("suffix").kind == "suffix"
 
 
 def test_history_can_be_turned_off_per_model(tmp_path):
@@ -269,3 +272,54 @@ def test_a_long_journal_is_folded_into_the_index(tmp_path, monkeypatch):
         store.add([n] * 30)
     assert (tmp_path / "journal.bin").stat().st_size <= 1000 + 30 * 4 + 12
     assert 77 in store.index.tokens.tolist() and 9 in store.index.tokens.tolist()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_history_hits_are_counted_in_either_loop(batched, tmp_path):
+    """`mlxspec history`'s hit rate counts the drafts from history the target kept, in the
+    single loop and in the batch (serve --max-batch) alike."""
+    from mlxspec.batch.scheduler import Scheduler
+
+    store = HistoryStore(tmp_path)
+    model, tokenizer, engine = history_engine("llama", 0, store)
+    prompt = list(range(40, 52))
+    reference = plain_greedy(model, prompt, 30, set(tokenizer.eos_token_ids))
+    store.add([*prompt, *reference])  # helpful: what the model really says next
+    settings = GenerationSettings(max_tokens=30)
+    if batched:
+        scheduler = Scheduler(engine, max_batch=2)
+        scheduler.submit(prompt, settings, "suffix")
+        list(scheduler.drain())
+    else:
+        list(engine.stream(prompt, settings, "suffix"))
+    stats = store.stats()
+    assert stats["drafted"] > 0 and stats["accepted"] > 0, stats
+
+
+def test_suffix_in_a_chain_reports_its_draft_origins(tmp_path):
+    """A models.toml chain may list suffix: its record and history stats still count."""
+    from mlxspec.proposers import Chain, PromptLookup
+
+    store = HistoryStore(tmp_path)
+    model, tokenizer, engine = history_engine("llama", 0, store)
+    suffix = SuffixProposer("suffix", store, k_max=8, vocab_size=engine.vocab_size)
+    engine.add_proposer(Chain([suffix, PromptLookup("prompt-lookup")], name="both"))
+    prompt = list(range(40, 52))
+    store.add([*prompt, *plain_greedy(model, prompt, 30, set(tokenizer.eos_token_ids))])
+    done = list(engine.stream(prompt, GenerationSettings(max_tokens=30), "both"))[-1]
+    assert done.record.drafted_from_history > 0
+    assert store.stats()["drafted"] == done.record.drafted_from_history
+
+
+def test_a_history_that_cannot_be_written_costs_speed_not_the_answer(tmp_path):
+    """History is on by default; a data dir that cannot be written (read-only home, a
+    file in the way) warns once and every request still completes."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    store = HistoryStore(blocker / "suffix")
+    _, _, engine = history_engine("llama", 0, store)
+    with pytest.warns(HistoryWarning) as warned:
+        for proposer in ("none", "suffix", "suffix"):
+            done = list(engine.stream([1, 2, 3, 4], GenerationSettings(max_tokens=6), proposer))
+            assert isinstance(done[-1], Done) and len(done[-1].token_ids) == 6
+    assert len(warned) == 1, [str(w.message) for w in warned]

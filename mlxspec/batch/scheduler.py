@@ -124,6 +124,7 @@ class Scheduler:
             proposer = private_copy(proposer)
         policy = self.engine.new_policy(proposer, settings.k)
         run = self.engine.new_run(prompt_tokens, settings, proposer, max_tokens, policy)
+        run.shared_pass = True
         slot = Slot(next(self._ids), run, proposer)
         self.waiting.append(slot)
         return slot.request_id
@@ -202,7 +203,7 @@ class Scheduler:
         ]
         mx.eval(processed)
         accepted = [
-            self._guarded(slot, slot.run.accept, r.tree, rows_processed, r.draft) or ([], -1)
+            self._guarded(slot, self._accept, slot, r, rows_processed) or ([], -1)
             for slot, r, rows_processed in zip(self.active, rounds, processed)
         ]
         self.target.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
@@ -214,6 +215,15 @@ class Scheduler:
             sizes.extend([0] * (batch + 1 - len(sizes)))
             sizes[batch] += 1
             self._guarded(slot, self._advance, slot, r, path, own_token, round_start)
+
+    def _accept(self, slot: Slot, r: Round, processed: mx.array) -> tuple[list[int], int]:
+        """As the single loop does: a proposer that learns from the target's choices
+        (suffix's history hits, lookahead's pool) sees them, then the run accepts."""
+        run = slot.run
+        choices = run.scorer.greedy_tokens(processed) if run.sampling.greedy else None
+        if r.tree.tokens and hasattr(r.situation.source, "verified"):
+            r.situation.source.verified(r.tree, choices or run.scorer.greedy_tokens(processed))
+        return run.accept(r.tree, processed, r.draft, choices)
 
     def _advance(
         self, slot: Slot, r: Round, path: list[int], own_token: int, round_start: float

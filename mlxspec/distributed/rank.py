@@ -154,6 +154,9 @@ class RankSession:
             self.allreduce_seconds = self.collectives.allreduce_latency(width)
         self.allreduces = allreduces_per_forward(loaded.model, self.config.parallel)
         runtime = Runtime(entry, loaded, notify)
+        # No history store (suffix decoding drafts from the request only): each host keeps
+        # its own history, and a proposer reading it would draft differently on each rank,
+        # while every rank must verify the same tokens.
         engine = RankEngine(loaded.model, loaded.tokenizer, entry.name, notify=notify)
         engine.collectives = self.collectives
         engine.cost_key = calibration_key(

@@ -53,5 +53,11 @@ class Chain:
             if member.needs_hidden:
                 member.observe(ctx)
 
+    def annotate(self, record) -> None:
+        """Members that report on their drafts (suffix's origins) do so for the chain."""
+        for member in self.members:
+            if hasattr(member, "annotate"):
+                member.annotate(record)
+
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
         return self._current.propose(ctx, k) if self._current else Draft([])

@@ -42,7 +42,8 @@ RECORD_MAGIC = b"SFXJ"
 
 
 class HistoryWarning(UserWarning):
-    """A damaged history file was dropped (speed only is lost, never correctness)."""
+    """A damaged history file was dropped, or the history's folder cannot be used (speed
+    only is lost, never correctness)."""
 
 
 def store_dir(model: str) -> Path:
@@ -56,6 +57,7 @@ class HistoryStore:
     def __init__(self, directory: Path, bound_bytes: int = DEFAULT_BOUND):
         self.directory, self.bound_bytes = Path(directory), bound_bytes
         self._index: PrefixIndex | None = None
+        self._unusable_said = False
 
     @property
     def loaded(self) -> bool:
@@ -64,7 +66,11 @@ class HistoryStore:
     @property
     def index(self) -> PrefixIndex:
         if self._index is None:
-            self._index = self._load()
+            try:
+                self._index = self._load()
+            except OSError as err:
+                self._unusable(err)
+                self._index = PrefixIndex()  # this process's requests, in memory only
         return self._index
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -73,12 +79,16 @@ class HistoryStore:
             return
         payload = np.asarray(tokens, np.int32).tobytes()
         record = RECORD.pack(RECORD_MAGIC, len(tokens), zlib.crc32(payload)) + payload
-        with self._locked():
-            with open(self._path("journal.bin"), "ab") as journal:
-                journal.write(record)
-                journal.flush()
-                os.fsync(journal.fileno())
-            journal_bytes = self._path("journal.bin").stat().st_size
+        try:
+            with self._locked():
+                with open(self._path("journal.bin"), "ab") as journal:
+                    journal.write(record)
+                    journal.flush()
+                    os.fsync(journal.fileno())
+                journal_bytes = self._path("journal.bin").stat().st_size
+        except OSError as err:
+            self._unusable(err)
+            journal_bytes = 0
         if journal_bytes > JOURNAL_BYTES:  # fold the journal in (with other processes' part)
             self._load()
         elif self._index is not None:
@@ -103,11 +113,26 @@ class HistoryStore:
         `mlxspec history` shows."""
         if not drafted:
             return
-        with self._locked():
-            stats = self.stats()
-            stats["drafted"] += drafted
-            stats["accepted"] += accepted
-            _atomic_write(self._path("stats.json"), json.dumps(stats).encode())
+        try:
+            with self._locked():
+                stats = self.stats()
+                stats["drafted"] += drafted
+                stats["accepted"] += accepted
+                _atomic_write(self._path("stats.json"), json.dumps(stats).encode())
+        except OSError as err:
+            self._unusable(err)
+
+    def _unusable(self, err: OSError) -> None:
+        """The folder cannot be read or written (read-only home, a file in the way): say
+        so once; requests go on, the history kept in memory only."""
+        if not self._unusable_said:
+            self._unusable_said = True
+            warnings.warn(
+                f"the suffix history cannot be kept in {self.directory} "
+                f"({err.strerror or err}); requests go on without it (only speed is lost)",
+                HistoryWarning,
+                stacklevel=3,
+            )
 
     def stats(self) -> dict[str, int]:
         try:
