@@ -19,6 +19,7 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 from mlxspec.batch import target as batch_target
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import BatchTarget, Prefill
+from mlxspec.batch.width import choose_width
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
 from mlxspec.proposers import (
@@ -314,3 +315,64 @@ def test_draft_model_rows_draft_as_they_would_alone():
             compared += 1
     assert compared >= 3
     assert sum(d[-1].record.accepted for d in events.values()) > 0
+
+
+def test_the_batch_width_is_the_best_expected_tokens_per_cost():
+    """Known answers: free columns take every draft, paid-per-column ones take none,
+    a step in the cost stops W at the widest draft that fits under it, and a request's
+    fixed k is a floor."""
+    certain = [(1.0, 2), (1.0, 4)]  # rate 1: a row of W drafts yields W + 1 tokens
+    assert choose_width(certain, 0, lambda rows, columns: 1.0) == 4
+    per_column = [(0.9, 3), (0.5, 5)]  # expected tokens < columns: drafts never pay
+    assert choose_width(per_column, 0, lambda rows, columns: float(rows * columns)) == 0
+    # W = 2 costs 1 (3 + 3 tokens); W = 4 costs 10 (3 + 5): W = 2 wins.
+    step = lambda rows, columns: 1.0 if columns <= 3 else 10.0  # noqa: E731
+    assert choose_width(certain, 0, step) == 2
+    assert choose_width(per_column, 3, lambda rows, columns: float(rows * columns)) == 3
+    assert choose_width([(0.0, 0), (0.0, 0)], 0, step) == 0  # nobody drafted: plain
+
+
+class StepCost:
+    """A fake pass cost: one unit up to `columns` columns, prohibitive beyond."""
+
+    def __init__(self, columns: int):
+        self.columns, self.observed = columns, 0
+
+    def __call__(self, rows: int, columns: int) -> float:
+        return 1.0 if columns <= self.columns else 100.0
+
+    def observe(self, rows: int, columns: int, seconds: float) -> None:
+        self.observed += 1
+
+
+class Asking(Oracle):
+    """An oracle that remembers the draft lengths its policy asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    def propose(self, ctx, k):
+        self.asked.append(k)
+        return super().propose(ctx, k)
+
+
+@pytest.mark.parametrize("width", [0, 2])
+def test_the_chosen_width_cuts_drafts_and_outputs_stay_solo_greedy(width):
+    """Rows whose policies ask for long drafts verify only W of them (W = 0: plain
+    rounds for all), and every output is still its solo plain greedy output."""
+    scheduler = scheduler_for("llama")
+    scheduler.pass_cost = StepCost(width + 1)
+    model, eos = scheduler.engine.target.model, {VOCAB - 1}
+    prompts = sample_prompts(3)[:3]
+    references = [plain_greedy(model, p, MAX_TOKENS, eos) for p in prompts]
+    oracles = [Asking(len(p), ref, k_max=6) for p, ref in zip(prompts, references)]
+    for prompt, oracle in zip(prompts, oracles):
+        scheduler.submit(prompt, GenerationSettings(max_tokens=MAX_TOKENS), oracle)
+    events = collect(scheduler)
+    assert max(k for o in oracles for k in o.asked) > width  # policies wanted more
+    drafted = [e.drafted for got in events.values() for e in got if isinstance(e, Step)]
+    assert max(drafted) == width
+    assert scheduler.pass_cost.observed > 0
+    for i, got in events.items():
+        assert_lossless(model, prompts[i], references[i], list(got[-1].token_ids), f"row {i}")
