@@ -19,9 +19,10 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 from mlxspec.batch import target as batch_target
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import BatchTarget, Prefill
-from mlxspec.batch.width import choose_width
+from mlxspec.batch.width import PassCost, choose_width
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
+from mlxspec.policy import VerifyCost
 from mlxspec.proposers import (
     Draft,
     DraftModel,
@@ -376,3 +377,20 @@ def test_the_chosen_width_cuts_drafts_and_outputs_stay_solo_greedy(width):
     assert scheduler.pass_cost.observed > 0
     for i, got in events.items():
         assert_lossless(model, prompts[i], references[i], list(got[-1].token_ids), f"row {i}")
+
+
+def test_the_pass_cost_learns_the_shape_of_real_passes_not_the_machine_load():
+    """Passes 3x slower across the board change nothing; wide passes that really cost
+    twice the modelled extra double it; plain passes relax it back towards the curve."""
+    curve = VerifyCost({1: 1.0, 4: 1.5, 16: 2.5}, 0.1)
+    cost = PassCost(curve, decay=0.0, relax=0.5)  # decay 0: take each observation whole
+    modelled = cost(4, 4)
+    cost.observe(4, 4, 3.0)  # no plain pass seen yet: nothing to compare with
+    assert cost(4, 4) == modelled == 2.5
+    cost.observe(4, 1, 1.5 * 0.3)  # 3x slower than calibrated, uniformly
+    cost.observe(4, 4, 2.5 * 0.3)
+    assert cost(4, 4) == pytest.approx(modelled)
+    cost.observe(4, 4, (1.5 + 2 * 1.0) * 0.3)  # extra columns cost twice the model's
+    assert cost(4, 4) == pytest.approx(1.5 + 2 * 1.0)
+    cost.observe(4, 1, 1.5 * 0.3)
+    assert cost(4, 4) == pytest.approx(1.5 + 1.5 * 1.0)

@@ -14,15 +14,16 @@ The cost of a pass is NOT measured over (rows, width) yet. It is modelled from t
 model's single-row verify curve (`VerifyCost`, calibrated per machine): a pass of B rows
 of w tokens costs what one row of B * w tokens costs. That is the weight-read-bound
 picture (a pass is one matmul over every token in it); it ignores that attention is per
-row (cheaper than one long row's) and the per-row Python work. The real pass time is
-fed back (`PassCost.observe`) as the single-sequence policy corrects its own curve.
+row (cheaper than one long row's) and the per-row Python work. The real pass times
+correct the shape online (`PassCost.observe`), as the single-sequence policy corrects
+its own curve.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from mlxspec.policy import Policy, VerifyCost, expected_tokens
+from mlxspec.policy import VerifyCost, expected_tokens
 
 
 def choose_width(
@@ -45,15 +46,38 @@ def choose_width(
 
 
 class PassCost:
-    """A batched pass's cost in single-step units, from the single-row curve, corrected
-    online by the passes actually run (the machine may be busier than at calibration)."""
+    """A batched pass's cost in single-step units, from the single-row curve, with the
+    cost of its extra columns corrected online by the passes actually run.
 
-    def __init__(self, cost: VerifyCost):
-        # A Policy's online correction of the curve, reused: tokens in the pass = m.
-        self._curve = Policy(cost, step_seconds=cost.step_seconds)
+    A pass of w columns is compared with plain passes (one column) over the same rows,
+    timed in the same run, so a machine that is uniformly busier than at calibration
+    changes nothing; only the curve's shape is corrected. Each plain pass also relaxes
+    the correction towards the calibrated curve, so a scale learned in a bad moment
+    cannot keep speculation off for good.
+    """
+
+    def __init__(self, curve: VerifyCost, decay: float = 0.9, relax: float = 0.05):
+        self.curve, self.decay, self.relax = curve, decay, relax
+        self.extra_scale = 1.0  # observed / modelled cost of the columns beyond the first
+        self.plain_seconds: dict[int, float] = {}  # recent plain-pass time per row count
 
     def __call__(self, rows: int, columns: int) -> float:
-        return self._curve.verify_cost(rows * columns)
+        plain = self.curve(rows)
+        return plain + self.extra_scale * (self.curve(rows * columns) - plain)
 
     def observe(self, rows: int, columns: int, seconds: float) -> None:
-        self._curve.observe_verify(rows * columns, seconds)
+        """Feed back what a pass over `rows` x `columns` really took."""
+        if columns == 1:
+            known = self.plain_seconds.get(rows)
+            self.plain_seconds[rows] = (
+                seconds if known is None else self.decay * known + (1 - self.decay) * seconds
+            )
+            self.extra_scale += self.relax * (1.0 - self.extra_scale)
+            return
+        plain = self.curve(rows)
+        modelled_extra = self.curve(rows * columns) - plain
+        if rows not in self.plain_seconds or modelled_extra <= 0.02:
+            return
+        observed_extra = (seconds / self.plain_seconds[rows] - 1.0) * plain
+        ratio = min(max(observed_extra / modelled_extra, 0.25), 4.0)
+        self.extra_scale = self.decay * self.extra_scale + (1 - self.decay) * ratio
