@@ -169,6 +169,12 @@ class Policy:
     def label(self) -> str:
         return f"fixed k={self.fixed_k}" if self.fixed_k is not None else "adaptive"
 
+    def acceptance_rate(self, situation: Situation) -> float:
+        """The estimated per-token acceptance in `situation` (its prior until observed),
+        for a caller that weighs this request's draft against others (the batch)."""
+        known = self.stats.get(self._key(situation))
+        return known.rate if known else Acceptance.with_prior(situation.prior).rate
+
     def _key(self, situation: Situation) -> tuple[str, str]:
         streak = "after-full" if self._full_streak.get(situation.source.name) else "fresh"
         return situation.source.name, f"{situation.key}/{streak}"

@@ -19,8 +19,10 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 from mlxspec.batch import target as batch_target
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import BatchTarget, Prefill
+from mlxspec.batch.width import PassCost, choose_width
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
+from mlxspec.policy import VerifyCost
 from mlxspec.proposers import (
     Draft,
     DraftModel,
@@ -346,3 +348,81 @@ def test_batched_record_does_not_claim_a_speedup_it_did_not_estimate():
     assert done.record.to_dict()["estimated_speedup"] is None
     alone = list(scheduler.engine.stream(prompt, settings, "lookup"))[-1]
     assert alone.record.to_dict()["estimated_speedup"] > 0
+
+
+def test_the_batch_width_is_the_best_expected_tokens_per_cost():
+    """Known answers: free columns take every draft, paid-per-column ones take none,
+    a step in the cost stops W at the widest draft that fits under it, and a request's
+    fixed k is a floor."""
+    certain = [(1.0, 2), (1.0, 4)]  # rate 1: a row of W drafts yields W + 1 tokens
+    assert choose_width(certain, 0, lambda rows, columns: 1.0) == 4
+    per_column = [(0.9, 3), (0.5, 5)]  # expected tokens < columns: drafts never pay
+    assert choose_width(per_column, 0, lambda rows, columns: float(rows * columns)) == 0
+    # W = 2 costs 1 (3 + 3 tokens); W = 4 costs 10 (3 + 5): W = 2 wins.
+    step = lambda rows, columns: 1.0 if columns <= 3 else 10.0  # noqa: E731
+    assert choose_width(certain, 0, step) == 2
+    assert choose_width(per_column, 3, lambda rows, columns: float(rows * columns)) == 3
+    assert choose_width([(0.0, 0), (0.0, 0)], 0, step) == 0  # nobody drafted: plain
+
+
+class StepCost:
+    """A fake pass cost: one unit up to `columns` columns, prohibitive beyond."""
+
+    def __init__(self, columns: int):
+        self.columns, self.observed = columns, 0
+
+    def __call__(self, rows: int, columns: int) -> float:
+        return 1.0 if columns <= self.columns else 100.0
+
+    def observe(self, rows: int, columns: int, seconds: float) -> None:
+        self.observed += 1
+
+
+class Asking(Oracle):
+    """An oracle that remembers the draft lengths its policy asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    def propose(self, ctx, k):
+        self.asked.append(k)
+        return super().propose(ctx, k)
+
+
+@pytest.mark.parametrize("width", [0, 2])
+def test_the_chosen_width_cuts_drafts_and_outputs_stay_solo_greedy(width):
+    """Rows whose policies ask for long drafts verify only W of them (W = 0: plain
+    rounds for all), and every output is still its solo plain greedy output."""
+    scheduler = scheduler_for("llama")
+    scheduler.pass_cost = StepCost(width + 1)
+    model, eos = scheduler.engine.target.model, {VOCAB - 1}
+    prompts = sample_prompts(3)[:3]
+    references = [plain_greedy(model, p, MAX_TOKENS, eos) for p in prompts]
+    oracles = [Asking(len(p), ref, k_max=6) for p, ref in zip(prompts, references)]
+    for prompt, oracle in zip(prompts, oracles):
+        scheduler.submit(prompt, GenerationSettings(max_tokens=MAX_TOKENS), oracle)
+    events = collect(scheduler)
+    assert max(k for o in oracles for k in o.asked) > width  # policies wanted more
+    drafted = [e.drafted for got in events.values() for e in got if isinstance(e, Step)]
+    assert max(drafted) == width
+    assert scheduler.pass_cost.observed > 0
+    for i, got in events.items():
+        assert_lossless(model, prompts[i], references[i], list(got[-1].token_ids), f"row {i}")
+
+
+def test_the_pass_cost_learns_the_shape_of_real_passes_not_the_machine_load():
+    """Passes 3x slower across the board change nothing; wide passes that really cost
+    twice the modelled extra double it; plain passes relax it back towards the curve."""
+    curve = VerifyCost({1: 1.0, 4: 1.5, 16: 2.5}, 0.1)
+    cost = PassCost(curve, decay=0.0, relax=0.5)  # decay 0: take each observation whole
+    modelled = cost(4, 4)
+    cost.observe(4, 4, 3.0)  # no plain pass seen yet: nothing to compare with
+    assert cost(4, 4) == modelled == 2.5
+    cost.observe(4, 1, 1.5 * 0.3)  # 3x slower than calibrated, uniformly
+    cost.observe(4, 4, 2.5 * 0.3)
+    assert cost(4, 4) == pytest.approx(modelled)
+    cost.observe(4, 4, (1.5 + 2 * 1.0) * 0.3)  # extra columns cost twice the model's
+    assert cost(4, 4) == pytest.approx(1.5 + 2 * 1.0)
+    cost.observe(4, 1, 1.5 * 0.3)
+    assert cost(4, 4) == pytest.approx(1.5 + 1.5 * 1.0)

@@ -15,6 +15,7 @@ request leaves at the next round boundary and frees its slot.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxspec.batch.target import BatchTarget, Prefill
+from mlxspec.batch.width import PassCost, choose_width
 from mlxspec.engine import Engine, GenerationError, GenerationSettings, candidates
 from mlxspec.events import Event
 from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation
@@ -91,6 +93,7 @@ class Scheduler:
         self.engine, self.max_batch = engine, max_batch
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens a joining request feeds per round
         self.target = BatchTarget(engine.target.model)
+        self.pass_cost = PassCost(engine.verify_cost)  # of a pass over (rows, columns)
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
         self.active: list[Slot] = []  # in the order of the target's rows
@@ -193,7 +196,7 @@ class Scheduler:
         self._leave([slot for slot in self.active if slot.error])
         if not self.active:
             return
-        rounds = [drafted[slot.request_id] for slot in self.active]
+        rounds = self._truncate([drafted[slot.request_id] for slot in self.active])
         rows = [[slot.run.sequence[-1], *r.tree.tokens] for slot, r in zip(self.active, rounds)]
         round_start = time.perf_counter()
         logits = self.target.verify(rows)
@@ -202,6 +205,7 @@ class Scheduler:
             for i, (slot, r, row) in enumerate(zip(self.active, rounds, rows))
         ]
         mx.eval(processed)
+        self.pass_cost.observe(len(rows), max(map(len, rows)), time.perf_counter() - round_start)
         accepted = [
             self._guarded(slot, self._accept, slot, r, rows_processed) or ([], -1)
             for slot, r, rows_processed in zip(self.active, rounds, processed)
@@ -224,6 +228,24 @@ class Scheduler:
         if r.tree.tokens and hasattr(r.situation.source, "verified"):
             r.situation.source.verified(r.tree, choices or run.scorer.greedy_tokens(processed))
         return run.accept(r.tree, processed, r.draft, choices)
+
+    def _truncate(self, rounds: list[Round]) -> list[Round]:
+        """Cut every row's draft to the round's one width W (`choose_width`): the pass is
+        as wide as its widest row, so a long draft is paid by every row. A request that
+        fixed its k is never cut (W is at least its k); one with no draft costs a column."""
+        floor = max(
+            (len(r.tree) for s, r in zip(self.active, rounds) if s.run.policy.fixed_k is not None),
+            default=0,
+        )
+        estimates = [
+            (s.run.policy.acceptance_rate(r.situation) if r.situation else 0.0, len(r.tree))
+            for s, r in zip(self.active, rounds)
+        ]
+        width = choose_width(estimates, floor, self.pass_cost)
+        return [
+            dataclasses.replace(r, tree=chain(r.tree.tokens[:width])) if len(r.tree) > width else r
+            for r in rounds
+        ]
 
     def _advance(
         self, slot: Slot, r: Round, path: list[int], own_token: int, round_start: float
