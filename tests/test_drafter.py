@@ -663,7 +663,7 @@ def test_built_in_prompts_hold_out_whole_topics_and_span_every_style():
 
     training, held = chat_prompts(), chat_prompts(held_out=True)
     assert len(training) + len(held) == len(TOPICS) * len(TEMPLATES)
-    assert len(training) == TRAINING_PROMPTS == 5760  # as README says
+    assert len(training) == TRAINING_PROMPTS == 5760  # as docs/drafters.md says
     held_topics = {t for i, t in enumerate(TOPICS) if i % 8 == 7}  # every 8th, by design
     assert not any(t in p for p in training for t in held_topics if " " in t)
     first = training[:200]  # a small run still sees many styles

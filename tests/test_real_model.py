@@ -82,7 +82,7 @@ def test_copying_prompt_accepts_most_lookup_drafts(runtime):
 def test_shipped_head_is_accepted_on_open_chat(runtime):
     """The packaged head was trained on the target's own answers; on a question it never
     saw (where lookup finds nothing to copy) some first drafts are right (a head that
-    does not fit the target: ~0; the shipped head is still weak, see README)."""
+    does not fit the target: ~0; the shipped head is still weak, see docs/drafters.md)."""
     engine = runtime.engine
     name = runtime.proposer("head")
     messages = [{"role": "user", "content": "Why do cats purr? Answer in a short paragraph."}]
