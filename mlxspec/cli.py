@@ -436,7 +436,9 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
 @main.command()
 @click.option("--model", "-m", help=MODEL_HELP)
 @click.option(
-    "--suite", type=click.Choice(SUITES), default="quick", show_default=True, help="Prompt suite."
+    "--suite",
+    type=click.Choice(SUITES),
+    help="Prompt suite (default: quick; with --concurrency: all, a mix of every class).",
 )
 @click.option(
     "--prompts",
@@ -489,6 +491,14 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     help="--tree: beside every speculative mlxspec row, the same proposer verifying draft "
     "trees (NAME@tree); --no-tree: lines only.",
 )
+@click.option(
+    "--concurrency",
+    "-c",
+    multiple=True,
+    type=click.IntRange(min=1, max=64),
+    help="N clients at once against the in-process server: one at a time vs batched (plain "
+    "and each proposer in --proposers, names only) vs mlx-lm's batch_generate. Repeatable.",
+)
 def bench(
     model,
     suite,
@@ -501,6 +511,7 @@ def bench(
     plot_path,
     history,
     tree,
+    concurrency,
 ):
     """Side by side, same prompts, greedy: mlx-lm, mlx-lm's speculative decoding, mlxspec.
 
@@ -515,6 +526,7 @@ def bench(
       mlxspec bench --prompts mine.jsonl --proposers prompt-lookup,prompt-lookup@k=8
       mlxspec bench --suite chat --proposers head,medusa,lookahead --tree   # line vs tree
       mlxspec bench --from-history --json history.json
+      mlxspec bench --concurrency 4 --concurrency 8 --proposers prompt-lookup
     """
     from mlxspec.bench import BenchError
     from mlxspec.bench.report import markdown
@@ -526,6 +538,24 @@ def bench(
 
     entry = load_registry().including(model).get(model)
     warn_if_slow_blas()
+    if concurrency:
+        if history or tree or plot_path or repeats:
+            raise click.UsageError(
+                "--concurrency runs every row once and draws no plot; leave out "
+                "--from-history, --tree, --plot and --repeats"
+            )
+        _bench_concurrency(
+            entry,
+            suite,
+            prompts_file,
+            proposers,
+            max_tokens,
+            list(concurrency),
+            json_path,
+            markdown_path,
+        )
+        return
+    suite = suite or "quick"
     if history:
         from mlxspec.bench.history import history_markdown, replay_history
         from tui.store import conversations_dir
@@ -553,6 +583,39 @@ def bench(
         raise click.ClickException(str(err)) from None
     if written:
         say(f"wrote {', '.join(map(str, written))}")
+
+
+def _bench_concurrency(
+    entry, suite, prompts_file, proposers, max_tokens, levels, json_path, markdown_path
+) -> None:
+    """`bench --concurrency`: see mlxspec/bench/concurrency.py."""
+    from mlxspec.bench import BenchError
+    from mlxspec.bench.concurrency import concurrency_markdown, run_concurrency
+    from mlxspec.bench.machine import describe_machine
+    from mlxspec.bench.suites import load_suite, read_prompts
+    from mlxspec.runtime import ProposerError, open_runtime
+
+    try:
+        prompts = read_prompts(Path(prompts_file)) if prompts_file else load_suite(suite or "all")
+        names = proposers.split(",") if proposers else list(entry.proposer_names)
+        for name in names:
+            entry.proposer(name.strip())  # an unknown name fails here, before the weights load
+        runtime = open_runtime(entry, notify=say)
+        result = run_concurrency(
+            runtime, prompts, levels, [n.strip() for n in names], max_tokens, say
+        )
+    except (BenchError, ProposerError) as err:
+        raise click.ClickException(str(err)) from None
+    result.update(
+        machine=describe_machine(),
+        settings={"model": entry.name, "prompts": len(prompts), "max_tokens": max_tokens},
+    )
+    table = concurrency_markdown(result)
+    click.echo(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    if markdown_path:
+        Path(markdown_path).write_text(table + "\n")
 
 
 @main.command("train-drafter")
