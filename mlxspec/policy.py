@@ -222,6 +222,17 @@ class Policy:
                 best_k, best_speed = k, speed
         return best_k, best_speed
 
+    def observe_unverified(self, situation: Situation, first_right: bool) -> None:
+        """A draft the batch cut to nothing still tells whether its first token was the
+        target's own choice at that position (that token is verified anyway): learn
+        acceptance from it, so that rounds of W = 0 do not freeze the estimate that
+        decides whether speculation comes back. For a drafter that samples, a match is
+        rarer than an acceptance (p(x) <= min(1, p(x)/q(x))): the estimate errs low."""
+        key = self._key(situation)
+        self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).update(
+            1, int(first_right), self.decay
+        )
+
     def update(
         self, situation: Situation, drafted: int, accepted: int, draft_seconds: float
     ) -> None:

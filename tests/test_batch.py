@@ -426,3 +426,46 @@ def test_the_pass_cost_learns_the_shape_of_real_passes_not_the_machine_load():
     assert cost(4, 4) == pytest.approx(1.5 + 2 * 1.0)
     cost.observe(4, 1, 1.5 * 0.3)
     assert cost(4, 4) == pytest.approx(1.5 + 1.5 * 1.0)
+
+
+class Faithful(Oracle):
+    """Drafts the plain output as is (`wrong`: with its first token always off)."""
+
+    def __init__(self, *args, wrong: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wrong = wrong
+
+    def propose(self, ctx, k):
+        done = len(ctx.tokens) - self.prompt_len
+        tokens = list(self.reference[done : done + k]) + [0] * k
+        if self.wrong:
+            tokens[0] = (tokens[0] + 1) % VOCAB
+        return Draft(tokens[:k])
+
+
+def test_rows_cut_to_plain_rounds_still_learn_their_acceptance():
+    """While the width is 0, each row's first draft token is checked against the target's
+    own token at that position: a right drafter's estimate rises, a wrong one's falls,
+    so the estimate that decides whether speculation comes back does not freeze."""
+    scheduler = scheduler_for("llama")
+    scheduler.pass_cost = StepCost(1)  # only plain passes are affordable: W = 0
+    model, eos = scheduler.engine.target.model, {VOCAB - 1}
+    prompts = sample_prompts(5)[:2]
+    references = [plain_greedy(model, p, MAX_TOKENS, eos) for p in prompts]
+    right = Faithful(len(prompts[0]), references[0])
+    wrong = Faithful(len(prompts[1]), references[1], wrong=True)
+    settings = GenerationSettings(max_tokens=MAX_TOKENS)
+    scheduler.submit(prompts[0], settings, right)
+    scheduler.submit(prompts[1], settings, wrong)
+    for _ in range(10):
+        scheduler.step()
+    assert len(scheduler.active) == 2
+    prior = Situation(right, "oracle").prior
+    rates = [
+        slot.run.policy.acceptance_rate(Situation(slot.proposer, "oracle"))
+        for slot in scheduler.active
+    ]
+    assert rates[0] > max(0.8, prior) and rates[1] < min(0.2, prior), rates
+    outputs = {i: got[-1].token_ids for i, got in collect(scheduler).items()}
+    for i in (0, 1):  # nothing was drafted into the pass: plain rounds, solo greedy
+        assert_lossless(model, prompts[i], references[i], list(outputs[i]), f"row {i}")

@@ -84,6 +84,7 @@ class Round:
     draft: Draft | None
     tree: DraftTree
     draft_seconds: float
+    unverified_first: int | None = None  # the first draft token, when the width cut all
 
 
 class Scheduler:
@@ -243,7 +244,13 @@ class Scheduler:
         ]
         width = choose_width(estimates, floor, self.pass_cost)
         return [
-            dataclasses.replace(r, tree=chain(r.tree.tokens[:width])) if len(r.tree) > width else r
+            dataclasses.replace(
+                r,
+                tree=chain(r.tree.tokens[:width]),
+                unverified_first=r.tree.tokens[0] if width == 0 else None,
+            )
+            if len(r.tree) > width
+            else r
             for r in rounds
         ]
 
@@ -251,6 +258,8 @@ class Scheduler:
         self, slot: Slot, r: Round, path: list[int], own_token: int, round_start: float
     ) -> None:
         run = slot.run
+        if r.unverified_first is not None and r.situation is not None:
+            run.policy.observe_unverified(r.situation, r.unverified_first == own_token)
         slot.events.extend(
             run.advance(r.tree, path, own_token, r.situation, r.draft_seconds, round_start)
         )
