@@ -469,3 +469,35 @@ def test_rows_cut_to_plain_rounds_still_learn_their_acceptance():
     outputs = {i: got[-1].token_ids for i, got in collect(scheduler).items()}
     for i in (0, 1):  # nothing was drafted into the pass: plain rounds, solo greedy
         assert_lossless(model, prompts[i], references[i], list(outputs[i]), f"row {i}")
+
+
+def test_a_prompt_that_continues_a_finished_one_starts_from_its_cache():
+    """A next turn (earlier prompt + its answer + more) joins with the finished row's
+    cache for the common prefix, prefills only the rest, and answers as it would alone;
+    a prompt that shares nothing prefills everything."""
+    scheduler = scheduler_for("llama")
+    model, eos = scheduler.engine.target.model, {VOCAB - 1}
+    first, unrelated = sample_prompts(7)[3], sample_prompts(8)[0]
+    scheduler.submit(first, GenerationSettings(max_tokens=12), "lookup")
+    scheduler.submit(unrelated, GenerationSettings(max_tokens=6), "lookup")
+    done = {i: got[-1] for i, got in collect(scheduler).items()}
+    turn = first + list(done[0].token_ids) + [65, 66, 67]
+    scheduler.submit(turn, GenerationSettings(max_tokens=MAX_TOKENS), "lookup")
+    scheduler.submit(sample_prompts(9)[0], GenerationSettings(max_tokens=4), "lookup")
+    again = {i: got[-1] for i, got in collect(scheduler).items()}
+    assert again[2].record.reused_prompt_tokens >= len(first) + len(done[0].token_ids) - 1
+    assert again[3].record.reused_prompt_tokens == 0
+    reference = plain_greedy(model, turn, MAX_TOKENS, eos)
+    assert_lossless(model, turn, reference, list(again[2].token_ids), "next turn")
+    # A prompt that leaves a kept cache midway must not write into it: the next prompt
+    # that takes all of that cache must still answer as it would alone.
+    kept = max(scheduler.prefixes.kept, key=lambda k: len(k.tokens))
+    partial = kept.tokens[:-4] + [1, 2, 3]  # shares more with `kept` than with any other
+    scheduler.submit(partial, GenerationSettings(max_tokens=8), "lookup")
+    collect(scheduler)
+    whole = kept.tokens + [68, 69]
+    scheduler.submit(whole, GenerationSettings(max_tokens=MAX_TOKENS), "lookup")
+    last = next(got[-1] for got in collect(scheduler).values())
+    assert last.record.reused_prompt_tokens == len(kept.tokens)
+    reference = plain_greedy(model, whole, MAX_TOKENS, eos)
+    assert_lossless(model, whole, reference, list(last.token_ids), "after a partial reuse")

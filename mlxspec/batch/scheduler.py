@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlxspec.batch.prefix import PrefixPool
 from mlxspec.batch.target import BatchTarget, Prefill
 from mlxspec.batch.width import PassCost, choose_width
 from mlxspec.engine import Engine, GenerationError, GenerationSettings, candidates
@@ -95,6 +96,7 @@ class Scheduler:
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens a joining request feeds per round
         self.target = BatchTarget(engine.target.model)
         self.pass_cost = PassCost(engine.verify_cost)  # of a pass over (rows, columns)
+        self.prefixes = PrefixPool(max_batch)  # finished rows' caches, for the next prompts
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
         self.active: list[Slot] = []  # in the order of the target's rows
@@ -146,7 +148,9 @@ class Scheduler:
         self._drop_cancelled()
         while self.waiting and len(self.joining) + len(self.active) < self.max_batch:
             slot = self.waiting.popleft()
-            slot.prefill = Prefill(self.target.model, slot.run.sequence[:-1])
+            tokens = slot.run.sequence[:-1]
+            slot.prefill = Prefill(self.target.model, tokens, self.prefixes.take(tokens))
+            slot.run.record.reused_prompt_tokens = slot.prefill.reused
             slot.admitted_at = time.perf_counter()
             self.joining.append(slot)
         for slot in list(self.joining):
@@ -179,6 +183,11 @@ class Scheduler:
     def _leave(self, leaving: list[Slot]) -> None:
         if not leaving:
             return
+        lengths = self.target.lengths()
+        for i, slot in enumerate(self.active):
+            held = slot.run.sequence[:-1]  # the row's cache holds all but the pending token
+            if slot in leaving and not slot.error and lengths[i] == len(held):
+                self.prefixes.add(held, self.target.extract(i))
         keep = [i for i, slot in enumerate(self.active) if slot not in leaving]
         self.target.leave(keep)
         self.active = [self.active[i] for i in keep]
