@@ -19,6 +19,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -284,8 +285,11 @@ def calibration_key(model: str, setup: str = "") -> str:
     return f"{key}|{setup}" if setup else key
 
 
-def cached_verify_cost(key: str, measure: Callable[[], VerifyCost]) -> VerifyCost:
-    """Calibrations are per model and machine; keep them in the cache dir across runs."""
+def cached_verify_cost(
+    key: str, measure: Callable[[], VerifyCost], load: Callable[[str], Any] = VerifyCost.from_json
+) -> VerifyCost:
+    """Calibrations are per model and machine; keep them in the cache dir across runs.
+    (`load` reads another kind of calibration kept the same way, e.g. a batch's.)"""
     path = cache_dir() / "calibration.json"
     try:
         known = json.loads(path.read_text())
@@ -293,7 +297,7 @@ def cached_verify_cost(key: str, measure: Callable[[], VerifyCost]) -> VerifyCos
         known = {}
     if key in known:
         try:
-            return VerifyCost.from_json(known[key])
+            return load(known[key])
         except (KeyError, TypeError, ValueError):
             pass
     cost = measure()

@@ -17,9 +17,17 @@ from test_lossless import CPU_LIKE_COST, MAX_TOKENS, Oracle
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.batch import target as batch_target
+from mlxspec.batch import width
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import BatchTarget, Prefill
-from mlxspec.batch.width import PassCost, choose_width
+from mlxspec.batch.width import (
+    GRID_COLUMNS,
+    GRID_ROWS,
+    PassCost,
+    PassGrid,
+    choose_width,
+    measure_pass_grid,
+)
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
 from mlxspec.policy import VerifyCost
@@ -501,3 +509,36 @@ def test_a_prompt_that_continues_a_finished_one_starts_from_its_cache():
     assert last.record.reused_prompt_tokens == len(kept.tokens)
     reference = plain_greedy(model, whole, MAX_TOKENS, eos)
     assert_lossless(model, whole, reference, list(last.token_ids), "after a partial reuse")
+
+
+def test_the_pass_grid_interpolates_between_measured_cells_and_never_falls():
+    grid = PassGrid({(1, 1): 1.0, (1, 4): 1.6, (4, 1): 1.3, (4, 4): 2.2})
+    assert grid(1, 1) == 1.0 and grid(4, 4) == 2.2
+    assert grid(1, 2) == pytest.approx(1.2)  # a third of the way from 1.0 to 1.6
+    assert grid(2, 2) == pytest.approx(1.2 + (1.3 + 0.3 - 1.2) / 3)
+    assert grid(8, 4) == pytest.approx(2.2 + 4 * (2.2 - 1.6) / 3)  # the last slope, on
+    assert PassGrid.from_json(grid.to_json()) == grid
+    cost = PassCost(CPU_LIKE_COST, grid=grid)
+    assert cost(4, 4) == pytest.approx(2.2)  # the grid, not the single-row curve
+
+
+def test_the_pass_grid_is_measured_through_real_batched_passes():
+    model = tiny_model("llama", seed=1)
+    grid = measure_pass_grid(model, VOCAB, context=16, repeats=1)
+    assert set(grid.cells) == {(r, c) for r in GRID_ROWS for c in GRID_COLUMNS}
+    assert grid.cells[(1, 1)] == 1.0
+    for (rows, columns), cost in grid.cells.items():  # never below a smaller pass
+        smaller = [v for (r, c), v in grid.cells.items() if r <= rows and c <= columns]
+        assert cost == max(smaller)
+
+
+def test_a_scheduler_measures_its_grid_unless_the_engine_was_handed_its_costs(monkeypatch):
+    measured = []
+    fake = PassGrid({(1, 1): 1.0, (2, 2): 1.5})
+    monkeypatch.setattr(width, "measure_pass_grid", lambda *a, **k: measured.append(1) or fake)
+    monkeypatch.setattr(width, "cached_verify_cost", lambda key, measure, load: measure())
+    handed = scheduler_for("llama")
+    assert handed.pass_cost.grid is None and not measured
+    engine = handed.engine
+    engine.measures_costs = True
+    assert Scheduler(engine, max_batch=2).pass_cost.grid is fake and measured == [1]

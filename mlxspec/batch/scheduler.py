@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from mlxspec.batch.prefix import PrefixPool
 from mlxspec.batch.target import BatchTarget, Prefill
-from mlxspec.batch.width import PassCost, choose_width
+from mlxspec.batch.width import PassCost, choose_width, pass_grid_for
 from mlxspec.engine import Engine, GenerationError, GenerationSettings, candidates
 from mlxspec.events import Event
 from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation
@@ -95,7 +95,8 @@ class Scheduler:
         self.engine, self.max_batch = engine, max_batch
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens a joining request feeds per round
         self.target = BatchTarget(engine.target.model)
-        self.pass_cost = PassCost(engine.verify_cost)  # of a pass over (rows, columns)
+        # A pass's cost over (rows, columns): measured, corrected by the passes run.
+        self.pass_cost = PassCost(engine.verify_cost, grid=pass_grid_for(engine))
         self.prefixes = PrefixPool(max_batch)  # finished rows' caches, for the next prompts
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []

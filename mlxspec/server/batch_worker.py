@@ -62,6 +62,8 @@ class BatchedWorker(Worker):
 
     def _serve(self) -> None:
         self._open_preload()
+        if self._model is not None:  # measure the batch's costs before the first request
+            self._scheduler_for(self._model.engine)
         stopping = False
         while not stopping or self._rows():
             if not stopping:
