@@ -195,6 +195,11 @@ def test_mtp_layouts_load_draft_chained_and_stay_lossless(layout, tmp_path):
     assert loaded.keys() == intended.keys()
     for key, value in intended.items():
         assert mx.allclose(loaded[key], value, atol=1e-6), key
+    # What a chained step reads back: the normed output where the published forward
+    # returns it normed (Qwen3-Next, MiMo), the pre-norm one for DeepSeek-V3's shared_head.
+    g = mx.random.normal((1, 2, D)) * 5
+    fed_normed = mx.allclose(head.feedback(g), head.features(g))
+    assert fed_normed == (layout != "deepseek-v3") and head.features(g).abs().max() < 5
     engine = Engine(model, byte_tokenizer(), "tiny")
     engine.add_proposer(HeadProposer(head, engine.target))
     trees = [False] if engine.target.tree_unsupported else [False, True]

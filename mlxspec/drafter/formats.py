@@ -15,8 +15,9 @@ files where a folder has none: read without torch, see `torch_bin.py`):
 The MTP layer is the target family's own (dense or MoE): its weights pass through the
 target's mlx-lm `sanitize` under a layer name of the target (which stacks MoE experts,
 splits MLA's kv_b_proj, dequantizes FP8), then load strictly.
-- EAGLE-3 (SafeAILab; `fc`, `midlayer.*`, `d2t`): three target layers and a wider
-  attention, a module of its own (`eagle3.py`).
+- EAGLE-3 (SafeAILab; `fc`, `midlayer.*`, `d2t`; or vLLM speculators' `layers.0.*` with
+  `hidden_norm`): three target layers and a wider attention, a module of its own
+  (`eagle3.py`).
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> He
     if not directory.is_dir():
         raise HeadError(f"no drafter head at {directory}: not a folder")
     weights = read_weights(directory)
-    if any(key.startswith("midlayer.") for key in weights):
+    eagle3 = "layers.0.hidden_norm.weight" in weights  # vLLM speculators' names
+    if eagle3 or any(key.startswith("midlayer.") for key in weights):
         return load_eagle3(directory, weights, model, decoder)
     for layout in _layouts(model):
         if f"{layout.prefix}{next(iter(layout.renames))}weight" not in weights:
