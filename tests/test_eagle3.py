@@ -113,11 +113,11 @@ def draft_logits(w, g):
     return rms(g, w["norm.weight"]) @ w["lm_head.weight"].T
 
 
-def captured_states(model, tokens):
-    """The residual stream entering layers CAPTURED, side by side (1, L, 3D)."""
+def captured_states(model, tokens, layers=CAPTURED):
+    """The residual stream entering `layers`, side by side (1, L, 3D)."""
     h, taken = model.model.embed_tokens(mx.array([tokens])), []
     for index, layer in enumerate(model.model.layers):
-        if index in CAPTURED:
+        if index in layers:
             taken.append(h)
         h = layer(h, "causal")
     return mx.concatenate(taken, -1)

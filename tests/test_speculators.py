@@ -21,6 +21,7 @@ from test_eagle3 import (
     KV_HEADS,
     LAYERS,
     D,
+    captured_states,
     draft_logits,
     eagle3_checkpoint,
     midlayer,
@@ -84,15 +85,6 @@ def speculators_checkpoint(folder, aux=None, norm_before_residual=True, **layer_
     return w
 
 
-def captured(model, tokens, layers):
-    h, taken = model.model.embed_tokens(mx.array([tokens])), []
-    for index, layer in enumerate(model.model.layers):
-        if index in layers:
-            taken.append(h)
-        h = layer(h, "causal")
-    return mx.concatenate(taken, -1)
-
-
 @pytest.mark.parametrize("aux, norm_before_residual", [(None, True), ([1, 3, 6], False)])
 def test_a_speculators_head_maps_onto_the_published_forward_pass(
     target, tmp_path, aux, norm_before_residual
@@ -107,7 +99,7 @@ def test_a_speculators_head_maps_onto_the_published_forward_pass(
     rows = decoder.hidden(mx.array([tokens]), [None] * LAYERS, capture=layers)
     embeds = decoder.embed(mx.array([tokens[1:]]))
     g = head(head.from_target(rows[:, :-1]), embeds, "causal")
-    fused = captured(model, tokens[:-1], layers) @ w["fc.weight"].T + w["fc.bias"]
+    fused = captured_states(model, tokens[:-1], layers) @ w["fc.weight"].T + w["fc.bias"]
     expected = midlayer(w, fused, embeds, norm_before_residual)
     assert mx.allclose(g, expected, atol=1e-4)
     assert mx.allclose(head.logits(g, None), draft_logits(w, expected), atol=1e-3)
