@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -25,3 +28,16 @@ def data_dir() -> Path:
     """Saved conversations; MLXSPEC_DATA overrides."""
     override = os.environ.get("MLXSPEC_DATA")
     return Path(override) if override else _xdg("XDG_DATA_HOME", ".local/share") / "mlxspec"
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created if missing) for a read-modify-write of a file
+    that two processes share (chat and serve at once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -19,13 +19,14 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec import device
-from mlxspec.paths import cache_dir
+from mlxspec.paths import cache_dir, file_lock
 from mlxspec.proposers.base import Situation
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 8, 16, 32, 64)
@@ -292,21 +293,25 @@ def cached_verify_cost(
     (`load` reads another kind of calibration kept the same way, e.g. a batch's.)"""
     path = cache_dir() / "calibration.json"
     try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        try:
-            return load(known[key])
-        except (KeyError, TypeError, ValueError):
-            pass
-    cost = measure()
-    known[key] = cost.to_json()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(path)
+        return load(_read_calibrations(path)[key])
+    except (KeyError, TypeError, ValueError):
+        pass
+    cost = measure()  # outside the lock: it takes seconds
+    try:  # re-read under the lock, so another process's new entry is not written over
+        with file_lock(path.with_suffix(".lock")):
+            known = _read_calibrations(path)
+            known[key] = cost.to_json()
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            tmp.replace(path)
     except OSError:
         pass  # a read-only cache only costs a re-calibration next time
     return cost
+
+
+def _read_calibrations(path: Path) -> dict[str, str]:
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}

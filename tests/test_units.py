@@ -303,3 +303,26 @@ def test_calibration_keeps_true_costs_through_a_busy_spell():
     for m in CALIBRATION_SIZES:
         assert cost(m) == pytest.approx(1 + 0.1 * (m - 1)), m
     assert cost.step_seconds == pytest.approx(0.1)
+
+
+def test_a_calibration_kept_by_another_process_meanwhile_is_not_written_over(
+    tmp_path, monkeypatch
+):
+    """Two processes (chat and serve) calibrating different models at once: each adds
+    its entry; neither loses the other's (the file is re-read under a lock)."""
+    import json
+
+    from mlxspec.policy import VerifyCost, cached_verify_cost
+
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    other = VerifyCost({1: 1.0, 8: 2.0}, 0.1)
+
+    def measure_while_another_process_keeps_its_own():
+        cached_verify_cost("other model", lambda: other)
+        return VerifyCost({1: 1.0, 8: 1.5}, 0.2)
+
+    mine = cached_verify_cost("my model", measure_while_another_process_keeps_its_own)
+    kept = json.loads((tmp_path / "calibration.json").read_text())
+    assert set(kept) == {"my model", "other model"}
+    assert cached_verify_cost("other model", lambda: None) == other
+    assert cached_verify_cost("my model", lambda: None) == mine

@@ -15,20 +15,19 @@ only ever proposes drafts, which the target verifies, so losing it costs speed o
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import struct
 import warnings
 import zlib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
 
-from mlxspec.paths import data_dir
+from mlxspec.paths import data_dir, file_lock
 from mlxspec.suffix.index import PrefixIndex
 
 DEFAULT_BOUND = 64 * 2**20  # bytes of index.bin: ~8M tokens (two int32 each)
@@ -144,15 +143,8 @@ class HistoryStore:
     def _path(self, name: str) -> Path:
         return self.directory / name
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self._path("lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+    def _locked(self) -> AbstractContextManager[None]:
+        return file_lock(self._path("lock"))
 
     def _load(self) -> PrefixIndex:
         """The saved index with the journal merged in; when the journal had anything, the
