@@ -559,20 +559,15 @@ def bench(
     entry = load_registry().including(model).get(model)
     warn_if_slow_blas()
     if concurrency:
-        if history or tree or plot_path or repeats:
+        if history or tree or plot_path:
             raise click.UsageError(
-                "--concurrency runs every row once and draws no plot; leave out "
-                "--from-history, --tree, --plot and --repeats"
+                "--concurrency draws no plot and runs lines only; leave out "
+                "--from-history, --tree and --plot"
             )
+        levels = list(concurrency)
+        outputs = (json_path, markdown_path)
         _bench_concurrency(
-            entry,
-            suite,
-            prompts_file,
-            proposers,
-            max_tokens,
-            list(concurrency),
-            json_path,
-            markdown_path,
+            entry, suite, prompts_file, proposers, max_tokens, levels, repeats or 1, outputs
         )
         return
     suite = suite or "quick"
@@ -606,7 +601,7 @@ def bench(
 
 
 def _bench_concurrency(
-    entry, suite, prompts_file, proposers, max_tokens, levels, json_path, markdown_path
+    entry, suite, prompts_file, proposers, max_tokens, levels, repeats, outputs
 ) -> None:
     """`bench --concurrency`: see mlxspec/bench/concurrency.py."""
     from mlxspec.bench import BenchError
@@ -621,17 +616,22 @@ def _bench_concurrency(
         for name in names:
             entry.proposer(name.strip())  # an unknown name fails here, before the weights load
         runtime = open_runtime(entry, notify=say)
-        result = run_concurrency(
-            runtime, prompts, levels, [n.strip() for n in names], max_tokens, say
-        )
+        names = [n.strip() for n in names]
+        result = run_concurrency(runtime, prompts, levels, names, max_tokens, say, repeats)
     except (BenchError, ProposerError) as err:
         raise click.ClickException(str(err)) from None
     result.update(
         machine=describe_machine(),
-        settings={"model": entry.name, "prompts": len(prompts), "max_tokens": max_tokens},
+        settings={
+            "model": entry.name,
+            "prompts": len(prompts),
+            "max_tokens": max_tokens,
+            "repeats": repeats,
+        },
     )
     table = concurrency_markdown(result)
     click.echo(table)
+    json_path, markdown_path = outputs
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
     if markdown_path:

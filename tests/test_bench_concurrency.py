@@ -46,9 +46,10 @@ def four_prompts(tmp_path, monkeypatch):
 def test_rows_share_passes_and_every_answer_equals_one_at_a_time(four_prompts, tmp_path):
     out = tmp_path / "concurrency.json"
     args = [*four_prompts, "-c", "2", "--proposers", "prompt-lookup", "--json", str(out)]
-    result = CliRunner().invoke(main, args)
+    result = CliRunner().invoke(main, [*args, "--repeats", "2"])
     assert result.exit_code == 0, result.output
-    rows = json.loads(out.read_text())["rows"]
+    assert "batched plain, 4 requests (repeat 2/2)" in result.output  # rows took turns
+    rows = json.loads(out.read_text())["rows"]  # each row once: its faster repeat
     assert [r["row"] for r in rows] == [
         "one at a time (prompt-lookup)",
         "batched plain",
@@ -69,7 +70,7 @@ def test_rows_share_passes_and_every_answer_equals_one_at_a_time(four_prompts, t
 def test_concurrency_refuses_options_it_cannot_honour(four_prompts):
     result = CliRunner().invoke(main, [*four_prompts, "-c", "2", "--tree"])
     assert result.exit_code == 2
-    assert "--concurrency runs every row once" in result.output
+    assert "--concurrency draws no plot and runs lines only" in result.output
 
 
 def test_an_unknown_proposer_is_one_line_before_the_weights_load(four_prompts, monkeypatch):

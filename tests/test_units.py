@@ -305,9 +305,7 @@ def test_calibration_keeps_true_costs_through_a_busy_spell():
     assert cost.step_seconds == pytest.approx(0.1)
 
 
-def test_a_calibration_kept_by_another_process_meanwhile_is_not_written_over(
-    tmp_path, monkeypatch
-):
+def test_a_calibration_kept_by_another_process_meanwhile_is_not_written_over(tmp_path, monkeypatch):
     """Two processes (chat and serve) calibrating different models at once: each adds
     its entry; neither loses the other's (the file is re-read under a lock)."""
     import json
