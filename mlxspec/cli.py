@@ -391,6 +391,7 @@ def pull(name):
     help="Requests that generate together, sharing each target pass (1: one at a time).",
 )
 @TREE_OPTION
+@distributed_options
 @fail_cleanly
 def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, tree):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
@@ -405,7 +406,9 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
       mlxspec serve --model smollm2-135m
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+      mlxspec serve --ranks 3            # the target sharded over 3 local ranks
     """
+    from mlxspec.distributed.rank import current_rank
     from mlxspec.server import (
         ListenError,
         RegistryProvider,
@@ -416,14 +419,26 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     )
 
     registry = load_registry().including(model).with_defaults(tree=tree)
-    provider = RegistryProvider(registry, default=model, notify=say)
+    rank = current_rank()  # None unless launched with --ranks/--hostfile
+    if rank is None:
+        provider = RegistryProvider(registry, default=model, notify=say)
+    else:
+        if max_batch > 1:
+            raise click.UsageError("--max-batch above 1 does not run sharded yet; drop one")
+        entry = registry.get(model)
+        if not rank.front:  # the other ranks run what rank 0's server announces
+            rank.follow(rank.open_runtime(entry, say))
+            return
+        from mlxspec.server.sharded import RankProvider
+
+        provider = RankProvider(entry, rank, say)
     try:
         sock = bind_listening_socket(host, port)  # a busy port fails before the model loads
     except ListenError as err:
         raise click.ClickException(str(err)) from None
     warn_if_slow_blas()
     limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting, max_batch=max_batch)
-    app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default)
+    app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default, ranks=rank)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
     say(f"serving {provider.default} at http://{host}:{port}/v1")

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
+import openai
 import pytest
 from lossless import assert_lossless, plain_greedy
 from mlx.utils import tree_flatten
@@ -231,3 +238,133 @@ def test_smollm2_three_ranks_prompt_lookup_matches_one_process(smollm2, tmp_path
     )
     reference = plain_greedy(smollm2.model, tokens, 16, set(smollm2.tokenizer.eos_token_ids))
     assert_lossless(smollm2.model, tokens, reference, got["token_ids"], "3 ranks prompt-lookup")
+
+
+# --- serve --ranks: rank 0 serves, the others follow ---------------------------------------------
+
+SERVE_PROMPTS = ["abc abc abc abc abc abc", "xy xy xy xy xy", "one two one two", "q r s q r s"]
+
+
+@contextmanager
+def serving_ranks(root: Path, *args: str, fault: str = "") -> Iterator[tuple]:
+    """`mlxspec serve --ranks 2` on a free port: (launcher process, openai client, base
+    URL) once the model is loaded; the launcher is interrupted (Ctrl-C) at the end."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "MLXSPEC_MODELS": str(root / "models.toml")}
+    env |= {"MLXSPEC_CACHE": str(root / "cache"), "OPENBLAS_NUM_THREADS": "1"}
+    env.pop("MLXSPEC_FAULT", None)
+    if fault:
+        env["MLXSPEC_FAULT"] = fault
+    command = [sys.executable, "-m", "mlxspec", "serve", "--ranks", "2", "--port", str(port)]
+    launcher = subprocess.Popen(
+        [*command, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert launcher.poll() is None, launcher.stderr.read()
+            assert time.monotonic() < deadline, "the sharded server did not come up"
+            try:
+                if httpx.get(f"{url}/health").json()["model"] == "tiny":
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
+        yield launcher, client, url
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGINT)
+        try:
+            launcher.wait(30)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+
+
+def rank_processes(port: int) -> list[str]:
+    """Command lines of the processes still serving on `port` (ranks included)."""
+    pattern = f"serve.*--port {port}"
+    found = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if "mlxspec serve" in line]
+
+
+def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
+    """Four concurrent openai clients, streaming and not, a client that leaves mid-stream,
+    and Ctrl-C: through `serve --ranks 2` as in one process."""
+    from mlxspec.engine import Engine, GenerationSettings
+    from mlxspec.loading import load_model
+
+    loaded = load_model(str(tiny / "llama"), progress=False)
+    one_process = Engine(loaded.model, loaded.tokenizer, "tiny")
+    expected = {}
+    for prompt in SERVE_PROMPTS:  # plain decoding in one process: text and tokens
+        done = list(one_process.stream(prompt, GenerationSettings(max_tokens=24)))[-1]
+        tokens = loaded.tokenizer.encode(prompt)
+        reference = plain_greedy(loaded.model, tokens, 24, {256})
+        assert_lossless(loaded.model, tokens, reference, list(done.token_ids), prompt)
+        expected[prompt] = done.text
+    seed_flat_calibration(tiny, "tiny", 2)
+
+    def complete(prompt: str, stream: bool = False) -> str:
+        asked = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=stream)
+        if not stream:
+            return client.completions.create(**asked).choices[0].text
+        return "".join(chunk.choices[0].text for chunk in client.completions.create(**asked))
+
+    with serving_ranks(tiny) as (launcher, client, url):
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(complete, SERVE_PROMPTS))
+        assert together == list(expected.values())
+        assert complete(SERVE_PROMPTS[0], stream=True) == expected[SERVE_PROMPTS[0]]
+
+        # A client that leaves: every rank stops after the same round, then serves on.
+        long = client.completions.create(model="tiny", prompt="ab ab", max_tokens=2000, stream=True)
+        next(iter(long))
+        long.close()
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/health").json()["busy"]:
+            assert time.monotonic() < deadline, "the engine stayed busy after the client left"
+            time.sleep(0.1)
+        assert complete(SERVE_PROMPTS[1]) == expected[SERVE_PROMPTS[1]]
+
+        port = url.rsplit(":", 1)[1]
+        assert len(rank_processes(int(port))) >= 3  # the launcher and both ranks
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C where the user typed the command
+        launcher.wait(15)
+        deadline = time.monotonic() + 10
+        while rank_processes(int(port)):
+            assert time.monotonic() < deadline, "a rank outlived Ctrl-C"
+            time.sleep(0.2)
+
+
+def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny):
+    """The request in flight and the one queued behind it both hear which rank is gone;
+    the server exits non-zero within the collective timeout. (A hung rank takes the same
+    way out, through the watchdog; `test_a_stuck_rank_is_caught_by_the_watchdog`.)"""
+    seed_flat_calibration(tiny, "tiny", 2)
+    args = ("--collective-timeout", "4")
+    with serving_ranks(tiny, *args, fault="die:1:4") as (launcher, client, url):
+        start = time.monotonic()
+
+        def ask(prompt: str) -> str:
+            try:
+                stream = client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=400, temperature=0, stream=True
+                )
+                return "".join(chunk.choices[0].text for chunk in stream)
+            except openai.APIError as err:
+                return f"{getattr(err, 'status_code', 'in stream')}: {err.message}"
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(ask, ["ab ab ab", "cd cd cd"]))
+        for answer in answers:
+            assert "rank 1 ended while serving" in answer, answers
+            assert "server is stopping" in answer, answers
+        assert any(answer.startswith("503") for answer in answers)  # the queued one
+        assert launcher.wait(30) != 0
+        assert "Error: " in launcher.stderr.read()
+        assert time.monotonic() - start < 25
