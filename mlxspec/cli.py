@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import click
@@ -191,6 +192,7 @@ def generate(
 )
 @TREE_OPTION
 @NO_HISTORY_OPTION
+@distributed_options
 @fail_cleanly
 def chat(model, proposer, plain, color, tree, no_history):
     """Chat with a model and watch speculation at work.
@@ -203,7 +205,10 @@ def chat(model, proposer, plain, color, tree, no_history):
       mlxspec chat
       mlxspec chat --model qwen3-8b --proposer draft-model
       printf 'Name three primes\\n/quit\\n' | mlxspec chat --plain
+      mlxspec chat --ranks 3     # sharded: rank 0 has no terminal, so the line chat
     """
+    from mlxspec.distributed.rank import current_rank
+
     registry = (
         load_registry()
         .including(model)
@@ -212,6 +217,18 @@ def chat(model, proposer, plain, color, tree, no_history):
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
     warn_if_slow_blas()
+    rank = current_rank()  # None unless launched with --ranks/--hostfile
+    if rank is not None:  # mlx.launch gives rank 0 pipes, not a terminal: the line chat
+        from tui.plain import run_plain
+
+        runtime = rank.open_runtime(entry, say)
+        if not rank.front:
+            rank.follow(runtime)
+            return
+        stream = partial(rank.stream, runtime)
+        run_plain(runtime, proposer, sys.stdin, bool(color), prompt=False, stream=stream)
+        rank.end_following()
+        return
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from mlxspec.runtime import open_runtime
         from tui.plain import run_plain

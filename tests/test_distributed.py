@@ -61,6 +61,7 @@ def tiny(tmp_path_factory):
     (root / "models.toml").write_text(
         'default = "tiny"\n'
         '[models.tiny]\ntarget = "./llama"\n'
+        "[models.tiny.defaults]\nmax_tokens = 32\n"
         "[models.tiny.proposers.prompt-lookup]\nk_max = 8\n"
         "[models.tiny.proposers.self-spec]\nlayers = 1\nk_max = 4\n"
         '[models.tinyq]\ntarget = "./qwen2"\n'
@@ -368,3 +369,23 @@ def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny):
         assert launcher.wait(30) != 0
         assert "Error: " in launcher.stderr.read()
         assert time.monotonic() - start < 25
+
+
+def test_chat_sharded_answers_every_turn_as_one_process(tiny):
+    """`chat --ranks 2` (the line chat: rank 0 has pipes, not a terminal) over two turns,
+    then /quit ends every rank with exit 0."""
+    seed_flat_calibration(tiny, "tiny", 2)
+    turns = "one two one two\nxy xy xy\n/quit\n"
+    env = {**os.environ, "MLXSPEC_MODELS": str(tiny / "models.toml")}
+    env |= {"MLXSPEC_CACHE": str(tiny / "cache"), "OPENBLAS_NUM_THREADS": "1"}
+    env.pop("MLXSPEC_FAULT", None)
+    run = [sys.executable, "-m", "mlxspec", "chat", "--plain", "--no-color"]
+    answers = [
+        subprocess.run(
+            [*run, *args], input=turns, capture_output=True, text=True, env=env, timeout=120
+        )
+        for args in ([], ["--ranks", "2"])
+    ]
+    assert all(done.returncode == 0 for done in answers), answers[1].stderr
+    assert answers[1].stdout.count("\n") == 2 and len(answers[1].stdout) > 40  # 2 answers
+    assert answers[1].stdout == answers[0].stdout
