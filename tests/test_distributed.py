@@ -36,6 +36,7 @@ from mlxspec.distributed.launch import (
 
 PROMPT = "abc abc abc abc abc abc"
 QWEN2 = dict(FAMILIES["qwen3"], model_type="qwen2", num_hidden_layers=4, tie_word_embeddings=False)
+DEEP = dict(FAMILIES["llama"], num_hidden_layers=24)
 
 
 def save_model(model, config: dict, folder: Path) -> Path:
@@ -52,12 +53,16 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
     llama = tiny_model("llama", seed=3)
     save_model(llama, FAMILIES["llama"], root / "llama")
-    from mlx_lm.models import qwen2
+    from mlx_lm.models import llama, qwen2
 
     mx.random.seed(4)
     qwen = qwen2.Model(qwen2.ModelArgs.from_dict(QWEN2))
     mx.eval(qwen.parameters())
     save_model(qwen, QWEN2, root / "qwen2")
+    mx.random.seed(5)  # layers outweigh the embeddings: what sharding saves shows
+    deep = llama.Model(llama.ModelArgs.from_dict(DEEP))
+    mx.eval(deep.parameters())
+    save_model(deep, DEEP, root / "deep")
     (root / "models.toml").write_text(
         'default = "tiny"\n'
         '[models.tiny]\ntarget = "./llama"\n'
@@ -65,6 +70,7 @@ def tiny(tmp_path_factory):
         "[models.tiny.proposers.prompt-lookup]\nk_max = 8\n"
         "[models.tiny.proposers.self-spec]\nlayers = 1\nk_max = 4\n"
         '[models.tinyq]\ntarget = "./qwen2"\n'
+        '[models.deep]\ntarget = "./deep"\n'
     )
     return root
 
@@ -181,6 +187,18 @@ def test_pipeline_parallel_where_mlx_lm_has_it(tiny):
     assert got["record"]["parallel"] == "pipeline"
     assert got["record"]["drafted"] > 0 and got["record"]["verify_steps"] > 0  # it speculated
     assert_lossless(model, prompt, expected, got["token_ids"], "pipeline", got["record"])
+
+
+def test_each_rank_reads_only_its_shard(tiny):
+    """The model is split before its weights are read: each rank's peak memory while
+    loading is about half the weights (plus the embeddings every rank keeps)."""
+    full_kb = (tiny / "deep" / "model.safetensors").stat().st_size / 1024
+    got = generate(tiny, "--model", "deep", "--ranks", "2", "--proposer", "none", "-n", "1")
+    peaks = got["record"]["load_peak_kb"]
+    assert len(peaks) == 2 and all(0.3 * full_kb < kb < 0.7 * full_kb for kb in peaks), (
+        peaks,
+        full_kb,
+    )
 
 
 def test_impossible_splits_fail_with_one_clear_line(tiny):

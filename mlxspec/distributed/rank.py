@@ -19,6 +19,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from functools import partial
 
 import mlx.core as mx
 
@@ -117,6 +118,7 @@ class RankSession:
         self.rounds = 0
         self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""), self.rank)
         self.processes: list[tuple[int, int]] = []  # (host id, pid) per rank, once loaded
+        self.load_peak_kb: list[int] = []  # MLX's peak memory while loading, per rank
 
     @property
     def front(self) -> bool:
@@ -138,13 +140,20 @@ class RankSession:
             f"loading {entry.name}"
         )
         self.watchdog.disarm()  # loading takes as long as it takes on each host
-        loaded = load_model(entry.target, progress=self.front)
-        mine = fingerprint(loaded.model)
+        mx.reset_peak_memory()
+        # Split before any weight is read: each rank reads (and dequantizes) its slices only.
+        split = partial(shard, group=self.group, parallel=self.config.parallel)
+        loaded = load_model(entry.target, progress=self.front, shard=split)
+        mine = fingerprint(loaded.path)
         if self._fault.get("weights") is not None:
             mine ^= 1
-        rows = self.collectives.all_gather([mine, os.getpid(), _host_id()], "comparing model files")
+        peak_kb = int(mx.get_peak_memory() // 1024)
+        rows = self.collectives.all_gather(
+            [mine, os.getpid(), _host_id(), peak_kb], "comparing model files"
+        )
         prints = rows[:, 0]
-        self.processes = [(int(host), int(pid)) for _, pid, host in rows]
+        self.processes = [(int(host), int(pid)) for _, pid, host, _ in rows]
+        self.load_peak_kb = [int(kb) for kb in rows[:, 3]]
         odd = [r for r in range(self.size) if prints[r] != prints[0]]
         if odd:
             raise DistributedError(
@@ -152,7 +161,6 @@ class RankSession:
                 f"{', '.join(map(str, odd))} load other weights than rank 0 (fingerprint "
                 f"{prints[odd[0]]:08x} vs {prints[0]:08x}); copy the same files to every host"
             )
-        shard(loaded.model, self.group, self.config.parallel)
         width = int(getattr(getattr(loaded.model, "args", None), "hidden_size", 0) or 0)
         if width:
             self.allreduce_seconds = self.collectives.allreduce_latency(width)
@@ -244,6 +252,7 @@ class RankSession:
                     record.collective_rounds = rounds
                     record.allreduce_seconds = round(self.allreduce_seconds, 7)
                     record.allreduces_per_forward = self.allreduces
+                    record.load_peak_kb = self.load_peak_kb
                 if self.front or isinstance(event, Done):
                     yield event
         finally:
