@@ -140,6 +140,26 @@ def test_outcome_names_the_rank_that_died_not_those_stopped_after_it():
     assert outcome.message([]).startswith("rank 1 was killed")
 
 
+def test_sharded_calibration_averages_a_slow_size_away_so_long_drafts_pay():
+    """A sharded step costs about the same for 1 or 64 tokens (dozens of all-reduces);
+    here every timing of 3 tokens is 2.6x slow (a busy neighbour). Carried forward as
+    a running max, that made every draft past 1 token look dear; the pooled fit keeps
+    the curve low, so at 90 % acceptance the policy drafts long."""
+    from mlxspec.distributed.rank import SHARDED_CALIBRATION
+    from mlxspec.policy import calibrate, expected_tokens
+
+    now = [0.0]
+
+    def forward(m: int) -> None:
+        now[0] += 0.1 * (1 + 0.01 * (m - 1)) * (2.6 if m == 3 else 1.0)
+
+    cost = calibrate(forward, lambda: None, clock=lambda: now[0], **SHARDED_CALIBRATION)
+    points = [cost(m) for m in sorted(cost.points)]
+    assert points == sorted(points) and points[0] >= 1.0  # monotone, never below a step
+    best_k = max(range(1, 9), key=lambda k: expected_tokens(0.9, k) / cost(k + 1))
+    assert best_k >= 6 and cost(8) < 1.5, cost.points
+
+
 # --- Real ranks on tiny models ------------------------------------------------------------------
 
 
