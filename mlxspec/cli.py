@@ -441,7 +441,9 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
         provider = RegistryProvider(registry, default=model, notify=say)
     else:
         if max_batch > 1:
-            raise click.UsageError("--max-batch above 1 does not run sharded yet; drop one")
+            raise click.UsageError(
+                "--max-batch above 1 does not run sharded yet; drop --max-batch or --ranks"
+            )
         entry = registry.get(model)
         if not rank.front:  # the other ranks run what rank 0's server announces
             rank.follow(rank.open_runtime(entry, say))
