@@ -160,6 +160,48 @@ def test_sharded_calibration_averages_a_slow_size_away_so_long_drafts_pay():
     assert best_k >= 6 and cost(8) < 1.5, cost.points
 
 
+def test_a_stuck_rank_while_serving_answers_every_request_with_a_503(monkeypatch):
+    """The watchdog of a serving rank 0 does not end the process at once: the running
+    request and the queued one first get a 503 that says why, new ones are refused."""
+    import asyncio
+
+    from mlxspec.distributed.watchdog import Watchdog
+    from mlxspec.engine import GenerationSettings
+    from mlxspec.server import sharded
+    from mlxspec.server.errors import ApiError
+    from mlxspec.server.worker import Generation, Job
+
+    exits = []
+    monkeypatch.setattr(sharded, "_exit_after_grace", lambda: exits.append(1))
+
+    class Session:  # what the worker needs of a RankSession
+        watchdog = Watchdog(0.3, 0)
+
+        def gone_ranks(self) -> list[int]:
+            return []
+
+    session = Session()
+    worker = sharded.ShardedWorker(None, 4, session, "tiny")
+    loop = asyncio.new_event_loop()
+    generation = Generation("tiny", "hi", GenerationSettings(), None)
+    running, queued = Job(generation, loop), Job(generation, loop)
+    worker._running = running
+    worker._waiting.put(queued)
+    session.watchdog.arm("generating")  # and nothing comes
+    deadline = time.monotonic() + 10
+    while not exits:
+        assert time.monotonic() < deadline, "the watchdog did not fire"
+        time.sleep(0.05)
+    for job in (running, queued):
+        error = loop.run_until_complete(job.next())
+        assert isinstance(error, ApiError) and error.status_code == 503
+        assert "no progress from the other ranks for 0.3 s while generating" in error.message
+        assert error.body()["error"]["code"] == "rank_failed"
+    with pytest.raises(ApiError, match="shutting down"):
+        worker.submit(generation)
+    loop.close()
+
+
 # --- Real ranks on tiny models ------------------------------------------------------------------
 
 
