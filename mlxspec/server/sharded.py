@@ -90,6 +90,8 @@ class ShardedWorker(Worker):
         if self.session.gone_ranks():
             self.fail("stopped by the launcher")
             return
+        if self._stopping.is_set():
+            return  # stopping already (uvicorn's signal, then its lifespan)
         super().shutdown()
         timer = threading.Timer(STOP_SECONDS, self.fail, ("the server was stopped",))
         timer.daemon = True
