@@ -165,6 +165,8 @@ class RankSession:
                 f"{', '.join(map(str, odd))} load other weights than rank 0 (fingerprint "
                 f"{prints[odd[0]]:08x} vs {prints[0]:08x}); copy the same files to every host"
             )
+        peaks = ", ".join(f"{kb / 1024:.1f}" for kb in self.load_peak_kb)
+        notify(f"loaded: each rank holds its shard (peak MiB while loading, per rank: {peaks})")
         width = int(getattr(getattr(loaded.model, "args", None), "hidden_size", 0) or 0)
         if width:
             self.allreduce_seconds = self.collectives.allreduce_latency(width)
