@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import click
@@ -191,6 +192,7 @@ def generate(
 )
 @TREE_OPTION
 @NO_HISTORY_OPTION
+@distributed_options
 @fail_cleanly
 def chat(model, proposer, plain, color, tree, no_history):
     """Chat with a model and watch speculation at work.
@@ -203,7 +205,10 @@ def chat(model, proposer, plain, color, tree, no_history):
       mlxspec chat
       mlxspec chat --model qwen3-8b --proposer draft-model
       printf 'Name three primes\\n/quit\\n' | mlxspec chat --plain
+      mlxspec chat --ranks 3     # sharded: rank 0 has no terminal, so the line chat
     """
+    from mlxspec.distributed.rank import current_rank
+
     registry = (
         load_registry()
         .including(model)
@@ -212,6 +217,18 @@ def chat(model, proposer, plain, color, tree, no_history):
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
     warn_if_slow_blas()
+    rank = current_rank()  # None unless launched with --ranks/--hostfile
+    if rank is not None:  # mlx.launch gives rank 0 pipes, not a terminal: the line chat
+        from tui.plain import run_plain
+
+        runtime = rank.open_runtime(entry, say)
+        if not rank.front:
+            rank.follow(runtime)
+            return
+        stream = partial(rank.stream, runtime)
+        run_plain(runtime, proposer, sys.stdin, bool(color), prompt=False, stream=stream)
+        rank.end_following()
+        return
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from mlxspec.runtime import open_runtime
         from tui.plain import run_plain
@@ -411,6 +428,7 @@ def pull(name, mtp, mtp_source):
     help="Requests that generate together, sharing each target pass (1: one at a time).",
 )
 @TREE_OPTION
+@distributed_options
 @fail_cleanly
 def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, tree):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
@@ -425,7 +443,9 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
       mlxspec serve --model smollm2-135m
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+      mlxspec serve --ranks 3            # the target sharded over 3 local ranks
     """
+    from mlxspec.distributed.rank import current_rank
     from mlxspec.server import (
         ListenError,
         RegistryProvider,
@@ -436,14 +456,28 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     )
 
     registry = load_registry().including(model).with_defaults(tree=tree)
-    provider = RegistryProvider(registry, default=model, notify=say)
+    rank = current_rank()  # None unless launched with --ranks/--hostfile
+    if rank is None:
+        provider = RegistryProvider(registry, default=model, notify=say)
+    else:
+        if max_batch > 1:
+            raise click.UsageError(
+                "--max-batch above 1 does not run sharded yet; drop --max-batch or --ranks"
+            )
+        entry = registry.get(model)
+        if not rank.front:  # the other ranks run what rank 0's server announces
+            rank.follow(rank.open_runtime(entry, say))
+            return
+        from mlxspec.server.sharded import RankProvider
+
+        provider = RankProvider(entry, rank, say)
     try:
         sock = bind_listening_socket(host, port)  # a busy port fails before the model loads
     except ListenError as err:
         raise click.ClickException(str(err)) from None
     warn_if_slow_blas()
     limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting, max_batch=max_batch)
-    app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default)
+    app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default, ranks=rank)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
     say(f"serving {provider.default} at http://{host}:{port}/v1")

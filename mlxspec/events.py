@@ -125,6 +125,7 @@ class RunRecord:
     collective_rounds: int = 0
     allreduce_seconds: float = 0.0  # one hidden-state all-reduce, measured at start
     allreduces_per_forward: int = 0  # inside the sharded model's forward pass
+    load_peak_kb: list[int] = field(default_factory=list)  # MLX's peak loading, per rank
 
     @property
     def lossless(self) -> bool:

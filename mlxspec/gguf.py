@@ -58,7 +58,9 @@ def load_gguf(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrap
 
     dequantize=True gives float32 weights (MLX's CPU backend runs quantized matmul slowly);
     False keeps llama.cpp's Q4_1/Q4_0/Q8_0 blocks as MLX affine quantization, which maps them
-    exactly (value = scale * q + bias per group of 32).
+    exactly (value = scale * q + bias per group of 32). The weights are left lazy (read and
+    dequantized on first use, see loading.materialise), so that a rank of a sharded target
+    can split the model first and dequantize only its own slices.
     """
     tensors, metadata = mx.load(str(path), return_metadata=True)
     config = model_config(metadata, tensor_names=tensors)
@@ -79,7 +81,6 @@ def load_gguf(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrap
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as error:
         raise GGUFError(f"{path}: tensors do not fit mlx-lm's llama model: {error}") from None
-    mx.eval(model.parameters())
     model.eval()
     return model, _tokenizer_from_metadata(metadata), config
 

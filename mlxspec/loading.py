@@ -12,12 +12,13 @@ there; on Metal/CUDA they are kept as stored.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlxspec.device import prefers_dequantized_weights
@@ -63,16 +64,24 @@ def fetch_weights(ref: str, *, progress: bool = True, patterns: list[str] | None
     )
 
 
-def load_model(ref: str, *, progress: bool = True, dequantize: bool | None = None) -> LoadedModel:
-    """Load any model reference; dequantize (default: on CPU) gives float32 weights."""
+def load_model(
+    ref: str,
+    *,
+    progress: bool = True,
+    dequantize: bool | None = None,
+    shard: Callable[[nn.Module], None] | None = None,
+) -> LoadedModel:
+    """Load any model reference; dequantize (default: on CPU) gives float32 weights.
+    `shard`: split the model while its weights are still unread (lazy), so that a rank
+    of a sharded target materialises only its own slices."""
     if dequantize is None:
         dequantize = prefers_dequantized_weights()
     path = fetch_weights(ref, progress=progress)
-
-    if path.is_file() and path.suffix == ".gguf":
-        model, tokenizer, config = _guarded(path, load_gguf, path, dequantize=dequantize)
-    else:
-        model, tokenizer, config = _guarded(path, _load_mlx_lm_dir, path, dequantize=dequantize)
+    loader = load_gguf if path.is_file() and path.suffix == ".gguf" else _load_mlx_lm_dir
+    model, tokenizer, config = _guarded(path, loader, path, dequantize=dequantize)
+    if shard is not None:
+        shard(model)
+    _guarded(path, materialise, model, copy_slices=shard is not None)
     quantized = "quantization" in config
     return LoadedModel(
         ref=ref,
@@ -164,6 +173,7 @@ def _guarded(path: Path, loader, *args, **kwargs):
 
 
 def _load_mlx_lm_dir(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrapper, dict]:
+    """The model with lazy weights (see `materialise`)."""
     from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
     if not path.is_dir():
@@ -171,7 +181,7 @@ def _load_mlx_lm_dir(path: Path, *, dequantize: bool) -> tuple[nn.Module, Tokeni
         raise FileNotFoundError(f"no such directory or .gguf file (packaged models: {packaged})")
     if not (path / "config.json").is_file():
         raise FileNotFoundError("no config.json (expected an mlx-lm model directory)")
-    model, config = load_model(path)
+    model, config = load_model(path, lazy=True)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     if dequantize:
         # float32 scales first: dequantizing with bf16/fp16 ones would round every weight.
@@ -183,8 +193,21 @@ def _load_mlx_lm_dir(path: Path, *, dequantize: bool) -> tuple[nn.Module, Tokeni
                 for key, value in config.items()
                 if key not in ("quantization", "quantization_config")
             }
-        mx.eval(model.parameters())
     return model, tokenizer, config
+
+
+def materialise(model: nn.Module, copy_slices: bool = False) -> None:
+    """Read (and dequantize, slice) the lazy weights one tensor at a time, so that the
+    most memory a load holds is the kept weights plus one full tensor. `copy_slices`: keep
+    a copy of each weight, not a view: MLX's slice of a row block shares the whole
+    tensor's buffer, which would keep every full tensor of a sharded model alive."""
+    parameters = tree_flatten(model.parameters())
+    for index, (name, value) in enumerate(parameters):
+        parameters[index] = None  # the view must go once its copy is kept
+        if copy_slices:
+            value = value * 1  # exact (x * 1 == x for every float, -0 and NaN included)
+            model.update(tree_unflatten([(name, value)]))
+        mx.eval(value)
 
 
 def _weights_dtype(model: nn.Module, config: dict) -> str:

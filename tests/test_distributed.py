@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
+import openai
 import pytest
 from lossless import assert_lossless, plain_greedy
 from mlx.utils import tree_flatten
@@ -29,6 +37,7 @@ from mlxspec.distributed.launch import (
 
 PROMPT = "abc abc abc abc abc abc"
 QWEN2 = dict(FAMILIES["qwen3"], model_type="qwen2", num_hidden_layers=4, tie_word_embeddings=False)
+DEEP = dict(FAMILIES["llama"], num_hidden_layers=24)
 
 
 def save_model(model, config: dict, folder: Path) -> Path:
@@ -45,18 +54,25 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("distributed")
     llama = tiny_model("llama", seed=3)
     save_model(llama, FAMILIES["llama"], root / "llama")
-    from mlx_lm.models import qwen2
+    from mlx_lm.models import llama, qwen2
 
     mx.random.seed(4)
     qwen = qwen2.Model(qwen2.ModelArgs.from_dict(QWEN2))
     mx.eval(qwen.parameters())
     save_model(qwen, QWEN2, root / "qwen2")
+    mx.random.seed(5)  # layers outweigh the embeddings: what sharding saves shows
+    deep = llama.Model(llama.ModelArgs.from_dict(DEEP))
+    mx.eval(deep.parameters())
+    save_model(deep, DEEP, root / "deep")
     (root / "models.toml").write_text(
         'default = "tiny"\n'
         '[models.tiny]\ntarget = "./llama"\n'
+        "[models.tiny.defaults]\nmax_tokens = 32\n"
         "[models.tiny.proposers.prompt-lookup]\nk_max = 8\n"
         "[models.tiny.proposers.self-spec]\nlayers = 1\nk_max = 4\n"
         '[models.tinyq]\ntarget = "./qwen2"\n'
+        '[models.deep]\ntarget = "./deep"\n'
+        "[models.deep.defaults]\nmax_tokens = 32\n"
     )
     return root
 
@@ -124,6 +140,68 @@ def test_outcome_names_the_rank_that_died_not_those_stopped_after_it():
     outcome.read("Error: lost the connection to another rank ([ring] ...); every rank stopped\n")
     outcome.read("\x1b[33m[WARN] Node with rank 2 exited with code 1 \x1b[0m\n")
     assert outcome.message([]).startswith("rank 1 was killed")
+
+
+def test_sharded_calibration_averages_a_slow_size_away_so_long_drafts_pay():
+    """A sharded step costs about the same for 1 or 64 tokens (dozens of all-reduces);
+    here every timing of 3 tokens is 2.6x slow (a busy neighbour). Carried forward as
+    a running max, that made every draft past 1 token look dear; the pooled fit keeps
+    the curve low, so at 90 % acceptance the policy drafts long."""
+    from mlxspec.distributed.rank import SHARDED_CALIBRATION
+    from mlxspec.policy import calibrate, expected_tokens
+
+    now = [0.0]
+
+    def forward(m: int) -> None:
+        now[0] += 0.1 * (1 + 0.01 * (m - 1)) * (2.6 if m == 3 else 1.0)
+
+    cost = calibrate(forward, lambda: None, clock=lambda: now[0], **SHARDED_CALIBRATION)
+    points = [cost(m) for m in sorted(cost.points)]
+    assert points == sorted(points) and points[0] >= 1.0  # monotone, never below a step
+    best_k = max(range(1, 9), key=lambda k: expected_tokens(0.9, k) / cost(k + 1))
+    assert best_k >= 6 and cost(8) < 1.5, cost.points
+
+
+def test_a_stuck_rank_while_serving_answers_every_request_with_a_503(monkeypatch):
+    """The watchdog of a serving rank 0 does not end the process at once: the running
+    request and the queued one first get a 503 that says why, new ones are refused."""
+    import asyncio
+
+    from mlxspec.distributed.watchdog import Watchdog
+    from mlxspec.engine import GenerationSettings
+    from mlxspec.server import sharded
+    from mlxspec.server.errors import ApiError
+    from mlxspec.server.worker import Generation, Job
+
+    exits = []
+    monkeypatch.setattr(sharded, "_exit_after_grace", lambda: exits.append(1))
+
+    class Session:  # what the worker needs of a RankSession
+        watchdog = Watchdog(0.3, 0)
+
+        def gone_ranks(self) -> list[int]:
+            return []
+
+    session = Session()
+    worker = sharded.ShardedWorker(None, 4, session, "tiny")
+    loop = asyncio.new_event_loop()
+    generation = Generation("tiny", "hi", GenerationSettings(), None)
+    running, queued = Job(generation, loop), Job(generation, loop)
+    worker._running = running
+    worker._waiting.put(queued)
+    session.watchdog.arm("generating")  # and nothing comes
+    deadline = time.monotonic() + 10
+    while not exits:
+        assert time.monotonic() < deadline, "the watchdog did not fire"
+        time.sleep(0.05)
+    for job in (running, queued):
+        error = loop.run_until_complete(job.next())
+        assert isinstance(error, ApiError) and error.status_code == 503
+        assert "no progress from the other ranks for 0.3 s while generating" in error.message
+        assert error.body()["error"]["code"] == "rank_failed"
+    with pytest.raises(ApiError, match="shutting down"):
+        worker.submit(generation)
+    loop.close()
 
 
 # --- Real ranks on tiny models ------------------------------------------------------------------
@@ -231,3 +309,159 @@ def test_smollm2_three_ranks_prompt_lookup_matches_one_process(smollm2, tmp_path
     )
     reference = plain_greedy(smollm2.model, tokens, 16, set(smollm2.tokenizer.eos_token_ids))
     assert_lossless(smollm2.model, tokens, reference, got["token_ids"], "3 ranks prompt-lookup")
+
+
+# --- serve --ranks: rank 0 serves, the others follow ---------------------------------------------
+
+SERVE_PROMPTS = ["abc abc abc abc abc abc", "xy xy xy xy xy", "one two one two", "q r s q r s"]
+
+
+@contextmanager
+def serving_ranks(root: Path, *args: str, fault: str = "") -> Iterator[tuple]:
+    """`mlxspec serve --ranks 2` on a free port: (launcher process, openai client, base
+    URL) once the model is loaded; the launcher is interrupted (Ctrl-C) at the end."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "MLXSPEC_MODELS": str(root / "models.toml")}
+    env |= {"MLXSPEC_CACHE": str(root / "cache"), "OPENBLAS_NUM_THREADS": "1"}
+    env.pop("MLXSPEC_FAULT", None)
+    if fault:
+        env["MLXSPEC_FAULT"] = fault
+    command = [sys.executable, "-m", "mlxspec", "serve", "--ranks", "2", "--port", str(port)]
+    launcher = subprocess.Popen(
+        [*command, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert launcher.poll() is None, launcher.stderr.read()
+            assert time.monotonic() < deadline, "the sharded server did not come up"
+            try:
+                if httpx.get(f"{url}/health").json()["model"] == "tiny":
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
+        yield launcher, client, url
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGINT)
+        try:
+            launcher.wait(30)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+
+
+def rank_processes(port: int) -> list[str]:
+    """Command lines of the processes still serving on `port` (ranks included)."""
+    pattern = f"serve.*--port {port}"
+    found = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if "mlxspec serve" in line]
+
+
+def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
+    """Four concurrent openai clients, streaming and not, a client that leaves mid-stream,
+    and Ctrl-C: through `serve --ranks 2` as in one process."""
+    from mlxspec.engine import Engine, GenerationSettings
+    from mlxspec.loading import load_model
+
+    loaded = load_model(str(tiny / "llama"), progress=False)
+    one_process = Engine(loaded.model, loaded.tokenizer, "tiny")
+    expected = {}
+    for prompt in SERVE_PROMPTS:  # plain decoding in one process: text and tokens
+        done = list(one_process.stream(prompt, GenerationSettings(max_tokens=24)))[-1]
+        tokens = loaded.tokenizer.encode(prompt)
+        reference = plain_greedy(loaded.model, tokens, 24, {256})
+        assert_lossless(loaded.model, tokens, reference, list(done.token_ids), prompt)
+        expected[prompt] = done.text
+    seed_flat_calibration(tiny, "tiny", 2)
+
+    def complete(prompt: str, stream: bool = False) -> str:
+        asked = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=stream)
+        if not stream:
+            return client.completions.create(**asked).choices[0].text
+        return "".join(chunk.choices[0].text for chunk in client.completions.create(**asked))
+
+    with serving_ranks(tiny) as (launcher, client, url):
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(complete, SERVE_PROMPTS))
+        assert together == list(expected.values())
+        assert complete(SERVE_PROMPTS[0], stream=True) == expected[SERVE_PROMPTS[0]]
+
+        # A client that leaves: every rank stops after the same round, then serves on.
+        long = client.completions.create(model="tiny", prompt="ab ab", max_tokens=2000, stream=True)
+        next(iter(long))
+        long.close()
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/health").json()["busy"]:
+            assert time.monotonic() < deadline, "the engine stayed busy after the client left"
+            time.sleep(0.1)
+        assert complete(SERVE_PROMPTS[1]) == expected[SERVE_PROMPTS[1]]
+
+        port = url.rsplit(":", 1)[1]
+        assert len(rank_processes(int(port))) >= 3  # the launcher and both ranks
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C where the user typed the command
+        launcher.wait(15)
+        deadline = time.monotonic() + 10
+        while rank_processes(int(port)):
+            assert time.monotonic() < deadline, "a rank outlived Ctrl-C"
+            time.sleep(0.2)
+
+
+def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny):
+    """The request in flight and the one queued behind it both hear which rank is gone;
+    the server exits non-zero within the collective timeout. (A hung rank takes the same
+    way out, through the watchdog; `test_a_stuck_rank_is_caught_by_the_watchdog`.)"""
+    seed_flat_calibration(tiny, "tiny", 2)
+    args = ("--collective-timeout", "4")
+    with serving_ranks(tiny, *args, fault="die:1:4") as (launcher, client, url):
+        start = time.monotonic()
+
+        def ask(prompt: str) -> str:
+            try:
+                stream = client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=400, temperature=0, stream=True
+                )
+                return "".join(chunk.choices[0].text for chunk in stream)
+            except openai.APIError as err:
+                return f"{getattr(err, 'status_code', 'in stream')}: {err.message}"
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(ask, ["ab ab ab", "cd cd cd"]))
+        for answer in answers:
+            assert "rank 1 ended while serving" in answer, answers
+            assert "server is stopping" in answer, answers
+        assert any(answer.startswith("503") for answer in answers)  # the queued one
+        assert launcher.wait(30) != 0
+        assert "Error: " in launcher.stderr.read()
+        assert time.monotonic() - start < 25
+
+
+def test_chat_sharded_answers_every_turn_as_one_process(tiny):
+    """`chat --ranks 2` (the line chat: rank 0 has pipes, not a terminal) over two turns,
+    then /quit ends every rank with exit 0. The model (24 layers, which outweigh the
+    embeddings) is split before its weights are read: each rank's peak memory while
+    loading is about half of them."""
+    seed_flat_calibration(tiny, "deep", 2)
+    turns = "one two one two\nxy xy xy\n/quit\n"
+    env = {**os.environ, "MLXSPEC_MODELS": str(tiny / "models.toml")}
+    env |= {"MLXSPEC_CACHE": str(tiny / "cache"), "OPENBLAS_NUM_THREADS": "1"}
+    env.pop("MLXSPEC_FAULT", None)
+    run = [sys.executable, "-m", "mlxspec", "chat", "--model", "deep", "--plain", "--no-color"]
+    answers = [
+        subprocess.run(
+            [*run, *args], input=turns, capture_output=True, text=True, env=env, timeout=120
+        )
+        for args in ([], ["--ranks", "2"])
+    ]
+    assert all(done.returncode == 0 for done in answers), answers[1].stderr
+    assert answers[1].stdout.count("\n") == 2 and len(answers[1].stdout) > 40  # 2 answers
+    assert answers[1].stdout == answers[0].stdout
+    full_mib = (tiny / "deep" / "model.safetensors").stat().st_size / 2**20
+    said = re.search(r"peak MiB while loading, per rank: ([\d.]+), ([\d.]+)\)", answers[1].stderr)
+    peaks = [float(mib) for mib in said.groups()]
+    assert all(0.3 * full_mib < mib < 0.7 * full_mib for mib in peaks), (peaks, full_mib)

@@ -7,19 +7,29 @@ cannot take text back. A summary of each answer goes to stderr.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import click
 
 from mlxspec.console import COLOURS, echo_text, say
-from mlxspec.events import Done
+from mlxspec.events import Done, Event
 from tui.worker import generation_settings
 
 QUIT = "/quit"
 
 
-def run_plain(runtime, proposer: str | None, lines: Iterable[str], colour: bool, prompt: bool):
-    """Chat until /quit or the end of `lines`; `prompt` shows a '> ' before each turn."""
+def run_plain(
+    runtime,
+    proposer: str | None,
+    lines: Iterable[str],
+    colour: bool,
+    prompt: bool,
+    stream: Callable[..., Iterator[Event]] | None = None,
+):
+    """Chat until /quit or the end of `lines`; `prompt` shows a '> ' before each turn.
+    `stream`: how an answer is generated (default `runtime.engine.stream`; a sharded
+    target's rank 0 passes one that the other ranks follow)."""
+    stream = stream or runtime.engine.stream
     settings = generation_settings(runtime.entry)
     proposer_name = runtime.proposer(proposer)
     messages: list[dict] = []
@@ -32,15 +42,15 @@ def run_plain(runtime, proposer: str | None, lines: Iterable[str], colour: bool,
             break
         if text:
             messages.append({"role": "user", "content": text})
-            answer = _answer(runtime, messages, settings, proposer_name, colour)
+            answer = _answer(stream, messages, settings, proposer_name, colour)
             messages.append({"role": "assistant", "content": answer})
         if prompt:
             click.echo("> ", nl=False)
 
 
-def _answer(runtime, messages, settings, proposer: str, colour: bool) -> str:
+def _answer(stream, messages, settings, proposer: str, colour: bool) -> str:
     done = None
-    for event in runtime.engine.stream(messages, settings, proposer):
+    for event in stream(messages, settings, proposer):
         if isinstance(event, Done):
             done = event
         elif type(event) in COLOURS:

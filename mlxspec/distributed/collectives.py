@@ -23,8 +23,13 @@ class Collectives:
         self.seconds = 0.0  # time spent waiting in these collectives
         self.calls = 0
 
-    def _run(self, array: mx.array, what: str, op) -> np.ndarray:
-        self.watchdog.arm(what)
+    def _run(self, array: mx.array, what: str, op, idle: bool = False) -> np.ndarray:
+        """`idle`: waiting here is legitimate however long (for the user's next request),
+        so no deadline until the value arrives."""
+        if idle:
+            self.watchdog.disarm()
+        else:
+            self.watchdog.arm(what)
         start = time.perf_counter()
         result = op(array, group=self.group, stream=mx.cpu)
         mx.eval(result)
@@ -38,16 +43,17 @@ class Collectives:
         rows = self._run(mx.array(values, dtype=mx.int32), what, mx.distributed.all_gather)
         return rows.reshape(self.size, len(values))
 
-    def broadcast_ints(self, values: list[int], what: str) -> list[int]:
+    def broadcast_ints(self, values: list[int], what: str, idle: bool = False) -> list[int]:
         """Rank 0's `values` on every rank (the others pass any list of the same length)."""
         mine = values if self.rank == 0 else [0] * len(values)
-        summed = self._run(mx.array(mine, dtype=mx.int32), what, mx.distributed.all_sum)
+        summed = self._run(mx.array(mine, dtype=mx.int32), what, mx.distributed.all_sum, idle)
         return [int(v) for v in summed]
 
-    def broadcast_json(self, value: Any, what: str) -> Any:
-        """Rank 0's JSON-able `value` on every rank (the others pass None)."""
+    def broadcast_json(self, value: Any, what: str, idle: bool = False) -> Any:
+        """Rank 0's JSON-able `value` on every rank (the others pass None). `idle`: the
+        other ranks may wait for it without a deadline (the payload, once announced, has one)."""
         data = json.dumps(value).encode() if self.rank == 0 else b""
-        (length,) = self.broadcast_ints([len(data)], what)
+        (length,) = self.broadcast_ints([len(data)], what, idle)
         payload = list(data) if self.rank == 0 else [0] * length
         return json.loads(bytes(self.broadcast_ints(payload, what)).decode())
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from functools import partial
 
 import mlx.core as mx
 
@@ -26,7 +28,7 @@ from mlxspec.distributed.config import FAULT_ENV, RankConfig
 from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.sharding import allreduces_per_forward, fingerprint, shard
 from mlxspec.distributed.watchdog import Watchdog
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import Done, Event, Step
 from mlxspec.policy import (
     Policy,
@@ -34,9 +36,13 @@ from mlxspec.policy import (
     cached_verify_cost,
     calibration_key,
     measure_verify_cost,
+    pooled_monotone,
 )
 from mlxspec.sampling import SamplingSettings
 
+# Every rank runs the calibration's passes (rank 0's timings are kept): more of them, and
+# a fit that averages a slow timing away instead of carrying it to every larger size.
+SHARDED_CALIBRATION = {"repeats": 8, "fit": pooled_monotone}
 CHECK_FIELDS = ("cache offset", "cached tokens", "drafted", "accepted", "last-tokens hash")
 
 
@@ -87,7 +93,7 @@ class RankEngine(Engine):
             col.broadcast_ints([1], "calibrating")
             col.watchdog.disarm()  # many forward passes; each is its own collective
             self.notify("measuring verify cost of the sharded model (once per setup)")
-            return measure_verify_cost(self.target.model, self.vocab_size)
+            return measure_verify_cost(self.target.model, self.vocab_size, **SHARDED_CALIBRATION)
 
         if col.rank == 0:
             measured = []
@@ -98,7 +104,7 @@ class RankEngine(Engine):
             return cost
         if col.broadcast_ints([0], "calibrating")[0]:
             col.watchdog.disarm()  # many forward passes; each is its own collective
-            measure_verify_cost(self.target.model, self.vocab_size)
+            measure_verify_cost(self.target.model, self.vocab_size, **SHARDED_CALIBRATION)
         return VerifyCost.from_json(col.broadcast_json(None, "sharing the calibration"))
 
 
@@ -115,6 +121,8 @@ class RankSession:
         self.allreduces = 0
         self.rounds = 0
         self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""), self.rank)
+        self.processes: list[tuple[int, int]] = []  # (host id, pid) per rank, once loaded
+        self.load_peak_kb: list[int] = []  # MLX's peak memory while loading, per rank
 
     @property
     def front(self) -> bool:
@@ -136,11 +144,20 @@ class RankSession:
             f"loading {entry.name}"
         )
         self.watchdog.disarm()  # loading takes as long as it takes on each host
-        loaded = load_model(entry.target, progress=self.front)
-        mine = fingerprint(loaded.model)
+        mx.reset_peak_memory()
+        # Split before any weight is read: each rank reads (and dequantizes) its slices only.
+        split = partial(shard, group=self.group, parallel=self.config.parallel)
+        loaded = load_model(entry.target, progress=self.front, shard=split)
+        mine = fingerprint(loaded.path)
         if self._fault.get("weights") is not None:
             mine ^= 1
-        prints = self.collectives.all_gather([mine], "comparing model files")[:, 0]
+        peak_kb = int(mx.get_peak_memory() // 1024)
+        rows = self.collectives.all_gather(
+            [mine, os.getpid(), _host_id(), peak_kb], "comparing model files"
+        )
+        prints = rows[:, 0]
+        self.processes = [(int(host), int(pid)) for _, pid, host, _ in rows]
+        self.load_peak_kb = [int(kb) for kb in rows[:, 3]]
         odd = [r for r in range(self.size) if prints[r] != prints[0]]
         if odd:
             raise DistributedError(
@@ -148,7 +165,8 @@ class RankSession:
                 f"{', '.join(map(str, odd))} load other weights than rank 0 (fingerprint "
                 f"{prints[odd[0]]:08x} vs {prints[0]:08x}); copy the same files to every host"
             )
-        shard(loaded.model, self.group, self.config.parallel)
+        peaks = ", ".join(f"{kb / 1024:.1f}" for kb in self.load_peak_kb)
+        notify(f"loaded: each rank holds its shard (peak MiB while loading, per rank: {peaks})")
         width = int(getattr(getattr(loaded.model, "args", None), "hidden_size", 0) or 0)
         if width:
             self.allreduce_seconds = self.collectives.allreduce_latency(width)
@@ -167,52 +185,98 @@ class RankSession:
         runtime.engine = engine
         return runtime
 
-    def agree(self, request, settings: GenerationSettings, proposer: str | None):
-        """Rank 0's request on every rank (a random seed is drawn once, on rank 0)."""
-        if self.front:
-            sampling = settings.sampling
-            if sampling.seed is None:
-                sampling = SamplingSettings(**{**asdict(sampling), "seed": _random_seed()})
-            message = {
-                "request": request,
-                "settings": {**asdict(settings), "sampling": asdict(sampling)},
-                "proposer": proposer,
-            }
-        else:
-            message = None
-        message = self.collectives.broadcast_json(message, "receiving the request")
+    def agree(self, request, settings: GenerationSettings | None, proposer, idle: bool = False):
+        """Rank 0's request on every rank (a random seed is drawn once, on rank 0), or None
+        once rank 0 has said there are no more (`end_following`). `idle`: the other ranks
+        wait for it without a deadline (a server waits for its clients)."""
+        message = self._request_message(request, settings, proposer) if self.front else None
+        message = self.collectives.broadcast_json(message, "receiving the request", idle)
+        if message is None:
+            return None
         fields = message["settings"]
         fields["sampling"] = SamplingSettings(**fields["sampling"])
         return message["request"], GenerationSettings(**fields), message["proposer"]
 
-    def stream(self, runtime, request, settings, proposer) -> Iterator[Event]:
+    def _request_message(self, request, settings: GenerationSettings, proposer) -> dict:
+        sampling = settings.sampling
+        if sampling.seed is None:
+            sampling = SamplingSettings(**{**asdict(sampling), "seed": _random_seed()})
+        return {
+            "request": request,
+            "settings": {**asdict(settings), "sampling": asdict(sampling)},
+            "proposer": proposer,
+        }
+
+    def end_following(self) -> None:
+        """Rank 0: tell the ranks in `follow` that no request will come (they return)."""
+        self.collectives.broadcast_json(None, "stopping the other ranks")
+
+    def follow(self, runtime) -> None:
+        """Ranks other than 0 under serve and chat: run every request rank 0 announces,
+        in step with it and printing nothing, until it announces the end."""
+        while (agreed := self.agree(None, None, None, idle=True)) is not None:
+            request, settings, proposer = agreed
+            runtime.proposer(proposer)  # built on rank 0 before it announced the request
+            try:
+                for _ in self.run(runtime, request, settings, proposer):
+                    pass
+            except GenerationError:
+                pass  # a request the engine refuses: rank 0 refused it the same way
+
+    def stream(
+        self, runtime, request, settings, proposer, stop: Callable[[], bool] | None = None
+    ) -> Iterator[Event]:
         """`engine.stream` on every rank, checked after every round; ranks other than 0
-        yield only the final Done (they print nothing)."""
+        yield only the final Done (they print nothing). `stop`: rank 0 asks whether to
+        end the request early (its client left); every rank stops after the same round."""
         request, settings, proposer = self.agree(request, settings, proposer)
+        yield from self.run(runtime, request, settings, proposer, stop)
+
+    def run(
+        self, runtime, request, settings, proposer, stop: Callable[[], bool] | None = None
+    ) -> Iterator[Event]:
+        """An agreed request on this rank (see `stream`)."""
         engine = runtime.engine
         start_seconds = self.collectives.seconds
         rounds = 0
         self.watchdog.arm("prefilling the prompt")
-        for event in engine.stream(request, settings, proposer):
-            self.watchdog.arm("generating")
-            if isinstance(event, Step):
-                rounds += 1
-                self._maybe_fault(engine, rounds)
-                self.check(engine, event, rounds)
-            if isinstance(event, Done):
-                record = event.record
-                record.ranks, record.backend = self.size, self.config.backend
-                record.parallel = self.config.parallel
-                record.collective_seconds = round(self.collectives.seconds - start_seconds, 6)
-                record.collective_rounds = rounds
-                record.allreduce_seconds = round(self.allreduce_seconds, 7)
-                record.allreduces_per_forward = self.allreduces
-            if self.front or isinstance(event, Done):
-                yield event
-        self.watchdog.disarm()
+        events = engine.stream(request, settings, proposer)
+        try:
+            for event in events:
+                self.watchdog.arm("generating")
+                if isinstance(event, Step):
+                    rounds += 1
+                    self._maybe_fault(engine, rounds)
+                    stopping = self.front and stop is not None and stop()
+                    if self.check(engine, event, rounds, stopping):
+                        return  # closing the engine's stream leaves its cache consistent
+                if isinstance(event, Done):
+                    record = event.record
+                    record.ranks, record.backend = self.size, self.config.backend
+                    record.parallel = self.config.parallel
+                    record.collective_seconds = round(self.collectives.seconds - start_seconds, 6)
+                    record.collective_rounds = rounds
+                    record.allreduce_seconds = round(self.allreduce_seconds, 7)
+                    record.allreduces_per_forward = self.allreduces
+                    record.load_peak_kb = self.load_peak_kb
+                if self.front or isinstance(event, Done):
+                    yield event
+        finally:
+            events.close()
+            self.watchdog.disarm()
 
-    def check(self, engine: Engine, step: Step, round_: int) -> None:
-        """All ranks must hold the same cache after every round; name the one that does not."""
+    def gone_ranks(self) -> list[int]:
+        """Ranks on this host whose process has ended (others cannot be seen from here)."""
+        here = _host_id()
+        return [
+            rank
+            for rank, (host, pid) in enumerate(self.processes)
+            if rank != self.rank and host == here and not _alive(pid)
+        ]
+
+    def check(self, engine: Engine, step: Step, round_: int, stopping: bool = False) -> bool:
+        """All ranks must hold the same cache after every round; name the one that does
+        not. True when rank 0 (`stopping`) ends the request here, on every rank."""
         target = engine.target
         tail = target.cached_tokens[-16:]
         mine = [
@@ -221,16 +285,18 @@ class RankSession:
             step.drafted,
             step.accepted,
             zlib.crc32(repr(tail).encode()) & 0x7FFFFFFF,
+            int(stopping),
         ]
         rows = self.collectives.all_gather(mine, "checking the ranks agree")
         for r in range(1, self.size):
-            bad = [i for i in range(len(mine)) if rows[r][i] != rows[0][i]]
+            bad = [i for i in range(len(CHECK_FIELDS)) if rows[r][i] != rows[0][i]]
             if bad:
                 what = ", ".join(f"{CHECK_FIELDS[i]} {rows[r][i]} vs {rows[0][i]}" for i in bad)
                 raise DistributedError(
                     f"rank {r} diverged from rank 0 in round {round_}: {what}; stopping "
                     "every rank (no output past this point is trusted)"
                 )
+        return bool(rows[0][-1])
 
     def _maybe_fault(self, engine: Engine, round_: int) -> None:
         """Test hook (MLXSPEC_FAULT): break this rank on purpose at a given round."""
@@ -245,7 +311,7 @@ class RankSession:
 
 def rank_setup(parallel: str, ranks: int, backend: str) -> str:
     """How a sharded target is split: calibrations of different splits are kept apart."""
-    return f"{parallel} x{ranks} {backend}"
+    return f"{parallel} x{ranks} {backend} pooled"  # pooled: calibrations before it re-run
 
 
 def _parse_fault(spec: str, rank: int) -> dict[str, int]:
@@ -255,6 +321,25 @@ def _parse_fault(spec: str, rank: int) -> dict[str, int]:
         if int(who) == rank:
             faults[kind] = int(round_)
     return faults
+
+
+def _host_id() -> int:
+    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+
+
+def _alive(pid: int) -> bool:
+    """Whether a local process still runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc (macOS): kill(0) is all we know
 
 
 def _random_seed() -> int:

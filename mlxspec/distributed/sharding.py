@@ -1,14 +1,14 @@
-"""Split a loaded model across the ranks of a group: tensor parallel (the model's own
-`shard()`) or pipeline (`model.model.pipeline()`, where mlx-lm's family has one), plus a
-fingerprint of the weights so that ranks with different model files are caught at start."""
+"""Split a model across the ranks of a group: tensor parallel (the model's own `shard()`)
+or pipeline (`model.model.pipeline()`, where mlx-lm's family has one), plus a fingerprint
+of the model files so that ranks with different files are caught at start."""
 
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from mlxspec.distributed.config import PARALLEL_MODES
 from mlxspec.distributed.errors import DistributedError
@@ -68,12 +68,13 @@ def check_shardable(model: nn.Module, parallel: str, size: int) -> None:
 
 
 def shard(model: nn.Module, group: mx.distributed.Group, parallel: str) -> None:
+    """Split a model whose weights may still be lazy (unread): only the slices this rank
+    keeps are read when it is evaluated."""
     check_shardable(model, parallel, group.size())
     if parallel == "tensor":
         model.shard(group)
     else:
         model.model.pipeline(group)
-    mx.eval(model.parameters())
 
 
 def allreduces_per_forward(model: nn.Module, parallel: str) -> int:
@@ -83,15 +84,19 @@ def allreduces_per_forward(model: nn.Module, parallel: str) -> int:
     return 2 * layers if parallel == "tensor" else 1
 
 
-def fingerprint(model: nn.Module) -> int:
-    """A 31-bit digest of the full (unsharded) weights: names, shapes, dtypes and a
-    strided sample of every tensor's values. Cheap, and different model files differ."""
+def fingerprint(path: Path, samples: int = 64, chunk: int = 4096) -> int:
+    """A 31-bit digest of a model's files (config, weights): names, sizes and evenly spaced
+    samples of their bytes. Read from disk, so a rank that loads only its shard can still
+    be compared with the others; cheap, and different model files differ."""
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if path.is_dir() and (path / "config.json").is_file():
+        files.insert(0, path / "config.json")
     digest = hashlib.sha256()
-    sums = []
-    for name, value in sorted(tree_flatten(model.parameters()), key=lambda item: item[0]):
-        digest.update(f"{name}:{value.shape}:{value.dtype};".encode())
-        flat = value.reshape(-1)
-        sums.append(mx.sum(flat[:: max(1, flat.size // 257)].astype(mx.float32)))
-    if sums:  # 5 significant digits: the same files summed on another chip still agree
-        digest.update(" ".join(f"{v:.5g}" for v in mx.stack(sums).tolist()).encode())
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size};".encode())
+        with file.open("rb") as stream:
+            for offset in sorted({i * max(0, size - chunk) // samples for i in range(samples + 1)}):
+                stream.seek(offset)
+                digest.update(stream.read(chunk))
     return int.from_bytes(digest.digest()[:4], "little") & 0x7FFFFFFF

@@ -8,11 +8,15 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 
 class Watchdog:
     def __init__(self, timeout: float, rank: int):
         self.timeout, self.rank = timeout, rank
+        # What a timeout does instead of ending the process at once (the server on rank 0
+        # first answers its clients); it must end the process itself.
+        self.on_timeout: Callable[[str], None] | None = None
         self._deadline: float | None = None
         self._what = ""
         self._lock = threading.Lock()
@@ -36,10 +40,14 @@ class Watchdog:
                 late = self._deadline is not None and time.monotonic() > self._deadline
                 what = self._what
             if late:
-                who = "" if self.rank == 0 else f"rank {self.rank}: "
-                sys.stderr.write(
-                    f"Error: {who}no progress from the other ranks for {self.timeout:g} s "
-                    f"while {what} (a rank or the network is stuck); stopping\n"
+                reason = (
+                    f"no progress from the other ranks for {self.timeout:g} s "
+                    f"while {what} (a rank or the network is stuck)"
                 )
+                if self.on_timeout is not None:
+                    self.on_timeout(reason)
+                    return
+                who = "" if self.rank == 0 else f"rank {self.rank}: "
+                sys.stderr.write(f"Error: {who}{reason}; stopping\n")
                 sys.stderr.flush()
                 os._exit(1)

@@ -13,7 +13,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -30,6 +30,9 @@ from mlxspec.server.providers import ModelInfo, ModelProvider, NotDownloaded
 from mlxspec.server.responses import Reply, sse
 from mlxspec.server.schemas import ChatRequest, CompletionRequest, GenerationRequest
 from mlxspec.server.worker import Generation, Job, Worker
+
+if TYPE_CHECKING:
+    from mlxspec.distributed.rank import RankSession
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,15 @@ def create_app(
     api_key: str | None = None,
     limits: ServerLimits = ServerLimits(),
     preload: str | None = None,
+    ranks: RankSession | None = None,
 ) -> FastAPI:
-    """An app serving `provider`'s models; `preload` loads one before the first request."""
-    if limits.max_batch > 1:
+    """An app serving `provider`'s models; `preload` loads one before the first request.
+    `ranks`: this is rank 0 of a sharded target (the other ranks follow its requests)."""
+    if ranks is not None:
+        from mlxspec.server.sharded import ShardedWorker
+
+        worker = ShardedWorker(provider, limits.max_waiting, ranks, preload or provider.default)
+    elif limits.max_batch > 1:
         worker = BatchedWorker(provider, limits.max_waiting, limits.max_batch, preload)
     else:
         worker = Worker(provider, limits.max_waiting, preload)

@@ -18,12 +18,13 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlxspec.engine import GenerationError, GenerationSettings
-from mlxspec.events import OUTPUT_EVENTS, Done
+from mlxspec.events import OUTPUT_EVENTS, Done, Event
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelProvider, OpenModel
 
@@ -185,10 +186,10 @@ class Worker:
             model = self._open(request.model)
             proposer = _prepare_proposer(model, request.proposer)
             _check_token_ids(request.prompt, model.engine.vocab_size)
-            events = model.engine.stream(request.prompt, request.settings, proposer)
+            events = self._stream(model, job, proposer)
             try:
                 for event in events:
-                    if job.cancelled:
+                    if job.cancelled and self.stops_between_events:
                         break
                     self._relay(job, event)
             finally:
@@ -197,9 +198,21 @@ class Worker:
             job.post(err)
         except GenerationError as err:
             job.post(ApiError(400, str(err), code="invalid_request"))
-        except Exception:
-            log.exception("generation failed")
-            job.post(_internal_error())
+        except Exception as err:
+            job.post(self._failure(err))
+
+    # Whether `_run` may stop a cancelled request at any event (a sharded stream stops
+    # itself, after a round every rank has finished).
+    stops_between_events = True
+
+    def _stream(self, model: OpenModel, job: Job, proposer: str) -> Iterator[Event]:
+        request = job.generation
+        return model.engine.stream(request.prompt, request.settings, proposer)
+
+    def _failure(self, err: Exception) -> ApiError:
+        """What the client hears about an error nobody expected."""
+        log.exception("generation failed")
+        return _internal_error()
 
     def _open(self, name: str) -> OpenModel:
         if self.resident == name:
