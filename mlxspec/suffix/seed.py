@@ -22,14 +22,13 @@ _BUILT: dict[str, PrefixIndex | None] = {}
 
 
 def seed_documents(target: str, tokenizer) -> list[list[int]]:
-    """Prompt (as the model saw it) + answer (+ its end-of-sequence token) per shipped
-    answer of `target`, as the history stores a request; none for a model without
+    """Prompt (as the model saw it) + answer per shipped answer of `target`, as the
+    history stores a request (end-of-sequence token left out); none for a model without
     shipped answers or whose tokenizer differs from the one that made them."""
     answers = shipped_answers(target, tokenizer)
     if answers is None:
         return []
-    eos = next(iter(tokenizer.eos_token_ids))
-    return [sequence for sequence, _ in answers.sequences(eos)]
+    return [p + a for p, a in zip(answers.prompt_ids, answers.answer_ids)]
 
 
 def seed_index(target: str, tokenizer) -> PrefixIndex | None:
