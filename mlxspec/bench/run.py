@@ -145,5 +145,5 @@ class Bench:
             method.proposer,
             method.k,
             method.tree,
-            history=True,
+            True,  # history on: every run has a temporary store of its own (see `runs`)
         )
