@@ -382,3 +382,13 @@ def test_the_shipped_seed_matches_the_real_tokenizer(smollm2):
     assert tokenizer_hash(smollm2.tokenizer) == answers.manifest["tokenizer_sha256"]
     text = smollm2.tokenizer.decode(answers.answer_ids[0])
     assert text.strip() and "\ufffd" not in text
+
+
+def test_the_seed_is_off_unless_an_entry_turns_it_on(tmp_path):
+    """Measured not faster on the chat suite (docs/suffix.md), so opt-in."""
+    from mlxspec.registry import parse_registry_text
+
+    text = '[models.m]\ntarget = "smollm2-135m"\n[models.m.proposers.seeded]\nkind = "suffix"\n'
+    entries, _ = parse_registry_text(text + "seed = true\n", tmp_path / "models.toml")
+    assert entries["m"].proposer("suffix").options["seed"] is False
+    assert entries["m"].proposer("seeded").options["seed"] is True
