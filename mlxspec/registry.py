@@ -192,6 +192,7 @@ _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
         "suffix": {
             "spec_factor": _Option(float, "a number > 0", 1.0, lambda v: v > 0),
             "min_match": _int(1, 2),
+            "seed": _Option(bool, "true or false", False),
         },
         "draft-model": {"draft": _REFERENCE, "draft_layers": _int(1, None)},
         "self-spec": {

@@ -33,6 +33,7 @@ from mlxspec.proposers.head import HeadProposer
 from mlxspec.proposers.medusa import MedusaProposer
 from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.registry import ModelEntry, ProposerConfig
+from mlxspec.suffix.seed import seed_index
 from mlxspec.suffix.store import HistoryStore, history_store
 
 
@@ -81,6 +82,10 @@ class Runtime:
                     config.name, options["ngram_max"], options["ngram_min"], options["k_max"]
                 )
             if config.kind == "suffix":
+                seed = None
+                if options["seed"]:
+                    target, tokenizer = self.entry.target, self.loaded.tokenizer
+                    seed = lambda: seed_index(target, tokenizer)  # noqa: E731  (built lazily)
                 return SuffixProposer(
                     config.name,
                     self.engine.history,
@@ -88,6 +93,7 @@ class Runtime:
                     options["spec_factor"],
                     options["min_match"],
                     self.engine.vocab_size,
+                    seed,
                 )
             if config.kind == "self-spec":
                 return self._self_spec(config)

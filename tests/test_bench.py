@@ -539,3 +539,29 @@ def test_a_replay_builds_each_methods_own_history_and_never_the_users(tiny_runti
         later = by[("twice", repeat, "mlxspec:suffix")]
         assert later.accepted >= len(later.tokens) - 4 > first.accepted
     assert not store_dir(tiny_runtime.entry.name).exists()
+
+
+def test_other_suites_start_every_run_from_an_empty_history_and_read_the_seed(tiny_runtime, log):
+    """Outside a replay no run drafts from an earlier run's answer (each starts from an
+    empty history of its own), yet history is on, as for a user, so a shipped seed
+    history drafts; the user's store is never touched."""
+    import numpy as np
+
+    from mlxspec.suffix.index import SENTINEL, PrefixIndex
+    from mlxspec.suffix.store import store_dir
+
+    text = "Count: one two three four five"
+    prompts = [BenchPrompt("first", "chat", text), BenchPrompt("again", "chat", text)]
+    methods = [Method(PLAIN), Method("mlxspec", "suffix")]
+    bench = Bench(tiny_runtime, prompts, methods, max_tokens=24, repeats=1)
+    bench.prepare()
+    runs = {(r.prompt.id, r.method.name): r.measurement for r in bench.runs()}
+    unseeded = runs[("again", "mlxspec:suffix")]
+    assert unseeded.accepted == runs[("first", "mlxspec:suffix")].accepted
+    encoded = tiny_runtime.engine.encode_chat([{"role": "user", "content": text}])
+    answer = runs[("first", PLAIN)].tokens
+    seed = PrefixIndex(np.asarray([SENTINEL, *encoded, *answer, SENTINEL], np.int32))
+    tiny_runtime.engine.proposers["suffix"].seed = lambda: seed
+    seeded = {(r.prompt.id, r.method.name): r.measurement for r in bench.runs()}
+    assert seeded[("first", "mlxspec:suffix")].accepted >= len(answer) - 4 > unseeded.accepted
+    assert not store_dir(tiny_runtime.entry.name).exists()

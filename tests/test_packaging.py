@@ -37,6 +37,12 @@ def test_an_installed_wheel_carries_the_registry_and_resolves_its_heads(tmp_path
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     assert (site / "mlxspec" / "models.toml").read_bytes() == (ROOT / "models.toml").read_bytes()
+    folder = ROOT / "mlxspec" / "drafter" / "answers"  # the suffix seed, drafter data
+    answers = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    assert {p.suffix for p in answers} == {".npz", ".json"}
+    for path in answers:
+        shipped = site / path.relative_to(ROOT)
+        assert shipped.read_bytes() == path.read_bytes(), shipped
 
     probe = (
         "import json; from mlxspec.registry import SHIPPED_FILE, load_registry; "

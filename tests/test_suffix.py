@@ -323,3 +323,72 @@ def test_a_history_that_cannot_be_written_costs_speed_not_the_answer(tmp_path):
             done = list(engine.stream([1, 2, 3, 4], GenerationSettings(max_tokens=6), proposer))
             assert isinstance(done[-1], Done) and len(done[-1].token_ids) == 6
     assert len(warned) == 1, [str(w.message) for w in warned]
+
+
+def test_an_answer_copying_its_prompt_drafts_the_latest_passage_in_full():
+    """Where a copied phrase starts, the answer matches its prompt by two tokens only (its
+    own words before differ); prompt lookup still drafts the whole latest passage, and so
+    must suffix: not two tokens (the history's depth cap) nor the continuation two older
+    passages share (a majority that is not the one being copied)."""
+    older, latest = list(range(100, 112)), list(range(200, 212))
+    prompt = [1, 5, 6, *older, 2, 5, 6, *older, 3, 5, 6, *latest, 4]
+    ctx = context_for([*prompt, 9, 5, 6])
+    proposer = SuffixProposer(store=None)
+    assert proposer.situation(ctx).key == "request>=2"
+    assert proposer.propose(ctx, 8).tokens == latest[:8]
+    tree = proposer.propose_tree(ctx, 8, 8)  # room for one 8-token line only
+    node = 0
+    for token in latest[:8]:  # it is the latest passage's
+        children = [i + 1 for i, parent in enumerate(tree.parents) if parent == node]
+        node = next((i for i in children if tree.tokens[i - 1] == token), None)
+        assert node is not None, (token, tree.tokens)
+
+
+def seeded_engine(store: HistoryStore, seed: PrefixIndex) -> tuple[Engine, SuffixProposer]:
+    tokenizer = byte_tokenizer()
+    engine = Engine(
+        tiny_model("llama"), tokenizer, "llama", verify_cost=CPU_LIKE_COST, history=store
+    )
+    proposer = SuffixProposer("suffix", store, 8, vocab_size=engine.vocab_size, seed=lambda: seed)
+    engine.add_proposer(proposer)
+    return engine, proposer
+
+
+def test_the_seed_drafts_with_history_on_and_is_never_written_to_the_users_store(tmp_path):
+    prompt = list(range(40, 52))
+    plain = Engine(tiny_model("llama"), byte_tokenizer(), "llama", verify_cost=CPU_LIKE_COST)
+    answer = list(list(plain.stream(prompt, GenerationSettings(max_tokens=30), None))[-1].token_ids)
+    seed = PrefixIndex(np.asarray([SENTINEL, *prompt, *answer, SENTINEL], np.int32))
+    store = HistoryStore(tmp_path / "history")
+    store.add([1, 2, 3])
+    before = digest(tmp_path / "history")
+    engine, _ = seeded_engine(store, seed)
+    off = list(engine.stream(prompt, GenerationSettings(max_tokens=30, history=False), "suffix"))
+    assert off[-1].record.drafted_from_history == 0 and digest(tmp_path / "history") == before
+    on = list(engine.stream(prompt, GenerationSettings(max_tokens=30), "suffix"))[-1]
+    assert on.record.drafted_from_history > 0 and list(on.token_ids) == answer
+    kept = HistoryStore(tmp_path / "history").index
+    assert kept.documents == 2  # the user's request and this one: nothing of the seed
+
+
+@pytest.mark.slow
+def test_the_shipped_seed_matches_the_real_tokenizer(smollm2):
+    from mlxspec.drafter.answers import read_answers, tokenizer_hash
+    from mlxspec.suffix.seed import seed_index
+
+    index = seed_index("smollm2-135m", smollm2.tokenizer)
+    answers = read_answers("smollm2-135m")
+    assert index is not None and index.documents == len(answers)
+    assert tokenizer_hash(smollm2.tokenizer) == answers.manifest["tokenizer_sha256"]
+    text = smollm2.tokenizer.decode(answers.answer_ids[0])
+    assert text.strip() and "\ufffd" not in text
+
+
+def test_the_seed_is_off_unless_an_entry_turns_it_on(tmp_path):
+    """Measured not faster on the chat suite (docs/suffix.md), so opt-in."""
+    from mlxspec.registry import parse_registry_text
+
+    text = '[models.m]\ntarget = "smollm2-135m"\n[models.m.proposers.seeded]\nkind = "suffix"\n'
+    entries, _ = parse_registry_text(text + "seed = true\n", tmp_path / "models.toml")
+    assert entries["m"].proposer("suffix").options["seed"] is False
+    assert entries["m"].proposer("seeded").options["seed"] is True

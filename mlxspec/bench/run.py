@@ -76,8 +76,8 @@ class Bench:
         self.max_tokens, self.repeats, self.replay = max_tokens, repeats, replay
         self.stream = stream
         self.plan = schedule(prompts, methods, repeats, replay)
-        # No run writes the user's history. A replay gives every (method, repeat) its own
-        # store, so a method never drafts from another's answers or an earlier repeat's.
+        # No run reads or writes the user's history: every run's store is a temporary
+        # one (see `runs`), so a method never drafts from another's answers.
         self._histories = tempfile.TemporaryDirectory(prefix="mlxspec-bench-history-")
         self._draft = None  # mlx-lm's draft model: the very module mlxspec's proposer uses
         self._encoded: dict[str, list[int]] = {}
@@ -120,9 +120,14 @@ class Bench:
         for index, (prompt, repeat, method) in enumerate(self.plan):
             progress(index, self.total, prompt, method)
             tokens = self._encoded[prompt.id]
-            if self.replay:
-                folder = Path(self._histories.name) / f"{self.methods.index(method)}-{repeat}"
-                self.runtime.use_history(HistoryStore(folder))
+            # A replay: each (method, repeat) its own history, building up over the
+            # prompts. Otherwise every run starts from an empty one: history is on, as
+            # for a user, but only the request itself (and a shipped seed) can draft.
+            run_name = f"{self.methods.index(method)}-{repeat}"
+            folder = Path(self._histories.name) / (
+                run_name if self.replay else f"{run_name}-{prompt.id}"
+            )
+            self.runtime.use_history(HistoryStore(folder))
             measurement = self.measure(method, tokens, self.max_tokens)
             reference.setdefault(prompt.id, measurement.tokens)  # plain runs first
             divergence = None
@@ -148,7 +153,7 @@ class Bench:
             method.proposer,
             method.k,
             method.tree,
-            self.replay,
+            True,  # history on: every run has a temporary store of its own (see `runs`)
             self.stream,
         )
 

@@ -122,7 +122,10 @@ def execute(
                 "for each repeat, each prompt in order, every method in turn; each method "
                 "with its own history, empty at each repeat's start"
                 if request.replay
-                else "for each prompt, for each repeat, every method in turn; history off"
+                else (
+                    "for each prompt, for each repeat, every method in turn; each run with "
+                    "an empty history (a shipped seed history is read)"
+                )
             ),
             "decode_rate": "tokens after the first round / seconds after the first round",
         },

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from mlxspec import device
 from mlxspec.anatomy import Decoder, split_decoder
 from mlxspec.drafter import distill
+from mlxspec.drafter.answers import shipped_answers
 from mlxspec.drafter.data import DataStore, add_file, add_text, self_distill
 from mlxspec.drafter.exit import ExitStudent, build_exit, save_exit
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
@@ -113,6 +114,10 @@ def make_data(
     store = DataStore(job.data_dir, entry.target, decoder.width)
     tokenizer = loaded.tokenizer
     held_out = chat_prompts(held_out=True)[:HELD_OUT_PROMPTS]
+    # Answers committed with the package (drafter/answers.py) are not generated again.
+    committed = {
+        split: shipped_answers(entry.target, tokenizer, split) for split in ("train", "held-out")
+    }
     if store.done(HELD_OUT) < len(held_out):
         say(f"held-out answers for measuring acceptance ({len(held_out)} prompts)")
         self_distill(
@@ -124,6 +129,7 @@ def make_data(
             HELD_OUT,
             job.answer_tokens,
             progress=_bar("held-out"),
+            answered=committed["held-out"],
         )
     if job.self_distill:
         prompts = chat_prompts()[: job.prompts]
@@ -138,6 +144,7 @@ def make_data(
                 "self-distill",
                 job.answer_tokens,
                 progress=_bar("self-distill"),
+                answered=committed["train"],
             )
     if job.text_tokens and store.tokens("text") < job.text_tokens:
         say(f"teacher states on up to {job.text_tokens} tokens of offline documentation")

@@ -28,6 +28,7 @@ import numpy as np
 
 from mlxspec.anatomy import Decoder
 from mlxspec.chat_template import encode_chat
+from mlxspec.drafter.answers import AnswerSet
 
 MANIFEST = "manifest.json"
 
@@ -164,22 +165,32 @@ def self_distill(
     max_tokens: int = 192,
     batch: int = 32,
     progress: Callable[[int, int], None] = lambda done, total: None,
+    answered: AnswerSet | None = None,
 ) -> None:
-    """The target's greedy answers to `prompts`, with its hidden states, into `store`."""
+    """The target's greedy answers to `prompts`, with its hidden states, into `store`.
+    Answers already in `answered` (the committed answer set, `answers.py`) are taken
+    from it; only the hidden states are computed, by one prefill."""
     from mlx_lm.generate import batch_generate
 
+    eos = next(iter(tokenizer.eos_token_ids))
     progress(store.done(source), len(prompts))
     for start in range(store.done(source), len(prompts), batch):
         group = prompts[start : start + batch]
         encoded = [encode_prompt(tokenizer, p) for p in group]
-        answers = batch_generate(
-            model, tokenizer, encoded, max_tokens=max_tokens, return_token_ids=True
-        ).token_ids
-        eos = tokenizer.eos_token_ids
-        sequences = [
-            p + a + [next(iter(eos))] if len(a) < max_tokens else p + a
-            for p, a in zip(encoded, answers)
-        ]
+        known = [answered.sequence(p, eos, max_tokens) if answered else None for p in group]
+        missing = [i for i, sequence in enumerate(known) if sequence is None]
+        if missing:
+            generated = batch_generate(
+                model,
+                tokenizer,
+                [encoded[i] for i in missing],
+                max_tokens=max_tokens,
+                return_token_ids=True,
+            ).token_ids
+            for i, answer in zip(missing, generated):
+                ending = [eos] if len(answer) < max_tokens else []
+                known[i] = encoded[i] + list(answer) + ending
+        sequences = [list(sequence) for sequence in known]
         store.add(
             source,
             sequences,

@@ -7,19 +7,23 @@ lazily, shared across requests and processes). The longer match wins (the reques
 a tie, and both are used when equal). Its occurrences' continuations form a tree in
 which a node's score is the share of occurrences that continued that way
 (SuffixDecoding's frequency scores), so the engine's verify-cost pruning keeps only the
-branches that pay. Depth is capped at `spec_factor` x match length: a long match has
-earned a long draft, a two-token match has not.
+branches that pay. A history match drafts at most `spec_factor` x its length: a long
+match has earned a long draft, a two-token match has not.
 
-In the request itself a continuation that runs into the present is extended
-periodically (copy with overlap), so "Beta Beta Beta" drafts as far as the policy
-allows instead of one period.
+In the request itself the match is treated as prompt lookup treats it: the draft line
+is what followed the latest occurrence, as deep as the policy asks (an answer copying
+its prompt matches it by a few tokens where a copied phrase starts, then goes on
+verbatim), and a continuation that runs into the present is extended periodically
+(copy with overlap), so "Beta Beta Beta" drafts as far as the policy allows instead of
+one period. With history on, a shipped seed history (`suffix/seed.py`) counts as
+history too.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -46,6 +50,7 @@ class SuffixProposer:
         spec_factor: float = 1.0,
         min_match: int = 2,
         vocab_size: int | None = None,
+        seed: Callable[[], PrefixIndex | None] | None = None,
     ):
         if spec_factor <= 0 or min_match < 1:
             raise ValueError(
@@ -53,6 +58,7 @@ class SuffixProposer:
             )
         self.name, self.store, self.k_max = name, store, k_max
         self.spec_factor, self.min_match, self.vocab_size = spec_factor, min_match, vocab_size
+        self.seed = seed  # the shipped seed history (suffix/seed.py), read with the user's
         self.reset()
 
     def reset(self) -> None:
@@ -80,8 +86,9 @@ class SuffixProposer:
         self._sync(tokens)
         self._match = None
         found = [(self._request, *self._request.longest_match(tokens), True)]
-        if ctx.history and self.store is not None:
-            found.append((self.store.index, *self.store.index.longest_match(tokens), False))
+        if ctx.history:
+            for index in self._histories():
+                found.append((index, *index.longest_match(tokens), False))
         length = max(match[1] for match in found)
         if length < self.min_match:
             return None
@@ -90,9 +97,33 @@ class SuffixProposer:
         self._match = (length, origin, ranges)
         return Situation(self, f"{origin}>={bucket(length)}", PRIORS[bucket(length)])
 
+    def _histories(self) -> list[PrefixIndex]:
+        """The user's history and the seed (where one ships): both count as history."""
+        seed = self.seed() if self.seed is not None else None
+        stored = self.store.index if self.store is not None else None
+        return [index for index in (stored, seed) if index is not None]
+
     def _depth(self, asked: int) -> int:
-        length = self._match[0] if self._match else 0
+        """A history match drafts at most `spec_factor` x its length; a match in the
+        request drafts as deep as the policy asks. An answer that copies its prompt
+        matches it by only a few tokens where a copied phrase starts (the answer's own
+        words before it differ from the prompt's), yet goes on verbatim: the policy,
+        which learns acceptance per `request>=N`, sizes those drafts as it does prompt
+        lookup's."""
+        if self._match is None:
+            return 0
+        length, origin, _ = self._match
+        if origin == REQUEST:
+            return asked
         return min(asked, math.ceil(self.spec_factor * length))
+
+    def _latest(self, depth: int) -> list[int]:
+        """What followed the request's latest occurrence of the match (prompt lookup's
+        choice: in a copied passage the nearest earlier occurrence is the one being
+        copied; a majority of older, shorter occurrences is not)."""
+        index, lo, hi, _ = next(r for r in self._match[2] if r[3])
+        latest = int(index.order[lo:hi].max())
+        return _follow(index.tokens, latest, depth, periodic=True)
 
     def _continuations(self, depth: int) -> Counter[tuple[int, ...]]:
         """How often each continuation (up to `depth` tokens) followed the match."""
@@ -112,10 +143,13 @@ class SuffixProposer:
         """The line most occurrences took (a model without draft trees drafts this)."""
         if self._match is None or k <= 0:
             return Draft([])
-        children = _children(self._continuations(self._depth(k)))
-        line: list[int] = []
-        while children.get(tuple(line)):
-            line.append(children[tuple(line)].most_common(1)[0][0])
+        if self._match[1] == REQUEST:
+            line = self._latest(self._depth(k))
+        else:
+            children = _children(self._continuations(self._depth(k)))
+            line = []
+            while children.get(tuple(line)):
+                line.append(children[tuple(line)].most_common(1)[0][0])
         self._count(len(line))
         return Draft(line)
 
@@ -128,6 +162,10 @@ class SuffixProposer:
         total = sum(seen.values())
         children = _children(seen)
         paths, scores = [], []
+        if self._match[1] == REQUEST:  # the line `propose` drafts, kept whole (score 1)
+            latest = self._latest(self._depth(depth))
+            paths.append(latest)
+            scores.append([1.0] * len(latest))
         for path in seen:
             shares = [children[path[:j]][path[j]] / total for j in range(len(path))]
             kept = next((j for j, share in enumerate(shares) if share < MIN_SHARE), len(path))
