@@ -532,7 +532,6 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     type=click.Path(dir_okay=False),
     help="PNG of speedup per prompt class (needs the 'plot' extra).",
 )
-@fail_cleanly
 @click.option(
     "--from-history",
     "history",
@@ -553,6 +552,8 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     help="N clients at once against the in-process server: one at a time vs batched (plain "
     "and each proposer in --proposers, names only) vs mlx-lm's batch_generate. Repeatable.",
 )
+@distributed_options
+@fail_cleanly
 def bench(
     model,
     suite,
@@ -581,14 +582,24 @@ def bench(
       mlxspec bench --suite chat --proposers head,medusa,lookahead --tree   # line vs tree
       mlxspec bench --from-history --json history.json
       mlxspec bench --concurrency 4 --concurrency 8 --proposers prompt-lookup
+      mlxspec bench --ranks 3 --proposers prompt-lookup   # every row on the sharded target
     """
     from mlxspec.bench import BenchError
     from mlxspec.bench.report import markdown
     from mlxspec.bench.session import Interrupted, execute, plan, write_outputs
+    from mlxspec.distributed.rank import current_rank
     from mlxspec.runtime import open_runtime
 
+    rank = current_rank()  # None unless launched with --ranks/--hostfile
+    if rank is not None and (concurrency or history):
+        raise click.UsageError(
+            "--ranks/--hostfile runs the timed bench only; leave out --concurrency and "
+            "--from-history"
+        )
+    notify = rank.notify(say) if rank else say
+
     def progress(index, total, prompt, method):
-        say(f"[{index + 1}/{total}] {prompt.id} ({prompt.kind}): {method.name}")
+        notify(f"[{index + 1}/{total}] {prompt.id} ({prompt.kind}): {method.name}")
 
     entry = load_registry().including(model).get(model)
     warn_if_slow_blas()
@@ -619,13 +630,25 @@ def bench(
         return
     try:
         # Everything checkable is checked before the weights load.
+        plot = plot_path is not None and (rank is None or rank.front)
         request = plan(
-            entry, suite, prompts_file, proposers, max_tokens, repeats, plot_path is not None, tree
+            entry, suite, prompts_file, proposers, max_tokens, repeats, plot, tree, rank is not None
         )
-        result = execute(request, open_runtime(entry, notify=say), say, progress)
+        if request.left_out:
+            notify(f"left out {', '.join(request.left_out)}: a sharded target verifies lines only")
+        if rank is None:
+            result = execute(request, open_runtime(entry, notify=say), say, progress)
+        else:
+            runtime = rank.open_runtime(entry, say)
+            sharded = (rank.setup(), partial(rank.run, runtime))
+            result = execute(request, runtime, notify, progress, sharded)
+            if not rank.front:
+                return  # rank 0 prints and writes
         click.echo(markdown(result))
         written = write_outputs(result, json_path, markdown_path, plot_path)
     except Interrupted as stop:
+        if rank is not None and not rank.front:
+            raise click.ClickException(str(stop)) from None
         click.echo(markdown(stop.result))
         raise click.ClickException(f"{stop}; the rows above are partial") from None
     except BenchError as err:

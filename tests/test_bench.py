@@ -51,6 +51,7 @@ ROW_FIELDS = {
     "k",
     "repeats",
     "tokens",
+    "collective_seconds_per_round",  # sharded runs only; None in one process
     "tokens_per_second",
     "tokens_per_second_min",
     "tokens_per_second_max",
@@ -166,7 +167,7 @@ def test_every_row_has_its_fields_and_matches_plain_mlx_lm(tiny_entry, tiny_resu
         m.name for m in all_methods(tiny_entry)
     ]
     for row in rows:
-        assert set(row) == ROW_FIELDS
+        assert set(row) == ROW_FIELDS and row["collective_seconds_per_round"] is None
         assert row["token_match"], f"{row['method']} diverged: {row['divergence']}"
         assert row["repeats"] == 2
         assert row["tokens_per_second_min"] <= row["tokens_per_second"]
@@ -302,6 +303,17 @@ def test_tree_flag_pairs_every_speculative_row_with_its_tree(tiny_entry):
     ]
     lines = plan(tiny_entry, "quick", None, "prompt-lookup@tree", 16, None, tree=False)
     assert [m.name for m in lines.methods] == [PLAIN, "mlxspec:prompt-lookup"]
+
+
+def test_a_sharded_bench_leaves_tree_rows_out_and_refuses_tree(tiny_entry):
+    """A sharded target verifies lines only: `all`'s tree rows go, named; --tree fails."""
+    sharded = plan(tiny_entry, "chat", None, "all", 16, None, sharded=True)
+    one_process = plan(tiny_entry, "chat", None, "all", 16, None)
+    trees = [m.name for m in one_process.methods if m.tree]
+    assert trees and list(sharded.left_out) == trees
+    assert sharded.methods == [m for m in one_process.methods if not m.tree]
+    with pytest.raises(BenchError, match="a sharded target verifies lines only"):
+        plan(tiny_entry, "quick", None, "prompt-lookup", 16, None, tree=True, sharded=True)
 
 
 @pytest.mark.parametrize(

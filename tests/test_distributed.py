@@ -287,6 +287,42 @@ def test_a_stuck_rank_is_caught_by_the_watchdog(tiny):
     assert seconds < 30
 
 
+def test_bench_sharded_runs_every_row_on_the_ranks_and_times_the_collectives(tiny, tmp_path):
+    """`bench --ranks 2`: plain-mlx-lm, mlxspec:none and prompt lookup all on the sharded
+    target, rank 0 alone writing the document, speculative rows pricing their rounds."""
+    seed_flat_calibration(tiny, "tiny", 2)
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": PROMPT, "class": "repeat"}, {"prompt": "ab ab ab ab", "class": "repeat"}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "bench.json"
+    args = (
+        "--prompts",
+        str(prompts),
+        "--proposers",
+        "none,prompt-lookup@k=4",
+        "-n",
+        "12",
+        "-r",
+        "1",
+    )
+    done, _ = mlxspec(tiny, "bench", "--ranks", "2", *args, "--json", str(out), timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["sharded"] == {"ranks": 2, "backend": "ring", "parallel": "tensor"}
+    assert done.stdout.count("## mlxspec bench") == 1  # rank 0 alone prints
+    assert "coll. ms/round" in done.stdout
+    rows = {(row["prompt"], row["method"]): row for row in result["rows"]}
+    for prompt in ("line1", "line2"):
+        plain, spec = rows[prompt, "plain-mlx-lm"], rows[prompt, "mlxspec:prompt-lookup@k=4"]
+        assert plain["collective_seconds_per_round"] is None  # mlx-lm's loop: no checks
+        assert spec["collective_seconds_per_round"] > 0
+        assert spec["token_match"] and rows[prompt, "mlxspec:none"]["token_match"]
+        assert spec["tokens"] == plain["tokens"] > 0
+    assert sum(rows[p, "mlxspec:prompt-lookup@k=4"]["acceptance_rate"] for p in ("line1", "line2"))
+    done, _ = mlxspec(tiny, "bench", "--ranks", "2", "--from-history", timeout=60)
+    assert done.returncode != 0 and "runs the timed bench only" in error_line(done)
+
+
 # --- The real model -----------------------------------------------------------------------------
 
 

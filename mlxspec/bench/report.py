@@ -23,6 +23,7 @@ TABLE_COLUMNS = (
     "est.",
     "token match",
 )
+COLLECTIVE_COLUMN = "coll. ms/round"  # sharded runs only
 
 
 def document(
@@ -32,14 +33,16 @@ def document(
     runs: list[Run],
     bandwidth: float,
     interrupted: bool = False,
+    sharded: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`{"machine", "model", "settings", "rows", "summary"}`; the roofline sits in machine."""
+    """`{"machine", "model", "settings", "rows", "summary"}`; the roofline sits in machine.
+    `sharded` ({"ranks", "backend", "parallel"}): every row ran on the sharded target."""
     rows = build_rows(runs)
     plain = [
         r["tokens_per_second"] for r in rows if r["method"] == PLAIN and r["tokens_per_second"]
     ]
     plain_speed = statistics.median(plain) if plain else None
-    return {
+    result = {
         "machine": {**machine, "roofline": roofline(model["weight_bytes"], bandwidth, plain_speed)},
         "model": model,
         "settings": settings,
@@ -47,6 +50,7 @@ def document(
         "summary": summarize(rows),
         "interrupted": interrupted,
     }
+    return {**result, "sharded": sharded} if sharded else result
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -66,14 +70,31 @@ def markdown(result: dict[str, Any]) -> str:
         f"- settings: greedy, max {result['settings']['max_tokens']} tokens, "
         f"{result['settings']['repeats']} repeat(s), decode tok/s excludes the first round",
     ]
+    if sharded := result.get("sharded"):
+        lines.append(
+            f"- sharded: every row ran on the target split over {sharded['ranks']} ranks "
+            f"({sharded['backend']}, {sharded['parallel']} parallel), plain-mlx-lm included; "
+            "weights and roofline are one rank's shard"
+        )
     if result["interrupted"]:
         lines.append("- INTERRUPTED: partial results")
-    lines += ["", *table_lines(result["rows"]), "", *summary_lines(result["summary"])]
+    table = table_lines(result["rows"], collectives="sharded" in result)
+    lines += ["", *table, "", *summary_lines(result["summary"])]
     return "\n".join(lines) + "\n"
 
 
-def table_lines(rows: list[dict[str, Any]]) -> list[str]:
-    return _table(TABLE_COLUMNS, [_cells(row) for row in rows])
+def table_lines(rows: list[dict[str, Any]], collectives: bool = False) -> list[str]:
+    """`collectives`: a sharded run's table, with mlxspec's collective time per round."""
+    if not collectives:
+        return _table(TABLE_COLUMNS, [_cells(row) for row in rows])
+    header = (*TABLE_COLUMNS[:-1], COLLECTIVE_COLUMN, TABLE_COLUMNS[-1])
+    body = []
+    for row in rows:
+        cells = _cells(row)
+        per_round = row.get("collective_seconds_per_round")
+        per_round_ms = None if per_round is None else per_round * 1000
+        body.append([*cells[:-1], _number(per_round_ms, ".2f"), cells[-1]])
+    return _table(header, body)
 
 
 def summary_lines(summary: dict[str, dict[str, float | None]]) -> list[str]:

@@ -80,6 +80,11 @@ def _row(group: list[Run], plain_speed: float | None) -> dict[str, Any]:
         "estimated_speedup": _median(
             [m.estimated_speedup for m in measurements if m.estimated_speedup]
         ),
+        # Sharded runs only (None in one process): see docs/benchmarks.md.
+        "collective_seconds_per_round": _ratio(
+            sum(m.collective_seconds for m in measurements),
+            sum(m.collective_rounds for m in measurements),
+        ),
         "token_match": divergence is None,
         "divergence": asdict(divergence) if divergence else None,
     }

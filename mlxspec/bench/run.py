@@ -14,11 +14,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
 from mlxspec.bench import BenchError
 from mlxspec.bench.lossless import Divergence, first_divergence, plain_top2_gap
 from mlxspec.bench.methods import MLX_LM_SPECULATIVE, PLAIN, Method, draft_proposer
 from mlxspec.bench.runners import (
     Measurement,
+    Stream,
     run_mlx_lm_speculative,
     run_mlxspec,
     run_plain_mlx_lm,
@@ -62,11 +66,15 @@ class Bench:
         max_tokens: int,
         repeats: int,
         replay: bool = False,
+        stream: Stream | None = None,
     ):
+        """`stream`: how mlxspec rows run (default: the engine's own; sharded: every rank
+        runs the same plan in step, so mlx-lm's rows run sharded too)."""
         if methods[0] != Method(PLAIN):
             raise ValueError("plain-mlx-lm must come first: every other row is checked against it")
         self.runtime, self.prompts, self.methods = runtime, prompts, methods
         self.max_tokens, self.repeats, self.replay = max_tokens, repeats, replay
+        self.stream = stream
         self.plan = schedule(prompts, methods, repeats, replay)
         # No run reads or writes the user's history: every run's store is a temporary
         # one (see `runs`), so a method never drafts from another's answers.
@@ -131,13 +139,13 @@ class Bench:
             yield Run(prompt, method, repeat, measurement, divergence)
 
     def measure(self, method: Method, prompt: list[int], max_tokens: int) -> Measurement:
-        loaded = self.runtime.loaded
-        if method.runner == PLAIN:
-            return run_plain_mlx_lm(loaded.model, loaded.tokenizer, prompt, max_tokens)
-        if method.runner == MLX_LM_SPECULATIVE:
-            return run_mlx_lm_speculative(
-                loaded.model, self._draft, loaded.tokenizer, prompt, max_tokens, method.k_label
-            )
+        if method.runner in (PLAIN, MLX_LM_SPECULATIVE):
+            measurement = self._measure_mlx_lm(method, prompt, max_tokens)
+            if self.stream is not None:
+                # mlx-lm's loop leaves one forward pass in flight on its own stream; sharded,
+                # its collectives would race the next row's and pair up wrongly across ranks.
+                mx.synchronize(generation_stream)
+            return measurement
         return run_mlxspec(
             self.runtime.engine,
             prompt,
@@ -146,4 +154,13 @@ class Bench:
             method.k,
             method.tree,
             True,  # history on: every run has a temporary store of its own (see `runs`)
+            self.stream,
+        )
+
+    def _measure_mlx_lm(self, method: Method, prompt: list[int], max_tokens: int) -> Measurement:
+        loaded = self.runtime.loaded
+        if method.runner == PLAIN:
+            return run_plain_mlx_lm(loaded.model, loaded.tokenizer, prompt, max_tokens)
+        return run_mlx_lm_speculative(
+            loaded.model, self._draft, loaded.tokenizer, prompt, max_tokens, method.k_label
         )

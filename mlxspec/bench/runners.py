@@ -14,6 +14,7 @@ front end must), and reports the same `Measurement`:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -21,7 +22,11 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step, speculative_generate_step
 
 from mlxspec.engine import Engine, GenerationSettings
-from mlxspec.events import Done, Step
+from mlxspec.events import Done, Event, Step
+
+# How an mlxspec row runs a request: the engine's own stream, or (sharded) a rank
+# session's, which keeps the ranks in step and times its collectives.
+Stream = Callable[[list[int], GenerationSettings, str], Iterator[Event]]
 
 
 @dataclass
@@ -37,6 +42,8 @@ class Measurement:
     tree_nodes: int = 0  # draft nodes verified in them
     accepted_lengths: list[int] = field(default_factory=list)  # rounds by drafts kept
     estimated_speedup: float | None = None  # mlxspec's own estimate (see mlxspec/speedup.py)
+    collective_seconds: float = 0.0  # sharded: waiting in mlxspec's per-round collectives
+    collective_rounds: int = 0
 
     @property
     def decode_tokens(self) -> int:
@@ -127,6 +134,7 @@ def run_mlxspec(
     k: int | None,
     tree: bool = False,
     history: bool = False,
+    stream: Stream | None = None,
 ) -> Measurement:
     cold_start(engine)
     settings = GenerationSettings(
@@ -134,7 +142,7 @@ def run_mlxspec(
     )
     clock = Clock()
     done = None
-    for event in engine.stream(prompt, settings, proposer):
+    for event in (stream or engine.stream)(prompt, settings, proposer):
         if isinstance(event, Step):
             clock.round_done(event.accepted + 1)
         elif isinstance(event, Done):
@@ -149,6 +157,8 @@ def run_mlxspec(
         tree_nodes=record.tree_nodes,
         accepted_lengths=record.accepted_lengths,
         estimated_speedup=record.speedup_estimate.value,
+        collective_seconds=record.collective_seconds,
+        collective_rounds=record.collective_rounds,
     )
 
 

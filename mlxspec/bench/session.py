@@ -15,6 +15,7 @@ from mlxspec.bench.methods import Method, parse_methods, with_trees
 from mlxspec.bench.plot import require_matplotlib, save_plot
 from mlxspec.bench.report import document, markdown
 from mlxspec.bench.run import Bench, Progress, Run
+from mlxspec.bench.runners import Stream
 from mlxspec.bench.suites import REPLAYED, BenchPrompt, load_suite, read_prompts
 from mlxspec.registry import ModelEntry
 from mlxspec.runtime import Runtime, parameter_count
@@ -32,6 +33,7 @@ class BenchRequest:
     max_tokens: int
     repeats: int
     replay: bool = False  # in order, each method with its own history building up
+    left_out: tuple[str, ...] = ()  # methods a sharded target cannot run (tree rows)
 
 
 class Interrupted(Exception):
@@ -51,8 +53,12 @@ def plan(
     repeats: int | None,
     plot: bool = False,
     tree: bool | None = None,
+    sharded: bool = False,
 ) -> BenchRequest:
-    """Check everything that can be checked before loading weights."""
+    """Check everything that can be checked before loading weights. `sharded`: a sharded
+    target verifies lines only, so tree rows are left out (an explicit --tree fails)."""
+    if sharded and tree:
+        raise BenchError("--tree: a sharded target verifies lines only, for now; drop --tree")
     if plot:
         require_matplotlib()
     if prompts_file is not None:
@@ -64,9 +70,11 @@ def plan(
     # quick stays a few minutes on a laptop CPU: the headline methods, one repeat.
     default = "core" if quick else REPLAY_METHODS if replay else "all"
     methods = with_trees(parse_methods(proposers or default, entry), tree)
+    left_out = tuple(m.name for m in methods if sharded and m.tree)
+    methods = [m for m in methods if m.name not in left_out]
     if repeats is None:
         repeats = QUICK_REPEATS if quick or replay else REPEATS
-    return BenchRequest(entry, source, prompts, methods, max_tokens, repeats, replay)
+    return BenchRequest(entry, source, prompts, methods, max_tokens, repeats, replay, left_out)
 
 
 def execute(
@@ -74,8 +82,13 @@ def execute(
     runtime: Runtime,
     notify: Callable[[str], None],
     progress: Progress,
+    sharded: tuple[dict[str, Any], Stream] | None = None,
 ) -> dict[str, Any]:
-    """Prepare, measure the machine, run every timed row; the result document."""
+    """Prepare, measure the machine, run every timed row; the result document.
+
+    `sharded`: (the setup, the rank session's stream). Every rank executes the same
+    request in the same order, so each forward pass (mlx-lm's rows' too) is collective."""
+    setup, stream = sharded or (None, None)
     bench = Bench(
         runtime,
         request.prompts,
@@ -83,6 +96,7 @@ def execute(
         request.max_tokens,
         request.repeats,
         request.replay,
+        stream,
     )
     bench.prepare(notify)
     notify("measuring memory bandwidth")
@@ -121,9 +135,9 @@ def execute(
         for run in bench.runs(progress):
             runs.append(run)
     except KeyboardInterrupt:
-        result = document(**facts, runs=runs, bandwidth=bandwidth, interrupted=True)
+        result = document(**facts, runs=runs, bandwidth=bandwidth, interrupted=True, sharded=setup)
         raise Interrupted(result, len(runs), bench.total) from None
-    return document(**facts, runs=runs, bandwidth=bandwidth)
+    return document(**facts, runs=runs, bandwidth=bandwidth, sharded=setup)
 
 
 def write_outputs(

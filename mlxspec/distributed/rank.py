@@ -129,6 +129,14 @@ class RankSession:
         """Rank 0 owns stdout, the API and the TUI; the other ranks only compute."""
         return self.rank == 0
 
+    def setup(self) -> dict[str, int | str]:
+        """How the target is split, as the bench's document records it."""
+        return {
+            "ranks": self.size,
+            "backend": self.config.backend,
+            "parallel": self.config.parallel,
+        }
+
     def notify(self, say: Callable[[str], None]) -> Callable[[str], None]:
         return say if self.front else (lambda _: None)
 
