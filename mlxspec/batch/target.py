@@ -88,6 +88,11 @@ class BatchTarget:
         for c in self.cache:
             c.filter(indices)
 
+    def settle(self) -> None:
+        """Evaluate the cache now (the trims and rolls of `keep` are lazy), so that the
+        time they take is counted in the round that caused them."""
+        mx.eval([c.keys for c in self.cache] + [c.values for c in self.cache])
+
     def verify(self, rows: list[list[int]]) -> mx.array:
         """One forward over every row's [pending] + drafts, right-padded to the widest:
         logits (B, width, V). A pad position only follows its row's real tokens, so it

@@ -239,28 +239,25 @@ def run_concurrency(
     runtime.engine.verify_cost  # noqa: B018  (calibrate now, not inside a timed row)
     rows: list[dict[str, Any]] = []
     for clients in levels:
-        best: dict[str, dict[str, Any]] = {}  # per row: its fastest repeat
-        reference: list[Answer] | None = None
+        # Per row, its fastest repeat: a shared machine's load only ever slows a row
+        # down, so the fastest repeat is the least disturbed one.
+        served: dict[str, tuple[float, list[Answer]]] = {}
+        anchor: tuple[float, list[str], int] | None = None
         for repeat in range(repeats):
             turn = f" (repeat {repeat + 1}/{repeats})" if repeats > 1 else ""
             for row in served_rows(clients, default, kept):
                 notify(f"{clients} clients: {row.label}, {len(prompts)} requests{turn}")
                 wall, answers = run_served(runtime, row, prompts, clients, max_tokens)
-                reference = reference or answers
-                _keep_faster(best, summarize(row.label, clients, wall, answers, reference))
+                if row.label not in served or wall < served[row.label][0]:
+                    served[row.label] = (wall, answers)
             notify(f"{clients} clients: {ANCHOR}{turn}")
-            wall, texts, tokens = run_anchor(runtime, prompts, clients, max_tokens)
-            _keep_faster(best, summarize_anchor(clients, wall, texts, tokens, reference))
-        rows += best.values()
+            measured = run_anchor(runtime, prompts, clients, max_tokens)
+            anchor = measured if anchor is None or measured[0] < anchor[0] else anchor
+        reference = next(iter(served.values()))[1]  # the one-at-a-time row's answers
+        for label, (wall, answers) in served.items():
+            rows.append(summarize(label, clients, wall, answers, reference))
+        rows.append(summarize_anchor(clients, *anchor, reference))
     return {"rows": rows, "skipped": refused, "repeats": repeats}
-
-
-def _keep_faster(best: dict[str, dict[str, Any]], row: dict[str, Any]) -> None:
-    """Keep the repeat with the higher aggregate rate: a shared machine's load only
-    ever slows a row down, so the fastest repeat is the least disturbed one."""
-    known = best.get(row["row"])
-    if known is None or row["tokens_per_second"] > known["tokens_per_second"]:
-        best[row["row"]] = row
 
 
 def concurrency_markdown(result: dict[str, Any]) -> str:
