@@ -395,6 +395,10 @@ def pull(name, mtp, mtp_source):
     say(f"{name}: ready")
 
 
+# `serve`: requests that share a target pass by default (docs/batching.md, measured).
+DEFAULT_MAX_BATCH = 8
+
+
 @main.command()
 @click.option(
     "--model", "-m", help="Model loaded at start and used when a request names none. " + MODEL_HELP
@@ -422,10 +426,9 @@ def pull(name, mtp, mtp_source):
 )
 @click.option(
     "--max-batch",
-    default=1,
-    show_default=True,
     type=click.IntRange(min=1),
-    help="Requests that generate together, sharing each target pass (1: one at a time).",
+    help="Requests that generate together, sharing each target pass (1: one at a time; "
+    "default: 8, or 1 when sharded).",
 )
 @TREE_OPTION
 @distributed_options
@@ -460,7 +463,7 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     if rank is None:
         provider = RegistryProvider(registry, default=model, notify=say)
     else:
-        if max_batch > 1:
+        if (max_batch or 1) > 1:
             raise click.UsageError(
                 "--max-batch above 1 does not run sharded yet; drop --max-batch or --ranks"
             )
@@ -476,6 +479,8 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     except ListenError as err:
         raise click.ClickException(str(err)) from None
     warn_if_slow_blas()
+    if max_batch is None:  # measured: docs/batching.md (8 clients: ~3x one at a time)
+        max_batch = 1 if rank is not None else DEFAULT_MAX_BATCH
     limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting, max_batch=max_batch)
     app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default, ranks=rank)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
