@@ -215,8 +215,10 @@ class Policy:
         best_k, best_speed = 0, 1.0
         # A source may verify more nodes than the depth it drafts (lookahead's window).
         nodes = getattr(situation.source, "verify_nodes", lambda k: k)
+        # A block drafter's one pass drafts every k alike: its cost is per round.
+        per_round = getattr(situation.source, "cost_per_round", False)
         for k in range(1, limit + 1):
-            cost = self.verify_cost(nodes(k) + 1) + k * per_draft
+            cost = self.verify_cost(nodes(k) + 1) + (1 if per_round else k) * per_draft
             speed = expected_tokens(rate, k) / cost
             if speed > best_speed:
                 best_k, best_speed = k, speed
@@ -239,7 +241,8 @@ class Policy:
         )
         self._full_streak[situation.source.name] = accepted == drafted
         name = situation.source.name
-        measured = draft_seconds / drafted / (self.step_seconds or self.cost.step_seconds)
+        per = 1 if getattr(situation.source, "cost_per_round", False) else drafted
+        measured = draft_seconds / per / (self.step_seconds or self.cost.step_seconds)
         previous = self.draft_cost.get(name)
         self.draft_cost[name] = measured if previous is None else 0.8 * previous + 0.2 * measured
 
