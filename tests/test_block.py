@@ -17,13 +17,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from lossless import assert_lossless, plain_greedy
+from test_sampling import significant
 from test_sampling_settings import (
     MAX_TOKENS,
     PROMPT,
+    RANK_BINS,
     RUNS,
     K,
     Runs,
+    bin_probabilities,
     departures_from_the_target,
+    rank_bin,
     with_eos,
 )
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
@@ -211,11 +215,10 @@ def drafter_layer(w, i: int, x, context, start: int):
     return h + (gate * mx.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
 
 
-def reference_drafts(fmt: str, w, model, sequence: list[int]) -> list[int]:
-    """The greedy block after `sequence` (its last token pending) by the reference code:
-    z-lab's dflash_generate (slots 1.. predict, target's embedding and LM head) or
-    DeepSpec's sample_block_tokens (slots 0.. predict, own embedding and LM head, Markov
-    bias from the token before each slot, drawn left to right)."""
+def reference_logits(fmt: str, w, model, sequence: list[int]) -> mx.array:
+    """The block's draft logits after `sequence` (its last token pending) by the reference
+    code, before any Markov bias: z-lab's dflash_generate (slots 1.. predict, target's
+    embedding and LM head) or DeepSpec's (slots 0.. predict, own embedding and LM head)."""
     ids, size = (DFLASH_IDS, DFLASH_BLOCK) if fmt == "dflash" else (DSPARK_IDS, DSPARK_BLOCK)
     start = len(sequence) - 1
     context = rms(
@@ -228,12 +231,22 @@ def reference_drafts(fmt: str, w, model, sequence: list[int]) -> list[int]:
         h = drafter_layer(w, i, h, context, start)
     lm_head = model.lm_head.weight if fmt == "dflash" else w["lm_head.weight"]
     logits = rms(h, w["norm.weight"])[0] @ lm_head.T
+    return logits[1:] if fmt == "dflash" else logits
+
+
+def markov(w, token: int) -> mx.array:
+    return w["markov_head.markov_w1.weight"][token] @ w["markov_head.markov_w2.weight"].T
+
+
+def reference_drafts(fmt: str, w, model, sequence: list[int]) -> list[int]:
+    """The greedy block: DSpark's drawn left to right, each slot biased by the Markov
+    head from the token before it (DeepSpec's sample_block_tokens)."""
+    logits = reference_logits(fmt, w, model, sequence)
     if fmt == "dflash":
-        return mx.argmax(logits[1:], axis=-1).tolist()
+        return mx.argmax(logits, axis=-1).tolist()
     drafts, previous = [], sequence[-1]
     for row in logits:
-        bias = w["markov_head.markov_w1.weight"][previous] @ w["markov_head.markov_w2.weight"].T
-        previous = int(mx.argmax(row + bias))
+        previous = int(mx.argmax(row + markov(w, previous)))
         drafts.append(previous)
     return drafts
 
@@ -270,6 +283,57 @@ def test_a_published_checkpoint_drafts_what_the_reference_forward_pass_drafts(
     ctx = replace(ctx, tokens=longer, hidden=hidden)
     proposer.situation(ctx)
     assert proposer.propose(ctx, 3).tokens == reference_drafts(fmt, w, model, longer)[:3]
+    # Another request sharing the first 6 tokens: the context is cut back to them.
+    edited = sequence[:6] + [7, 8, 9]
+    reused, hidden = engine.target.prepare(edited, capture=proposer.target_layers)
+    assert reused == 6
+    ctx = replace(ctx, tokens=edited, hidden=hidden)
+    proposer.situation(ctx)
+    assert proposer.propose(ctx, 3).tokens == reference_drafts(fmt, w, model, edited)[:3]
+
+
+def test_a_dspark_tree_offers_each_node_the_top_tokens_of_its_own_markov_row(target, tmp_path):
+    model, _ = target
+    w = dspark_checkpoint(tmp_path)
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    proposer = block_proposer(engine, tmp_path)
+    sequence = [random.Random(2).randrange(1, 256) for _ in range(9)]
+    ctx = greedy_ctx(engine, sequence, proposer.target_layers)
+    proposer.situation(ctx)
+    tree = proposer.propose_tree(ctx, 3, 20)
+    logits, depths = reference_logits("dspark", w, model, sequence), tree.depths
+    parents_seen = set()
+    for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents), start=1):
+        before = sequence[-1] if parent == 0 else tree.tokens[parent - 1]
+        top = mx.argsort(-(logits[depths[node] - 1] + markov(w, before)))[:3].tolist()
+        assert token in top, (node, token, top)
+        parents_seen.add(parent)
+    assert len(parents_seen) >= 3  # children of several nodes, not of one line
+
+
+@pytest.mark.parametrize("fmt", ["dflash", "dspark"])
+def test_sampled_drafts_come_with_the_distributions_they_were_drawn_from(fmt, target, tmp_path):
+    """q of each slot is what rejection sampling divides by: the drafted tokens' ranks
+    under their reported rows must follow those rows (one-sample chi-square, per slot)."""
+    model, _ = target
+    WRITERS[fmt](tmp_path)
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    proposer = block_proposer(engine, tmp_path)
+    ctx = greedy_ctx(engine, prompts(3)[0], proposer.target_layers)
+    ctx = replace(ctx, scorer=TokenScorer(SamplingSettings(temperature=1.0)))
+    proposer.situation(ctx)
+    slots = 3
+    observed = np.zeros((slots, len(RANK_BINS) + 1))
+    expected = np.zeros_like(observed)
+    for seed in range(400):
+        draft = proposer.propose(replace(ctx, rng=np.random.default_rng(seed)), slots)
+        rows = np.asarray(draft.probs)
+        for slot, (token, row) in enumerate(zip(draft.tokens, rows)):
+            observed[slot, rank_bin(row, token)] += 1
+            expected[slot] += bin_probabilities(row)
+    for slot in range(slots):
+        statistic = float(((observed[slot] - expected[slot]) ** 2 / expected[slot]).sum())
+        assert not significant(statistic, len(RANK_BINS)), (slot, observed[slot], expected[slot])
 
 
 def prompts(seed: int) -> list[list[int]]:
