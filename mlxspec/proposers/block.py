@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlxspec.drafter.block import BlockDrafter
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
 from mlxspec.target import Target, common_prefix_len
-from mlxspec.tree import DraftTree, from_nodes, keep_best
+from mlxspec.tree import DraftTree, LevelGrower
 
 BRANCH = 3  # children offered per expanded node
 BEAM = 4  # nodes expanded per level
@@ -119,31 +119,18 @@ class BlockProposer:
         tokens (one drafter pass for the whole tree); the best `budget` nodes are kept."""
         logits = self._block_logits(ctx)
         history = list(ctx.tokens)
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = [1.0]
-        paths: dict[int, list[int]] = {0: []}
+        grower = LevelGrower(BRANCH)
         level = [0]
         for slot in range(min(depth, logits.shape[0])):
-            prefixes = [history + paths[n] for n in level]
+            prefixes = [history + grower.paths[n] for n in level]
             rows = mx.repeat(logits[slot : slot + 1], len(level), axis=0)
             bias = self.drafter.markov_bias([prefix[-1] for prefix in prefixes])
-            probs = self._probs(ctx, rows if bias is None else rows + bias, prefixes)
-            top = mx.argpartition(-probs, BRANCH - 1, axis=-1)[:, :BRANCH]
-            chosen = mx.take_along_axis(probs, top, axis=-1)
-            children = []
-            for row, node in enumerate(level):
-                for token, p in zip(top[row].tolist(), chosen[row].tolist()):
-                    if p > 0:
-                        tokens.append(token)
-                        parents.append(node)
-                        scores.append(scores[node] * p)
-                        paths[len(tokens)] = [*paths[node], token]
-                        children.append(len(tokens))
+            rows = rows if bias is None else rows + bias
+            children = grower.grow(level, self._probs(ctx, rows, prefixes))
             if not children:
                 break
-            level = sorted(children, key=lambda n: -scores[n])[:BEAM]
-        return keep_best(from_nodes(tokens, parents, scores[1:]), budget)
+            level = grower.best(children, BEAM)
+        return grower.tree(budget)
 
     def _probs(self, ctx: ProposalContext, rows: mx.array, prefixes: list[list[int]]) -> mx.array:
         """Draft distributions (F, V) at F nodes, under the sampling settings."""
