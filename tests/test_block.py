@@ -192,9 +192,11 @@ def layer_outputs(model, tokens: list[int], ids: list[int]) -> mx.array:
     return mx.concatenate([states[i + 1] for i in ids], -1)
 
 
-def drafter_layer(w, i: int, x, context, start: int):
+def drafter_layer(w, i: int, x, context, start: int, window: int | None = None):
     """Layer i over the block x (1, B, D) at positions start.., keys and values from
-    [context, block] at positions 0.. (no mask: every query sees everything)."""
+    [context, block] at positions 0..: every query sees everything, or with a `window`
+    (a sliding layer, causal by default: z-lab's _attention_mask) the keys less than
+    `window` before it and no later block slot."""
     p, b, c = f"layers.{i}.", x.shape[1], context.shape[1]
     normed = rms(x, w[p + "input_layernorm.weight"])
     both = mx.concatenate([context, normed], axis=1)
@@ -207,7 +209,10 @@ def drafter_layer(w, i: int, x, context, start: int):
     q = rope(heads(normed, "q", HEADS), mx.arange(start, start + b))
     k = rope(heads(both, "k", KV_HEADS), mx.arange(start - c, start + b))
     k, v = (mx.repeat(t, HEADS // KV_HEADS, axis=1) for t in (k, heads(both, "v", KV_HEADS)))
-    scores = mx.softmax(q @ k.transpose(0, 1, 3, 2) / HEAD_DIM**0.5, axis=-1)
+    query, key = mx.arange(start, start + b)[:, None], mx.arange(start - c, start + b)[None]
+    hidden = (query - key >= window) | (key > query) if window else mx.zeros((b, c + b), mx.bool_)
+    scores = q @ k.transpose(0, 1, 3, 2) / HEAD_DIM**0.5 + mx.where(hidden, -1e9, 0.0)
+    scores = mx.softmax(scores, axis=-1)
     attended = (scores @ v).transpose(0, 2, 1, 3).reshape(1, b, HEADS * HEAD_DIM)
     h = x + attended @ w[p + "self_attn.o_proj.weight"].T
     m = rms(h, w[p + "post_attention_layernorm.weight"])
@@ -215,7 +220,7 @@ def drafter_layer(w, i: int, x, context, start: int):
     return h + (gate * mx.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
 
 
-def reference_logits(fmt: str, w, model, sequence: list[int]) -> mx.array:
+def reference_logits(fmt: str, w, model, sequence: list[int], windows=(None,) * LAYERS):
     """The block's draft logits after `sequence` (its last token pending) by the reference
     code, before any Markov bias: z-lab's dflash_generate (slots 1.. predict, target's
     embedding and LM head) or DeepSpec's (slots 0.. predict, own embedding and LM head)."""
@@ -228,7 +233,7 @@ def reference_logits(fmt: str, w, model, sequence: list[int]) -> mx.array:
     embed = model.model.embed_tokens if fmt == "dflash" else lambda t: w["embed_tokens.weight"][t]
     h = embed(block)
     for i in range(LAYERS):
-        h = drafter_layer(w, i, h, context, start)
+        h = drafter_layer(w, i, h, context, start, windows[i])
     lm_head = model.lm_head.weight if fmt == "dflash" else w["lm_head.weight"]
     logits = rms(h, w["norm.weight"])[0] @ lm_head.T
     return logits[1:] if fmt == "dflash" else logits
@@ -494,3 +499,19 @@ def test_the_policy_prices_a_block_drafter_per_round():
         policy.update(situation, drafted=8, accepted=8, draft_seconds=0.4)
         assert policy.draft_cost["block"] == pytest.approx(0.4 if per_round else 0.05)
     assert chosen[True] > chosen[False] >= 1, chosen
+
+
+def test_sliding_layers_see_a_window_of_the_context_and_earlier_slots_only(target, tmp_path):
+    """Newer z-lab drafters slide some layers (layer_types, sliding_window): such a layer
+    is causal over the block (is_causal unset) and sees the last `window` positions."""
+    model, _ = target
+    kinds = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
+    w = dflash_checkpoint(tmp_path, **kinds)
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    proposer = block_proposer(engine, tmp_path)
+    sequence = [random.Random(4).randrange(1, 256) for _ in range(10)]
+    ctx = greedy_ctx(engine, sequence, proposer.target_layers)
+    proposer.situation(ctx)
+    expected = reference_logits("dflash", w, model, sequence, windows=(4, None))
+    assert proposer.propose(ctx, 4).tokens == mx.argmax(expected, axis=-1).tolist()
+    assert proposer.propose(ctx, 4).tokens != reference_drafts("dflash", w, model, sequence)

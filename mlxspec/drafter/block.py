@@ -55,7 +55,7 @@ class BlockSpec:
     intermediate_size: int
     norm_eps: float
     windows: tuple[int | None, ...]  # per layer: a sliding window over the context, or None
-    causal: bool = False  # block queries see only earlier block slots
+    causal: tuple[bool, ...]  # per layer: block queries see only earlier block slots
     bias: bool = False  # attention projections with biases
     markov_rank: int = 0  # DSpark's Markov head (0: none)
     confidence_input: int = 0  # DSpark's confidence head's input width (0: none)
@@ -71,14 +71,14 @@ class BlockSpec:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: BlockSpec, window: int | None, rope: nn.Module):
+    def __init__(self, spec: BlockSpec, window: int | None, causal: bool, rope: nn.Module):
         super().__init__()
         d, hd = spec.hidden_size, spec.head_dim
         self.heads, self.kv_heads, self.window, self.causal = (
             spec.heads,
             spec.kv_heads,
             window,
-            spec.causal,
+            causal,
         )
         self.scale = hd**-0.5
         self.q_proj = nn.Linear(d, spec.heads * hd, bias=spec.bias)
@@ -113,15 +113,15 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _mask(self, position: int, n_context: int, L: int) -> mx.array | None:
-        """Which keys each block query sees: the context (within the window, if any)
-        and the block (earlier slots only, if causal). None: everything."""
+        """Which keys each block query sees: those less than the window before it (if
+        the layer slides), and no later block slot (if causal); None: all of them. As
+        z-lab's dflash/model.py `_attention_mask` (what the drafters were trained with)."""
         if not self.causal and (self.window is None or n_context + L <= self.window):
             return None
         query = position + mx.arange(L)[:, None]
-        context = mx.arange(position - n_context, position)[None]
-        seen = query - context < self.window if self.window else mx.ones((L, n_context), mx.bool_)
-        block = mx.arange(L)[None] <= mx.arange(L)[:, None] if self.causal else mx.ones((L, L))
-        return mx.concatenate([seen, block.astype(mx.bool_)], axis=1)
+        key = mx.arange(position - n_context, position + L)[None]
+        seen = key <= query if self.causal else mx.ones((L, n_context + L), mx.bool_)
+        return seen & (query - key < self.window) if self.window else seen
 
 
 class MLP(nn.Module):
@@ -136,10 +136,10 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, spec: BlockSpec, window: int | None, rope: nn.Module):
+    def __init__(self, spec: BlockSpec, window: int | None, causal: bool, rope: nn.Module):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
-        self.self_attn = Attention(spec, window, rope)
+        self.self_attn = Attention(spec, window, causal, rope)
         self.post_attention_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
 
@@ -176,7 +176,7 @@ class BlockDrafter(nn.Module):
         self.spec = spec
         self.fc = nn.Linear(len(spec.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = nn.RMSNorm(d, eps=spec.norm_eps)
-        self.layers = [Layer(spec, window, rope) for window in spec.windows]
+        self.layers = [Layer(spec, w, c, rope) for w, c in zip(spec.windows, spec.causal)]
         self.norm = nn.RMSNorm(d, eps=spec.norm_eps)
         if spec.format == DSPARK:
             self.embed_tokens = nn.Embedding(vocab_size, d)
@@ -295,7 +295,11 @@ def _spec(config: dict[str, Any], fmt: str, decoder: Decoder) -> BlockSpec:
             intermediate_size=int(field("intermediate_size")),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             windows=tuple(window if kind == "sliding_attention" else None for kind in kinds),
-            causal=bool(causal) if causal is not None else "sliding_attention" in kinds,
+            # z-lab: a layer is causal where the config says so, else where it slides.
+            causal=tuple(
+                bool(causal) if causal is not None else kind == "sliding_attention"
+                for kind in kinds
+            ),
             bias=bool(config.get("attention_bias", False)),
             markov_rank=markov,
             confidence_input=confidence,
