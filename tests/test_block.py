@@ -451,6 +451,7 @@ def test_sampled_block_drafts_leave_every_token_distributed_as_the_target(fmt, t
         ("dflash", {"dflash_config": {"mask_token_id": 0, "target_layer_ids": [0, 3]}}, ["[0, 3]"]),
         ("dflash", {"architectures": ["DFlash2DraftModel"]}, ["DFlash2"]),
         ("dspark", {"markov_head_type": "rnn"}, ["'rnn'"]),
+        ("dspark", {"model_type": "gemma4_text"}, ["Gemma-style dspark"]),
     ],
 )
 def test_checkpoints_that_cannot_fit_get_one_line(fmt, change, needles, target, tmp_path):

@@ -345,6 +345,11 @@ def load_block_drafter(directory: Path, decoder: Decoder, fmt: str | None = None
     if not weights:
         raise BlockDrafterError(f"no *.safetensors weights in {directory}")
     fmt = fmt or detect_format(config, set(weights))
+    if "gemma" in str(config.get("model_type", "")):
+        raise BlockDrafterError(
+            f"{directory} is a Gemma-style {fmt} drafter (k=v attention, sandwich norms); "
+            "mlxspec loads Qwen3-style drafter layers only"
+        )
     spec = _spec(config, fmt, decoder)
     head = weights.get("lm_head.weight")
     _check_fits(spec, decoder, None if head is None else head.shape[0])
