@@ -516,3 +516,24 @@ def test_sliding_layers_see_a_window_of_the_context_and_earlier_slots_only(targe
     expected = reference_logits("dflash", w, model, sequence, windows=(4, None))
     assert proposer.propose(ctx, 4).tokens == mx.argmax(expected, axis=-1).tolist()
     assert proposer.propose(ctx, 4).tokens != reference_drafts("dflash", w, model, sequence)
+
+
+def test_the_policy_verifies_only_the_slots_that_pay_by_their_own_acceptance():
+    """A drafter whose first slot is always kept and second never: per position the
+    policy verifies one draft; one pooled rate (1/2 a token) would verify more."""
+
+    class Source:
+        name, k_max, cost_hint, cost_per_round = "block", 15, 0.05, True
+
+        def __init__(self, by_position: bool):
+            self.acceptance_by_position = by_position
+
+    curve = VerifyCost({1: 1.0, 2: 1.02, 4: 1.04, 8: 1.08, 16: 1.16}, 1.0)
+    chosen = {}
+    for by_position in (False, True):
+        policy = Policy(curve)
+        situation = Situation(Source(by_position), "block", prior=0.5)
+        for _ in range(30):
+            policy.update(situation, drafted=4, accepted=1, draft_seconds=0.05)
+        chosen[by_position] = policy.choose(situation, 15)
+    assert chosen == {False: chosen[False], True: 1} and chosen[False] >= 2, chosen

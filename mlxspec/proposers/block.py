@@ -4,8 +4,9 @@ The drafter's context cache holds one entry per committed position, made from th
 target's features there (handed over by the same prefill or verify pass that made
 them: no extra target forward). Each round it takes in the new positions, runs the
 block [pending, mask, ...] once and reads a distribution per slot; the policy decides
-how many of them to verify (k <= the block's drafts). Its cost hardly depends on k, so
-it tells the policy to price it per round (`cost_per_round`).
+how many of them to verify (k <= the block's drafts) from the verify-cost curve and the
+acceptance it measured at each slot (`acceptance_by_position`); the drafter's cost hardly
+depends on k, so it is priced per round (`cost_per_round`).
 
 Trees: each slot's top candidates, expanded level by level from the likeliest nodes
 (DSpark's Markov bias is recomputed for each node's own token, so its tree is as exact
@@ -28,6 +29,7 @@ BEAM = 4  # nodes expanded per level
 class BlockProposer:
     needs_hidden = True
     cost_per_round = True  # one drafter pass drafts the whole block, whatever k is
+    acceptance_by_position = True  # its slots are not equally good: the policy tracks each
 
     def __init__(
         self,
