@@ -33,8 +33,7 @@ from mlxspec.anatomy import Decoder
 
 CONFIG = "config.json"
 BLOCK_PATTERNS = ["*.json", "*.safetensors"]  # hub files of a published block drafter
-DFLASH, DSPARK = "dflash", "dspark"
-FORMATS = (DFLASH, DSPARK)
+DFLASH, DSPARK = "dflash", "dspark"  # the formats (models.toml's `format`)
 
 
 class BlockDrafterError(ValueError):
@@ -249,12 +248,12 @@ def detect_format(config: dict[str, Any], names: set[str]) -> str:
     if "embed_tokens.weight" in names and "fc.weight" in names:
         return DSPARK
     raise BlockDrafterError(
-        "not a block drafter: expected a DFlash config (architectures DFlashDraftModel, "
+        "it is not a block drafter: expected a DFlash config (architectures DFlashDraftModel, "
         "dflash_config) or a DSpark one (architectures Qwen3DSparkModel, markov_rank)"
     )
 
 
-def _spec(config: dict[str, Any], fmt: str, decoder: Decoder) -> BlockSpec:
+def _spec(config: dict[str, Any], fmt: str) -> BlockSpec:
     nested = config.get("dflash_config") or {}
 
     def field(name: str, default: Any = None) -> Any:
@@ -344,15 +343,18 @@ def load_block_drafter(directory: Path, decoder: Decoder, fmt: str | None = None
         weights.update(mx.load(str(file)))
     if not weights:
         raise BlockDrafterError(f"no *.safetensors weights in {directory}")
-    fmt = fmt or detect_format(config, set(weights))
-    if "gemma" in str(config.get("model_type", "")):
-        raise BlockDrafterError(
-            f"{directory} is a Gemma-style {fmt} drafter (k=v attention, sandwich norms); "
-            "mlxspec loads Qwen3-style drafter layers only"
-        )
-    spec = _spec(config, fmt, decoder)
-    head = weights.get("lm_head.weight")
-    _check_fits(spec, decoder, None if head is None else head.shape[0])
+    try:
+        fmt = fmt or detect_format(config, set(weights))
+        if "gemma" in str(config.get("model_type", "")):
+            raise BlockDrafterError(
+                f"it is a Gemma-style {fmt} drafter (k=v attention, sandwich norms); "
+                "mlxspec loads Qwen3-style drafter layers only"
+            )
+        spec = _spec(config, fmt)
+        head = weights.get("lm_head.weight")
+        _check_fits(spec, decoder, None if head is None else head.shape[0])
+    except BlockDrafterError as err:
+        raise BlockDrafterError(f"the block drafter in {directory}: {err}") from None
     rope_scaling = config.get("rope_scaling") or config.get("rope_parameters")
     theta = config.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0)
     rope = initialize_rope(
