@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 
 class UnsupportedModel(ValueError):
@@ -48,12 +48,12 @@ class Decoder:
         heads read three layers; `logits` takes the LM head of the last `width` columns."""
         layers = self.layers if n_layers is None else self.layers[:n_layers]
         h = self.embed(inputs)
-        mask = create_attention_mask(h, cache[0])
+        masks = _layer_masks(h, self.layers, cache)
         taken = []
         for index, (layer, layer_cache) in enumerate(zip(layers, cache)):
             if index in capture:
                 taken.append(h)
-            h = layer(h, mask, cache=layer_cache)
+            h = layer(h, masks[is_recurrent(layer)], cache=layer_cache)
         if len(layers) in capture:  # the last layer's own output, before the final norm
             taken.append(h)
         return mx.concatenate([*taken, self.norm(h)], axis=-1) if taken else self.norm(h)
@@ -61,6 +61,30 @@ class Decoder:
     def logits(self, features: mx.array) -> mx.array:
         """Logits from `hidden`'s output: the LM head on the final normed state."""
         return self.head(features[..., -self.width :])
+
+
+def is_recurrent(layer: nn.Module) -> bool:
+    """A hybrid model's recurrent layer (Qwen3-Next / Qwen3.5 GatedDeltaNet): it takes
+    an SSM mask, not an attention mask, and keeps no KV cache."""
+    return bool(getattr(layer, "is_linear", False))
+
+
+def last_attention_layer(layers: list[nn.Module]) -> int:
+    """Index of the last layer that attends (keeps a KV cache): where a drafter layer of
+    the target's family is modelled on, and named after when converting its weights."""
+    return max(
+        (i for i, layer in enumerate(layers) if not is_recurrent(layer)), default=len(layers) - 1
+    )
+
+
+def _layer_masks(h: mx.array, layers: list[nn.Module], cache: list[Any]) -> dict[bool, Any]:
+    """{recurrent?: mask}, each made from the cache of the first layer of its kind, as
+    the hybrid models' own forward does."""
+    first = {
+        kind: next((c for layer, c in zip(layers, cache) if is_recurrent(layer) == kind), None)
+        for kind in (False, True)
+    }
+    return {False: create_attention_mask(h, first[False]), True: create_ssm_mask(h, first[True])}
 
 
 def split_decoder(model: nn.Module) -> Decoder:
@@ -72,7 +96,8 @@ def split_decoder(model: nn.Module) -> Decoder:
             "embed_tokens/layers/norm; self-speculation and drafter heads need a plain decoder"
         )
     embed, layers, norm = parts
-    lm_head = getattr(model, "lm_head", None)
+    # Multimodal wrappers (Qwen3.5) keep the LM head on their text model.
+    lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
     head = lm_head if lm_head is not None else embed.as_linear
     decoder = Decoder(embed=embed, layers=list(layers), norm=norm, head=head)
     _check_identity(model, decoder)

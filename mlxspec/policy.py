@@ -21,6 +21,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -243,6 +244,17 @@ class Policy:
             totals.append(totals[-1] + survive)
         return totals
 
+    def observe_unverified(self, situation: Situation, first_right: bool) -> None:
+        """A draft the batch cut to nothing still tells whether its first token was the
+        target's own choice at that position (that token is verified anyway): learn
+        acceptance from it, so that rounds of W = 0 do not freeze the estimate that
+        decides whether speculation comes back. For a drafter that samples, a match is
+        rarer than an acceptance (p(x) <= min(1, p(x)/q(x))): the estimate errs low."""
+        key = self._key(situation)
+        self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).update(
+            1, int(first_right), self.decay
+        )
+
     def update(
         self, situation: Situation, drafted: int, accepted: int, draft_seconds: float
     ) -> None:
@@ -301,8 +313,11 @@ def calibration_key(model: str, setup: str = "") -> str:
     return f"{key}|{setup}" if setup else key
 
 
-def cached_verify_cost(key: str, measure: Callable[[], VerifyCost]) -> VerifyCost:
-    """Calibrations are per model and machine; keep them in the cache dir across runs."""
+def cached_verify_cost(
+    key: str, measure: Callable[[], VerifyCost], load: Callable[[str], Any] = VerifyCost.from_json
+) -> VerifyCost:
+    """Calibrations are per model and machine; keep them in the cache dir across runs.
+    (`load` reads another kind of calibration kept the same way, e.g. a batch's.)"""
     path = cache_dir() / "calibration.json"
     try:
         known = json.loads(path.read_text())
@@ -310,7 +325,7 @@ def cached_verify_cost(key: str, measure: Callable[[], VerifyCost]) -> VerifyCos
         known = {}
     if key in known:
         try:
-            return VerifyCost.from_json(known[key])
+            return load(known[key])
         except (KeyError, TypeError, ValueError):
             pass
     cost = measure()

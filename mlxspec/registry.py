@@ -199,6 +199,12 @@ _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
             "exit": _Option(str, "a path or hub repo id of an exit head", None, reference=True),
         },
         "head": {"path": _Option(str, "a path or hub repo id of a drafter head", reference=True)},
+        # The model's own MTP layer: `path` defaults to where `mlxspec pull NAME --mtp`
+        # puts it; `source` is the original checkpoint it is pulled from.
+        "mtp": {
+            "path": _Option(str, "a path or hub repo id of MTP weights", None, reference=True),
+            "source": _Option(str, "the original checkpoint (hub repo id)", None, reference=True),
+        },
         "chain": {"members": _Option(list, "a non-empty list of proposer names", ok=bool)},
         "lookahead": {"window": _int(1, 5), "ngram": _int(2, 4), "guesses": _int(0, 3)},
         "medusa": {"path": _Option(str, "a path or hub repo id of Medusa heads", reference=True)},
@@ -508,23 +514,35 @@ def load_registry(user_file: Path | None = None) -> Registry:
     return Registry(MappingProxyType(entries), default, tuple(files), user or user_file_path())
 
 
-def register_proposer(model: str, proposer: str, options: Mapping[str, Any], note: str) -> Path:
+def register_proposer(
+    model: str,
+    proposer: str,
+    options: Mapping[str, Any],
+    note: str,
+    target: str | None = None,
+) -> Path:
     """Add (or replace) `[models.MODEL.proposers.PROPOSER]` in the user's models.toml.
 
     Written as an extension of the entry (no target), so the shipped entry keeps its
-    other proposers. The result is validated before it is kept.
+    other proposers; with `target`, as a whole new entry drafting with it by default.
+    The result is validated before it is kept.
     """
     path = user_file_path()
     old = path.read_text(encoding="utf-8") if path.is_file() else ""
     header = _section(model, "proposers", proposer)
+    replaced = {header, _section(model)} if target is not None else {header}
     kept, skipping = [], False
     for line in old.splitlines():
         stripped = line.strip()
         if stripped.startswith("["):
-            skipping = stripped == header
+            skipping = stripped in replaced
         if not skipping:
             kept.append(line)
     body = "\n".join(f"{key} = {json.dumps(value)}" for key, value in options.items())
+    if target is not None:
+        entry = {"target": target, "default_proposer": proposer}
+        lines = "\n".join(f"{key} = {json.dumps(value)}" for key, value in entry.items())
+        header = f"{_section(model)}\n{lines}\n\n{header}"
     new = "\n".join(kept).rstrip() + f"\n\n# {note}\n{header}\n{body}\n"
     parse_registry_text(new.lstrip(), path, _parse_file(SHIPPED_FILE)[0])  # raises if wrong
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from mlxspec.drafter.block import BLOCK_PATTERNS, load_block_drafter
 from mlxspec.drafter.exit import EXIT_PATTERNS, load_exit
 from mlxspec.drafter.head import HEAD_PATTERNS, HeadError, load_head
 from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
+from mlxspec.drafter.mtp_pull import mtp_folder
 from mlxspec.engine import Engine
 from mlxspec.loading import LoadedModel, LoadError, fetch_weights, load_model
 from mlxspec.proposers import (
@@ -94,7 +95,7 @@ class Runtime:
                 return self._self_spec(config)
             if config.kind == "draft-model":
                 return self._draft_model(config)
-            if config.kind == "head":
+            if config.kind in ("head", "mtp"):
                 return self._head(config)
             if config.kind == "block":
                 return self._block(config)
@@ -131,7 +132,16 @@ class Runtime:
 
     def _head(self, config: ProposerConfig) -> HeadProposer:
         target = self.engine.target
-        path = fetch_weights(config.options["path"], patterns=HEAD_PATTERNS)
+        reference = config.options["path"]
+        if config.kind == "mtp" and reference is None:  # where `pull --mtp` puts it
+            folder = mtp_folder(self.entry.target)
+            if not folder.is_dir():
+                raise ProposerError(
+                    f"no MTP layer pulled for '{self.entry.name}' yet; run `mlxspec pull "
+                    f"{self.entry.name} --mtp` (with --from ORIGINAL_REPO for an MLX conversion)"
+                )
+            reference = str(folder)
+        path = fetch_weights(reference, patterns=HEAD_PATTERNS)
         head = load_head(path, self.loaded.model, target.decoder)
         return HeadProposer(head, target, config.name, config.options["k_max"])
 

@@ -17,9 +17,17 @@ from test_lossless import CPU_LIKE_COST, MAX_TOKENS, Oracle
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.batch import target as batch_target
+from mlxspec.batch import width
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import BatchTarget, Prefill
-from mlxspec.batch.width import PassCost, choose_width
+from mlxspec.batch.width import (
+    GRID_COLUMNS,
+    GRID_ROWS,
+    PassCost,
+    PassGrid,
+    choose_width,
+    measure_pass_grid,
+)
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
 from mlxspec.policy import VerifyCost
@@ -426,3 +434,111 @@ def test_the_pass_cost_learns_the_shape_of_real_passes_not_the_machine_load():
     assert cost(4, 4) == pytest.approx(1.5 + 2 * 1.0)
     cost.observe(4, 1, 1.5 * 0.3)
     assert cost(4, 4) == pytest.approx(1.5 + 1.5 * 1.0)
+
+
+class Faithful(Oracle):
+    """Drafts the plain output as is (`wrong`: with its first token always off)."""
+
+    def __init__(self, *args, wrong: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.wrong = wrong
+
+    def propose(self, ctx, k):
+        done = len(ctx.tokens) - self.prompt_len
+        tokens = list(self.reference[done : done + k]) + [0] * k
+        if self.wrong:
+            tokens[0] = (tokens[0] + 1) % VOCAB
+        return Draft(tokens[:k])
+
+
+def test_rows_cut_to_plain_rounds_still_learn_their_acceptance():
+    """While the width is 0, each row's first draft token is checked against the target's
+    own token at that position: a right drafter's estimate rises, a wrong one's falls,
+    so the estimate that decides whether speculation comes back does not freeze."""
+    scheduler = scheduler_for("llama")
+    scheduler.pass_cost = StepCost(1)  # only plain passes are affordable: W = 0
+    model, eos = scheduler.engine.target.model, {VOCAB - 1}
+    prompts = sample_prompts(5)[:2]
+    references = [plain_greedy(model, p, MAX_TOKENS, eos) for p in prompts]
+    right = Faithful(len(prompts[0]), references[0])
+    wrong = Faithful(len(prompts[1]), references[1], wrong=True)
+    settings = GenerationSettings(max_tokens=MAX_TOKENS)
+    scheduler.submit(prompts[0], settings, right)
+    scheduler.submit(prompts[1], settings, wrong)
+    for _ in range(10):
+        scheduler.step()
+    assert len(scheduler.active) == 2
+    prior = Situation(right, "oracle").prior
+    rates = [
+        slot.run.policy.acceptance_rate(Situation(slot.proposer, "oracle"))
+        for slot in scheduler.active
+    ]
+    assert rates[0] > max(0.8, prior) and rates[1] < min(0.2, prior), rates
+    outputs = {i: got[-1].token_ids for i, got in collect(scheduler).items()}
+    for i in (0, 1):  # nothing was drafted into the pass: plain rounds, solo greedy
+        assert_lossless(model, prompts[i], references[i], list(outputs[i]), f"row {i}")
+
+
+def test_a_prompt_that_continues_a_finished_one_starts_from_its_cache():
+    """A next turn (earlier prompt + its answer + more) joins with the finished row's
+    cache for the common prefix, prefills only the rest, and answers as it would alone;
+    a prompt that shares nothing prefills everything."""
+    scheduler = scheduler_for("llama")
+    model, eos = scheduler.engine.target.model, {VOCAB - 1}
+    first, unrelated = sample_prompts(7)[3], sample_prompts(8)[0]
+    scheduler.submit(first, GenerationSettings(max_tokens=12), "lookup")
+    scheduler.submit(unrelated, GenerationSettings(max_tokens=6), "lookup")
+    done = {i: got[-1] for i, got in collect(scheduler).items()}
+    turn = first + list(done[0].token_ids) + [65, 66, 67]
+    scheduler.submit(turn, GenerationSettings(max_tokens=MAX_TOKENS), "lookup")
+    scheduler.submit(sample_prompts(9)[0], GenerationSettings(max_tokens=4), "lookup")
+    again = {i: got[-1] for i, got in collect(scheduler).items()}
+    assert again[2].record.reused_prompt_tokens >= len(first) + len(done[0].token_ids) - 1
+    assert again[3].record.reused_prompt_tokens == 0
+    reference = plain_greedy(model, turn, MAX_TOKENS, eos)
+    assert_lossless(model, turn, reference, list(again[2].token_ids), "next turn")
+    # A prompt that leaves a kept cache midway must not write into it: the next prompt
+    # that takes all of that cache must still answer as it would alone.
+    kept = max(scheduler.prefixes.kept, key=lambda k: len(k.tokens))
+    partial = kept.tokens[:-4] + [1, 2, 3]  # shares more with `kept` than with any other
+    scheduler.submit(partial, GenerationSettings(max_tokens=8), "lookup")
+    collect(scheduler)
+    whole = kept.tokens + [68, 69]
+    scheduler.submit(whole, GenerationSettings(max_tokens=MAX_TOKENS), "lookup")
+    last = next(got[-1] for got in collect(scheduler).values())
+    assert last.record.reused_prompt_tokens == len(kept.tokens)
+    reference = plain_greedy(model, whole, MAX_TOKENS, eos)
+    assert_lossless(model, whole, reference, list(last.token_ids), "after a partial reuse")
+
+
+def test_the_pass_grid_interpolates_between_measured_cells_and_never_falls():
+    grid = PassGrid({(1, 1): 1.0, (1, 4): 1.6, (4, 1): 1.3, (4, 4): 2.2})
+    assert grid(1, 1) == 1.0 and grid(4, 4) == 2.2
+    assert grid(1, 2) == pytest.approx(1.2)  # a third of the way from 1.0 to 1.6
+    assert grid(2, 2) == pytest.approx(1.2 + (1.3 + 0.3 - 1.2) / 3)
+    assert grid(8, 4) == pytest.approx(2.2 + 4 * (2.2 - 1.6) / 3)  # the last slope, on
+    assert PassGrid.from_json(grid.to_json()) == grid
+    cost = PassCost(CPU_LIKE_COST, grid=grid)
+    assert cost(4, 4) == pytest.approx(2.2)  # the grid, not the single-row curve
+
+
+def test_the_pass_grid_is_measured_through_real_batched_passes():
+    model = tiny_model("llama", seed=1)
+    grid = measure_pass_grid(model, VOCAB, context=16, repeats=1)
+    assert set(grid.cells) == {(r, c) for r in GRID_ROWS for c in GRID_COLUMNS}
+    assert grid.cells[(1, 1)] == 1.0
+    for (rows, columns), cost in grid.cells.items():  # never below a smaller pass
+        smaller = [v for (r, c), v in grid.cells.items() if r <= rows and c <= columns]
+        assert cost == max(smaller)
+
+
+def test_a_scheduler_measures_its_grid_unless_the_engine_was_handed_its_costs(monkeypatch):
+    measured = []
+    fake = PassGrid({(1, 1): 1.0, (2, 2): 1.5})
+    monkeypatch.setattr(width, "measure_pass_grid", lambda *a, **k: measured.append(1) or fake)
+    monkeypatch.setattr(width, "cached_verify_cost", lambda key, measure, load: measure())
+    handed = scheduler_for("llama")
+    assert handed.pass_cost.grid is None and not measured
+    engine = handed.engine
+    engine.measures_costs = True
+    assert Scheduler(engine, max_batch=2).pass_cost.grid is fake and measured == [1]

@@ -117,3 +117,34 @@ def test_a_model_the_batch_cannot_hold_serves_one_request_at_a_time():
         events = engine.stream([{"role": "user", "content": prompt}], GenerationSettings(12))
         assert answer.choices[0].message.content == list(events)[-1].text
         assert answer.model_extra["x_mlxspec"]["batch_sizes"] == []  # it ran alone
+
+
+def test_64_clients_against_max_batch_8_none_lost_and_429_only_beyond_the_bound():
+    """Issue 27's reliability case: 64 clients at once. With room for all (8 generating,
+    56 queued) every one gets its solo answer; with a queue of 8, only requests beyond
+    the 16 the server can hold are refused, each with a 429 and Retry-After."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(64)]
+    solo = {p: direct_answer([{"role": "user", "content": p}], 12) for p in PROMPTS}
+    roomy = ServerLimits(max_batch=8, max_waiting=56)
+    with serving(TinyProvider(), limits=roomy) as url:
+        with ThreadPoolExecutor(64) as pool:
+            answers = list(pool.map(lambda p: ask(url, p, max_tokens=12), prompts))
+        assert [a.choices[0].message.content for a in answers] == [solo[p] for p in prompts]
+        assert max(len(a.model_extra["x_mlxspec"]["batch_sizes"]) for a in answers) == 9
+        wait_until_idle(url)
+
+    def post(prompt: str) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 12}
+        return httpx.post(url + CHAT, json={**body, "temperature": 0}, timeout=60)
+
+    tight = ServerLimits(max_batch=8, max_waiting=8)
+    with serving(TinyProvider(), limits=tight) as url:
+        with ThreadPoolExecutor(64) as pool:
+            replies = list(pool.map(post, prompts))
+        served = [(p, r) for p, r in zip(prompts, replies) if r.status_code == 200]
+        refused = [r for r in replies if r.status_code != 200]
+        assert len(served) >= 16  # the batch and the queue were full before any 429
+        assert all(r.status_code == 429 and r.headers.get("retry-after") for r in refused)
+        for prompt, reply in served:
+            assert reply.json()["choices"][0]["message"]["content"] == solo[prompt]
+        wait_until_idle(url)

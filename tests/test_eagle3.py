@@ -85,8 +85,9 @@ def rope(x, base=10000.0):
     return x * cos + mx.concatenate([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def midlayer(w, h, e):
-    """The EAGLE-3 layer over a whole sequence (causal): h (1, L, D), e (1, L, D)."""
+def midlayer(w, h, e, norm_before_residual: bool = False):
+    """The EAGLE-3 layer over a whole sequence (causal): h (1, L, D), e (1, L, D); the
+    residual is h, or hidden_norm(h) with speculators' `norm_before_residual`."""
     p, n = "midlayer.", h.shape[1]
     x = mx.concatenate(
         [rms(e, w[p + "input_layernorm.weight"]), rms(h, w[p + "hidden_norm.weight"])], -1
@@ -101,7 +102,8 @@ def midlayer(w, h, e):
     future = mx.triu(mx.ones((n, n)), k=1) * -1e9
     scores = mx.softmax(q @ k.transpose(0, 1, 3, 2) / HEAD_DIM**0.5 + future, axis=-1)
     attended = (scores @ v).transpose(0, 2, 1, 3).reshape(1, n, HEADS * HEAD_DIM)
-    h = h + attended @ w[p + "self_attn.o_proj.weight"].T
+    residual = rms(h, w[p + "hidden_norm.weight"]) if norm_before_residual else h
+    h = residual + attended @ w[p + "self_attn.o_proj.weight"].T
     m = rms(h, w[p + "post_attention_layernorm.weight"])
     gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
     return h + (gate * mx.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
@@ -111,11 +113,11 @@ def draft_logits(w, g):
     return rms(g, w["norm.weight"]) @ w["lm_head.weight"].T
 
 
-def captured_states(model, tokens):
-    """The residual stream entering layers CAPTURED, side by side (1, L, 3D)."""
+def captured_states(model, tokens, layers=CAPTURED):
+    """The residual stream entering `layers`, side by side (1, L, 3D)."""
     h, taken = model.model.embed_tokens(mx.array([tokens])), []
     for index, layer in enumerate(model.model.layers):
-        if index in CAPTURED:
+        if index in layers:
             taken.append(h)
         h = layer(h, "causal")
     return mx.concatenate(taken, -1)
@@ -201,7 +203,7 @@ def test_eagle3_checkpoints_that_cannot_fit_get_one_line_errors(target, tmp_path
         convert_published(tmp_path, model, decoder)
     eagle3_checkpoint(tmp_path)
     shallow = tiny_model("llama", seed=1, layers=5)  # 2, 5 // 2 and 5 - 3 are one layer
-    with pytest.raises(HeadError, match="not three different layers"):
+    with pytest.raises(HeadError, match="not 3 different layers"):
         convert_published(tmp_path, shallow, split_decoder(shallow))
     (tmp_path / "config.json").unlink()
     with pytest.raises(HeadError, match="config.json"):

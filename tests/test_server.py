@@ -4,7 +4,6 @@ official `openai` client (raw httpx where a client would refuse to send the requ
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,6 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
-import uvicorn
 from test_units import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
@@ -22,6 +20,7 @@ from mlxspec.events import OUTPUT_EVENTS, Accepted, Done
 from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
 from mlxspec.registry import Defaults, Registry, parse_registry_text
 from mlxspec.server import ModelInfo, RegistryProvider, ServerLimits, create_app
+from mlxspec.server.background import serving_in_thread
 from mlxspec.server.providers import NotDownloaded
 
 SEEDS = {"tiny": 0, "tiny-b": 3}
@@ -103,28 +102,9 @@ def direct_answer(prompt, max_tokens: int, model: str = "tiny", **settings) -> s
 def serving(provider: TinyProvider, **options) -> Iterator[str]:
     """A uvicorn server on a free port in a background thread; its base URL."""
     app = create_app(provider, **options)
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=0,
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "the server thread did not stop"
-        assert not app.state.worker.thread.is_alive(), "the worker outlived the server"
+    with serving_in_thread(app) as url:
+        yield url
+    assert not app.state.worker.thread.is_alive(), "the worker outlived the server"
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from mlxspec.batch.prefix import PrefixPool
 from mlxspec.batch.target import BatchTarget, Prefill
-from mlxspec.batch.width import PassCost, choose_width
+from mlxspec.batch.width import PassCost, choose_width, pass_grid_for
 from mlxspec.engine import Engine, GenerationError, GenerationSettings, candidates
 from mlxspec.events import Event
 from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation
@@ -84,6 +85,7 @@ class Round:
     draft: Draft | None
     tree: DraftTree
     draft_seconds: float
+    unverified_first: int | None = None  # the first draft token, when the width cut all
 
 
 class Scheduler:
@@ -93,7 +95,9 @@ class Scheduler:
         self.engine, self.max_batch = engine, max_batch
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens a joining request feeds per round
         self.target = BatchTarget(engine.target.model)
-        self.pass_cost = PassCost(engine.verify_cost)  # of a pass over (rows, columns)
+        # A pass's cost over (rows, columns): measured, corrected by the passes run.
+        self.pass_cost = PassCost(engine.verify_cost, grid=pass_grid_for(engine))
+        self.prefixes = PrefixPool(max_batch)  # finished rows' caches, for the next prompts
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
         self.active: list[Slot] = []  # in the order of the target's rows
@@ -145,7 +149,9 @@ class Scheduler:
         self._drop_cancelled()
         while self.waiting and len(self.joining) + len(self.active) < self.max_batch:
             slot = self.waiting.popleft()
-            slot.prefill = Prefill(self.target.model, slot.run.sequence[:-1])
+            tokens = slot.run.sequence[:-1]
+            slot.prefill = Prefill(self.target.model, tokens, self.prefixes.take(tokens))
+            slot.run.record.reused_prompt_tokens = slot.prefill.reused
             slot.admitted_at = time.perf_counter()
             self.joining.append(slot)
         for slot in list(self.joining):
@@ -178,6 +184,11 @@ class Scheduler:
     def _leave(self, leaving: list[Slot]) -> None:
         if not leaving:
             return
+        lengths = self.target.lengths()
+        for i, slot in enumerate(self.active):
+            held = slot.run.sequence[:-1]  # the row's cache holds all but the pending token
+            if slot in leaving and not slot.error and lengths[i] == len(held):
+                self.prefixes.add(held, self.target.extract(i))
         keep = [i for i, slot in enumerate(self.active) if slot not in leaving]
         self.target.leave(keep)
         self.active = [self.active[i] for i in keep]
@@ -243,7 +254,13 @@ class Scheduler:
         ]
         width = choose_width(estimates, floor, self.pass_cost)
         return [
-            dataclasses.replace(r, tree=chain(r.tree.tokens[:width])) if len(r.tree) > width else r
+            dataclasses.replace(
+                r,
+                tree=chain(r.tree.tokens[:width]),
+                unverified_first=r.tree.tokens[0] if width == 0 else None,
+            )
+            if len(r.tree) > width
+            else r
             for r in rounds
         ]
 
@@ -251,6 +268,8 @@ class Scheduler:
         self, slot: Slot, r: Round, path: list[int], own_token: int, round_start: float
     ) -> None:
         run = slot.run
+        if r.unverified_first is not None and r.situation is not None:
+            run.policy.observe_unverified(r.situation, r.unverified_first == own_token)
         slot.events.extend(
             run.advance(r.tree, path, own_token, r.situation, r.draft_seconds, round_start)
         )

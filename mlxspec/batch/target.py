@@ -36,9 +36,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
 class Prefill:
     """A joining sequence's own single-row cache, filled one chunk per call."""
 
-    def __init__(self, model: nn.Module, tokens: list[int]):
-        self.model, self.todo = model, list(tokens)
-        self.cache = make_prompt_cache(model)
+    def __init__(self, model: nn.Module, tokens: list[int], start: tuple | None = None):
+        """`start`: (a cache already holding tokens[:n], n), e.g. from `PrefixPool`."""
+        cache, reused = start if start and start[0] is not None else (None, 0)
+        self.model, self.todo, self.reused = model, list(tokens[reused:]), reused
+        self.cache = cache if cache is not None else make_prompt_cache(model)
 
     @property
     def done(self) -> bool:
@@ -72,6 +74,10 @@ class BatchTarget:
         """Append a prefilled sequence as the last row."""
         row: list[KVCache] = prefill.cache
         self.cache = _extend_cache(self.cache, _merge_caches([row]))
+
+    def extract(self, row: int) -> list[KVCache]:
+        """Row `row`'s entries as a single-row cache per layer (a copy)."""
+        return [c.extract(row) for c in self.cache]
 
     def leave(self, keep_rows: list[int]) -> None:
         """Keep only `keep_rows` (in that order)."""

@@ -9,6 +9,13 @@ Three things set them apart from the EAGLE-1/MTP heads in `head.py`:
 
 The layer is mlx-lm's llama attention and MLP (its KV cache and RoPE are ordinary ones,
 so draft trees work unchanged), the attention widened to read 2d.
+
+vLLM's `speculators` layout (RedHatAI's heads, e.g. RedHatAI/Qwen3-8B-speculator.eagle3)
+is the same head under other names: `layers.0.*` for `midlayer.*`, `fc` possibly with a
+bias, and a config.json whose `transformer_layer_config` holds the layer's fields, with
+`draft_vocab_size`, `norm_before_residual` (the residual is hidden_norm(h), not h),
+`target_hidden_size` and `eagle_aux_hidden_state_layer_ids` (the captured layers; default
+2, N/2, N-3) beside it. Its `embed_tokens` copy of the target's embedding is not used.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from mlxspec.drafter.head import HeadError, HeadSpec
 
 FORMAT = "eagle-3"
 CONFIG = "config.json"
+SPECULATORS_LAYER = "layers.0."  # vLLM speculators' name for SafeAILab's `midlayer.`
 
 
 def capture_layers(n_layers: int) -> tuple[int, int, int]:
@@ -35,8 +43,9 @@ def capture_layers(n_layers: int) -> tuple[int, int, int]:
 
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, args: llama.ModelArgs):
+    def __init__(self, args: llama.ModelArgs, norm_before_residual: bool = False):
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         d = args.hidden_size
         head_dim = args.head_dim or d // args.num_attention_heads
         self.hidden_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
@@ -48,21 +57,30 @@ class Eagle3Layer(nn.Module):
         self.mlp = llama.MLP(args)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, mask: Any, cache=None) -> mx.array:
-        x = mx.concatenate([self.input_layernorm(embeds), self.hidden_norm(hidden)], axis=-1)
-        h = hidden + self.self_attn(x, mask, cache)
+        normed = self.hidden_norm(hidden)
+        x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
+        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Head(nn.Module):
     """The `DraftHead` interface (see `head.py`) over an EAGLE-3 checkpoint."""
 
-    def __init__(self, spec: HeadSpec, args: llama.ModelArgs, vocab: mx.array, target_layers):
+    def __init__(
+        self,
+        spec: HeadSpec,
+        args: llama.ModelArgs,
+        vocab: mx.array,
+        target_layers,
+        fc_bias: bool = False,
+        norm_before_residual: bool = False,
+    ):
         super().__init__()
         d = args.hidden_size
         self.spec = spec
         self.target_layers = tuple(target_layers)
-        self.fc = nn.Linear(len(self.target_layers) * d, d, bias=False)
-        self.midlayer = Eagle3Layer(args)
+        self.fc = nn.Linear(len(self.target_layers) * d, d, bias=fc_bias)
+        self.midlayer = Eagle3Layer(args, norm_before_residual)
         self.norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.lm_head = nn.Linear(d, int(vocab.size), bias=False)
         self._vocab = vocab  # target ids of the draft vocabulary (d2t applied)
@@ -89,29 +107,44 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(g))
 
 
+def _speculators_name(key: str) -> str:
+    """SafeAILab's name of a speculators weight (`layers.0.x` -> `midlayer.x`)."""
+    return "midlayer." + key[len(SPECULATORS_LAYER) :] if key.startswith(SPECULATORS_LAYER) else key
+
+
 def load_eagle3(
     directory: Path, weights: dict[str, mx.array], model: nn.Module, decoder: Decoder
 ) -> Eagle3Head:
-    """An `Eagle3Head` from a checkpoint folder (its config.json and `weights`)."""
+    """An `Eagle3Head` from a checkpoint folder (its config.json and `weights`), in
+    SafeAILab's layout or vLLM's `speculators` one."""
     try:
-        config = json.loads((directory / CONFIG).read_text())
+        outer = json.loads((directory / CONFIG).read_text())
     except (OSError, ValueError) as err:
         raise HeadError(
             f"{directory} is an EAGLE-3 head but its {CONFIG} is unreadable: {err}"
         ) from None
+    config = outer.get("transformer_layer_config") or outer
+    if "transformer_layer_config" in outer:  # speculators: the same layer under `layers.0.`
+        weights = {_speculators_name(k): v for k, v in weights.items()}
+        if any(k.startswith("layers.1.") for k in weights):
+            raise HeadError(
+                f"the EAGLE-3 head in {directory} has more than one layer; mlxspec loads "
+                "one-layer EAGLE-3 heads"
+            )
     d, vocab_size, n = decoder.width, decoder.embed.weight.shape[0], len(decoder.layers)
     width = config.get("hidden_size")
-    if width != d or config.get("target_hidden_size", d) != d:
+    target_width = outer.get("target_hidden_size") or width
+    if width != d or target_width != d:
         raise HeadError(
             f"the EAGLE-3 head in {directory} has width {width} (target width "
-            f"{config.get('target_hidden_size', width)}); this target has {d}, and mlxspec "
+            f"{target_width}); this target has {d}, and mlxspec "
             "loads EAGLE-3 heads only as wide as their target"
         )
-    layers = capture_layers(n)
-    if len(set(layers)) < len(layers):
+    layers = tuple(outer.get("eagle_aux_hidden_state_layer_ids") or capture_layers(n))
+    if len(set(layers)) < len(layers) or not all(0 <= i < n for i in layers):
         raise HeadError(
-            f"an EAGLE-3 head reads the target's layers 2, N/2 and N-3, which are not three "
-            f"different layers of this {n}-layer target"
+            f"an EAGLE-3 head reads the target's layers {', '.join(map(str, layers))}, which "
+            f"are not {len(layers)} different layers of this {n}-layer target"
         )
     try:
         args = llama.ModelArgs(
@@ -148,7 +181,14 @@ def load_eagle3(
         norm_eps=args.rms_norm_eps,
         source_format=FORMAT,
     )
-    head = Eagle3Head(spec, args, vocab, layers)
+    head = Eagle3Head(
+        spec,
+        args,
+        vocab,
+        layers,
+        fc_bias="fc.bias" in weights,
+        norm_before_residual=bool(outer.get("norm_before_residual", False)),
+    )
     ours = ("fc.", "midlayer.", "norm.", "lm_head.")
     pairs = [(k, v.astype(mx.float32)) for k, v in weights.items() if k.startswith(ours)]
     try:

@@ -7,19 +7,29 @@ files where a folder has none: read without torch, see `torch_bin.py`):
 - DeepSeek-V3 style MTP (also GLM-4.5): the layer after the last one in the target's own
   checkpoint, `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.*}` plus a decoder block.
 - MiMo MTP: `model.mtp_layers.0.{token_layernorm,hidden_layernorm,input_proj,
-  final_layernorm}` plus a decoder block; [hidden, embedding] order.
-- EAGLE-3 (SafeAILab; `fc`, `midlayer.*`, `d2t`): three target layers and a wider
-  attention, a module of its own (`eagle3.py`).
+  final_layernorm}` plus a decoder block; [hidden, embedding] order; its output is
+  final-normed and fed back normed.
+- Qwen3-Next / Qwen3.5 / Qwen3.6 MTP: `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,
+  norm}` plus `mtp.layers.0.*` (a full-attention layer); zero-centred norms (the stored
+  weight is w - 1); output normed and fed back normed; the target's LM head.
+The MTP layer is the target family's own (dense or MoE): its weights pass through the
+target's mlx-lm `sanitize` under a layer name of the target (which stacks MoE experts,
+splits MLA's kv_b_proj, dequantizes FP8), then load strictly.
+- EAGLE-3 (SafeAILab; `fc`, `midlayer.*`, `d2t`; or vLLM speculators' `layers.0.*` with
+  `hidden_norm`): three target layers and a wider attention, a module of its own
+  (`eagle3.py`).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxspec.anatomy import Decoder
+from mlxspec.anatomy import Decoder, last_attention_layer
 from mlxspec.drafter.eagle3 import load_eagle3
 from mlxspec.drafter.head import DraftHead, Head, HeadError, HeadSpec
 from mlxspec.drafter.torch_bin import TorchCheckpointError, read_torch_bin
@@ -35,7 +45,32 @@ def read_weights(directory: Path) -> dict[str, mx.array]:
         files = sorted(directory.glob("pytorch_model*.bin")) or sorted(directory.glob("*.bin"))
         for file in files:
             weights.update(_torch_bin(file))
-    return weights
+    return _dequantized(weights, directory)
+
+
+def _dequantized(weights: dict[str, mx.array], directory: Path) -> dict[str, mx.array]:
+    """Float weights where `mlxspec pull --mtp` stored them quantized like the target
+    (`X.weight` beside `X.scales`, as mlx does; the settings in its config.json)."""
+    quantized = [k[: -len(".scales")] for k in weights if k.endswith(".scales")]
+    if not quantized:
+        return weights
+    try:
+        settings = json.loads((directory / "config.json").read_text())["quantization"]
+        group_size, bits = int(settings["group_size"]), int(settings["bits"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise HeadError(
+            f"{directory} holds quantized weights but no quantization in its config.json: {err}"
+        ) from None
+    out = dict(weights)
+    for base in quantized:
+        out[f"{base}.weight"] = mx.dequantize(
+            out[f"{base}.weight"],
+            out.pop(f"{base}.scales"),
+            out.pop(f"{base}.biases", None),
+            group_size=group_size,
+            bits=bits,
+        )
+    return out
 
 
 def _torch_bin(file: Path) -> dict[str, mx.array]:
@@ -62,9 +97,23 @@ def _split(weights: dict[str, mx.array], prefix: str, block: str, renames: dict[
     return pairs
 
 
-def _layouts(model: nn.Module) -> list[tuple[str, str, str, dict[str, str], dict]]:
-    """(name, prefix, block prefix, renames, HeadSpec switches) per layout; it is present
-    when its prefix + its first renamed part + "weight" is a key."""
+@dataclass(frozen=True)
+class Layout:
+    """A published head layout: present when `prefix` + its first renamed part +
+    "weight" is a key."""
+
+    name: str
+    prefix: str  # where the fusion parts (renamed by `renames`) live
+    block: str  # where the decoder layer's parts live
+    renames: dict[str, str]
+    switches: dict = field(default_factory=dict)  # HeadSpec switches
+    zero_centred: bool = False  # norms stored as w - 1 (Qwen3-Next's RMSNorm is 1 + w)
+
+
+NORM_SUFFIX = "norm.weight"
+
+
+def _layouts(model: nn.Module) -> list[Layout]:
     n = len(model.layers)
     mtp = {"input_norms": True, "final_norm": True, "fc_bias": False}
     deepseek = {
@@ -80,17 +129,53 @@ def _layouts(model: nn.Module) -> list[tuple[str, str, str, dict[str, str], dict
         "hidden_layernorm.": "hnorm.",
         "final_layernorm.": "norm.",
     }
+    qwen3_next = {
+        "fc.": "fc.",
+        "pre_fc_norm_embedding.": "enorm.",
+        "pre_fc_norm_hidden.": "hnorm.",
+        "norm.": "norm.",
+    }
     return [
-        ("eagle-1", "", "layers.0.", {"fc.": "fc."}, {"block_input_norm": False}),
-        ("deepseek-mtp", f"model.layers.{n}.", f"model.layers.{n}.", deepseek, mtp),
-        (
+        Layout("eagle-1", "", "layers.0.", {"fc.": "fc."}, {"block_input_norm": False}),
+        # DeepSeek-V3 and GLM-4.5: the layer after the target's last one.
+        Layout("deepseek-mtp", f"model.layers.{n}.", f"model.layers.{n}.", deepseek, mtp),
+        Layout(
             "mimo-mtp",
             "model.mtp_layers.0.",
             "model.mtp_layers.0.",
             mimo,
-            {**mtp, "embedding_first": False},
+            {**mtp, "embedding_first": False, "feed_normed": True},
+        ),
+        Layout(
+            "qwen3-next-mtp",
+            "mtp.",
+            "mtp.layers.0.",
+            qwen3_next,
+            {**mtp, "feed_normed": True},
+            zero_centred=True,
         ),
     ]
+
+
+def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
+    """The block's weights in the names of mlx-lm's layer class: put through the target's
+    own `sanitize` as if they were its last attention layer's. Zero-centred norms get
+    their 1 back unless that sanitize already added it."""
+    block = {k[len("block.") :]: v for k, v in pairs if k.startswith("block.")}
+    rest = [(k, v) for k, v in pairs if not k.startswith("block.")]
+    if zero_centred:
+        rest = [(k, v + 1.0 if k.endswith(NORM_SUFFIX) else v) for k, v in rest]
+    sanitize = getattr(model, "sanitize", None)
+    if not block or sanitize is None:
+        return rest + [(f"block.{k}", v) for k, v in block.items()]
+    marker = f"model.layers.{last_attention_layer(model.layers)}."
+    out = sanitize({marker + k: v for k, v in block.items()})
+    converted = {k.split(marker, 1)[1]: v for k, v in out.items() if marker in k}
+    for key, value in converted.items():
+        untouched = key in block and block[key] is value
+        if zero_centred and key.endswith(NORM_SUFFIX) and value.ndim == 1 and untouched:
+            converted[key] = value + 1.0
+    return rest + [(f"block.{k}", v) for k, v in converted.items()]
 
 
 def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
@@ -98,31 +183,34 @@ def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> He
     if not directory.is_dir():
         raise HeadError(f"no drafter head at {directory}: not a folder")
     weights = read_weights(directory)
-    if any(key.startswith("midlayer.") for key in weights):
+    eagle3 = "layers.0.hidden_norm.weight" in weights  # vLLM speculators' names
+    if eagle3 or any(key.startswith("midlayer.") for key in weights):
         return load_eagle3(directory, weights, model, decoder)
-    for name, prefix, block, renames, switches in _layouts(model):
-        if f"{prefix}{next(iter(renames))}weight" not in weights:
+    for layout in _layouts(model):
+        if f"{layout.prefix}{next(iter(layout.renames))}weight" not in weights:
             continue
-        pairs = _split(weights, prefix, block, renames)
+        pairs = _split(weights, layout.prefix, layout.block, layout.renames)
         own_head = any(k.startswith("lm_head.") for k, _ in pairs)
         d, vocab_size = decoder.width, decoder.embed.weight.shape[0]
         spec = HeadSpec(
             hidden_size=d,
             vocab_size=vocab_size,
-            source_format=name,
+            source_format=layout.name,
             own_lm_head=own_head,
-            **switches,
+            **layout.switches,
         )
         head = DraftHead(spec, model, mx.arange(vocab_size, dtype=mx.int32))
         try:
+            pairs = _family_names(model, pairs, layout.zero_centred)
             head.load_weights([(k, v.astype(mx.float32)) for k, v in pairs], strict=True)
-        except ValueError as err:
+        except (ValueError, KeyError) as err:
             raise HeadError(
-                f"{directory} looks like a {name} head but does not fit this target: {err}"
+                f"{directory} looks like a {layout.name} head but does not fit this target "
+                f"({type(model.layers[-1]).__name__} layers): {str(err).splitlines()[0]}"
             ) from None
         return head
     raise HeadError(
         f"no drafter head in {directory}: expected an mlxspec head (head.json + head.safetensors), "
         "an EAGLE-1 or EAGLE-3 checkpoint (fc.weight with layers.0.* or midlayer.*) or MTP "
-        "layers (eh_proj / mtp_layers)"
+        f"layers (model.layers.{len(model.layers)}.eh_proj, model.mtp_layers.0.*, mtp.fc)"
     )

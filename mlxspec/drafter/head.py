@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from mlxspec.anatomy import Decoder
+from mlxspec.anatomy import Decoder, last_attention_layer
 
 HEAD_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"
 # Hub files of our heads and of published ones (EAGLE ships PyTorch .bin files).
@@ -80,17 +80,20 @@ class Head(Protocol):
 
 
 def family_block(model: nn.Module) -> nn.Module:
-    """A fresh layer of the target's family, built by mlx-lm's own class."""
-    last = model.layers[-1]
-    args = getattr(model, "args", None)
+    """A fresh layer of the target's family, built by mlx-lm's own class: like its last
+    attention layer (a head keeps a KV cache, so never a hybrid model's recurrent one)."""
+    index = last_attention_layer(model.layers)
+    last = model.layers[index]
+    # Multimodal wrappers (Qwen3.5) keep the text model's args on their language model.
+    args = getattr(getattr(model, "language_model", model), "args", None)
     if args is None:
         raise HeadError(
             f"model type '{getattr(model, 'model_type', '?')}' has no args to build a layer"
         )
     try:
         return type(last)(args)
-    except TypeError:  # families whose layers take their index (gemma3, lfm2)
-        return type(last)(args, len(model.layers) - 1)
+    except TypeError:  # families whose layers take their index (gemma3, lfm2, qwen3_next)
+        return type(last)(args, index)
 
 
 def lm_rows(decoder: Decoder, vocab: mx.array) -> mx.array:

@@ -46,6 +46,13 @@ class BatchedWorker(Worker):
         running alone."""
         return self._rows() or int(self._running is not None)
 
+    @property
+    def queue_room(self) -> int:
+        """`max_waiting`, plus the batch's free slots: a burst that arrives during a round
+        sits in the queue until the round ends, and requests that will have a slot at
+        once must not be refused for it."""
+        return self.max_waiting + max(0, self.max_batch - self._rows())
+
     def _rows(self) -> int:
         """Requests the scheduler holds: it, not the job table, says what still runs."""
         scheduler = self._scheduler
@@ -55,6 +62,8 @@ class BatchedWorker(Worker):
 
     def _serve(self) -> None:
         self._open_preload()
+        if self._model is not None:  # measure the batch's costs before the first request
+            self._scheduler_for(self._model.engine)
         stopping = False
         while not stopping or self._rows():
             if not stopping:

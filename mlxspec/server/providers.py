@@ -61,10 +61,7 @@ class RegistryProvider:
     ):
         self.registry, self.notify = registry, notify
         self.default = registry.get(default).name
-        self.models = {
-            name: ModelInfo(name, tuple(entry.proposer_names), entry.defaults, entry.description)
-            for name, entry in registry.entries.items()
-        }
+        self.models = {name: model_info(entry) for name, entry in registry.entries.items()}
 
     def check(self, name: str, proposer: str | None) -> None:
         if name == self.default:
@@ -84,6 +81,25 @@ class RegistryProvider:
         from mlxspec.runtime import open_runtime  # loads mlx-lm model code: only when serving
 
         return open_runtime(self.registry.get(name), notify=self.notify)
+
+
+class OpenedProvider:
+    """One model that is already open: the bench serves the runtime it has loaded, so
+    every row measures the same weights without loading them again."""
+
+    def __init__(self, opened: OpenModel, entry: ModelEntry):
+        self.opened, self.default = opened, entry.name
+        self.models = {entry.name: model_info(entry)}
+
+    def check(self, name: str, proposer: str | None) -> None:
+        return None  # nothing to download: it is open
+
+    def open(self, name: str) -> OpenModel:
+        return self.opened
+
+
+def model_info(entry: ModelEntry) -> ModelInfo:
+    return ModelInfo(entry.name, tuple(entry.proposer_names), entry.defaults, entry.description)
 
 
 def _draft_references(entry: ModelEntry, config: ProposerConfig | None) -> list[str]:

@@ -132,13 +132,18 @@ class Worker:
         self.shutdown()
         self.thread.join(timeout)
 
+    @property
+    def queue_room(self) -> int:
+        """Requests the queue may hold now: `max_waiting` behind the one running."""
+        return self.max_waiting
+
     def submit(self, generation: Generation) -> Job:
         """Queue a request (called on the event loop only, so the check cannot race)."""
         if self._stopping.is_set():
             raise ApiError(
                 503, "the server is shutting down", code="shutting_down", type="server_error"
             )
-        if self._waiting.qsize() >= self.max_waiting:
+        if self._waiting.qsize() >= self.queue_room:
             raise ApiError(
                 429,
                 f"{self._waiting.qsize()} requests are already waiting for the model; retry later",

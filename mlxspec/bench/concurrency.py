@@ -1,0 +1,288 @@
+"""`mlxspec bench --concurrency N`: N clients at once against the real server, in process.
+
+Each row starts the API server (uvicorn, the worker thread, SSE) on a loopback port over
+the runtime already loaded, and N client threads replay the suite: each takes the next
+prompt as soon as its previous answer ends (a closed loop, as editors and agents do),
+streaming greedy chat completions. Rows, in one run on the same weights:
+
+- one at a time: `--max-batch 1` with the model's default proposer (the server before
+  batching);
+- batched plain: `--max-batch N`, no drafts;
+- batched + P: `--max-batch N` with proposer P, for each batchable proposer asked for;
+- mlx-lm `batch_generate`: mlx-lm's own batched decoding of the same prompt ids with
+  N sequences at a time, no server (the anchor: what plain batching costs in mlx-lm).
+
+Aggregate tokens/s is every answer's tokens over the row's wall time. Time to first
+token and the pace after it (seconds between tokens) are per request, as the client
+saw them (queueing included); a request's speedup is its latency in the first row over
+its latency here. Greedy answers are compared with the first row's.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlxspec.batch.scheduler import unbatchable_reason
+from mlxspec.bench import BenchError
+from mlxspec.bench.client import Answer, RequestFailed, stream_chat
+from mlxspec.bench.suites import BenchPrompt
+from mlxspec.chat_template import encode_chat
+from mlxspec.registry import NONE
+from mlxspec.runtime import Runtime
+from mlxspec.server import ServerLimits, create_app
+from mlxspec.server.background import serving_in_thread
+from mlxspec.server.providers import OpenedProvider
+
+REQUEST_TIMEOUT = 600.0  # seconds a client waits for one answer before the row fails
+WARM_UP_TOKENS = 4
+ANCHOR = "mlx-lm batch_generate"
+
+
+@dataclass(frozen=True)
+class ServedRow:
+    label: str
+    max_batch: int
+    proposer: str  # a proposer of the entry, or "none"
+
+
+def served_rows(clients: int, default: str, proposers: list[str]) -> list[ServedRow]:
+    """The server before batching, batched plain, then batched with each proposer."""
+    rows = [ServedRow(f"one at a time ({default})", 1, default)]
+    rows.append(ServedRow("batched plain", clients, NONE))
+    rows += [ServedRow(f"batched + {name}", clients, name) for name in proposers if name != NONE]
+    return rows
+
+
+def batchable(runtime: Runtime, names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The proposers a batch can run, and why each other one cannot (it would run alone,
+    which is the one-at-a-time row again)."""
+    kept, refused = [], {}
+    for name in names:
+        built = runtime.engine.proposers.get(runtime.proposer(name))
+        reason = unbatchable_reason(built) if built is not None else None
+        if reason:
+            refused[name] = reason
+        else:
+            kept.append(name)
+    return kept, refused
+
+
+def replay(
+    base_url: str,
+    model: str,
+    prompts: list[BenchPrompt],
+    clients: int,
+    max_tokens: int,
+    proposer: str,
+) -> tuple[float, list[Answer]]:
+    """Every prompt once, `clients` at a time; wall seconds and the answers in order."""
+    work: queue.Queue[tuple[int, BenchPrompt]] = queue.Queue()
+    for item in enumerate(prompts):
+        work.put(item)
+    answers: list[Answer | None] = [None] * len(prompts)
+    failures: list[str] = []
+
+    def client() -> None:
+        while not failures:
+            try:
+                index, prompt = work.get_nowait()
+            except queue.Empty:
+                return
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt.text}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "mlxspec": {"proposer": proposer, "history": False},
+            }
+            try:
+                answers[index] = stream_chat(base_url, prompt.id, body, REQUEST_TIMEOUT)
+            except (RequestFailed, OSError) as err:
+                failures.append(f"{prompt.id}: {err}")
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    if failures:
+        raise BenchError(f"a request failed ({failures[0]})")
+    return wall, [answer for answer in answers if answer is not None]
+
+
+def run_served(
+    runtime: Runtime,
+    row: ServedRow,
+    prompts: list[BenchPrompt],
+    clients: int,
+    max_tokens: int,
+) -> tuple[float, list[Answer]]:
+    """One row: a fresh server with the row's batch size, warmed up, then the replay."""
+    entry = runtime.entry
+    limits = ServerLimits(
+        max_tokens=max_tokens, max_waiting=len(prompts) + clients, max_batch=row.max_batch
+    )
+    app = create_app(OpenedProvider(runtime, entry), limits=limits)
+    with serving_in_thread(app) as url:
+        warm = prompts[: min(clients, len(prompts))]
+        replay(url, entry.name, warm, clients, WARM_UP_TOKENS, row.proposer)
+        return replay(url, entry.name, prompts, clients, max_tokens, row.proposer)
+
+
+def run_anchor(
+    runtime: Runtime, prompts: list[BenchPrompt], clients: int, max_tokens: int
+) -> tuple[float, list[str], int]:
+    """mlx-lm's `batch_generate` on the same prompt ids: wall seconds, texts, tokens."""
+    from mlx_lm.generate import batch_generate
+
+    model, tokenizer = runtime.loaded.model, runtime.loaded.tokenizer
+    ids = [
+        encode_chat(tokenizer, [{"role": "user", "content": p.text}], generation_prompt=True)
+        for p in prompts
+    ]
+    sizes = dict(completion_batch_size=clients, prefill_batch_size=clients)
+    batch_generate(model, tokenizer, ids[:clients], max_tokens=WARM_UP_TOKENS, **sizes)
+    start = time.perf_counter()
+    response = batch_generate(
+        model, tokenizer, ids, max_tokens=max_tokens, return_token_ids=True, **sizes
+    )
+    wall = time.perf_counter() - start
+    return wall, list(response.texts), sum(map(len, response.token_ids))
+
+
+def percentile(values: list[float], fraction: float) -> float | None:
+    """Nearest-rank percentile (no interpolation: a handful of requests per row)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def summarize(
+    label: str, clients: int, wall: float, answers: list[Answer], reference: list[Answer] | None
+) -> dict[str, Any]:
+    """A served row's numbers."""
+    tokens = sum(answer.tokens for answer in answers)
+    drafted = sum(answer.record.get("drafted", 0) for answer in answers)
+    accepted = sum(answer.record.get("accepted", 0) for answer in answers)
+    first = [a.time_to_first_token for a in answers if a.time_to_first_token is not None]
+    pace = [a.per_token for a in answers if a.per_token is not None]
+    rounds = [0] * (clients + 1)
+    for answer in answers:
+        for size, count in enumerate(answer.record.get("batch_sizes", [])):
+            rounds[min(size, clients)] += count
+    reference = reference or answers
+    return {
+        "row": label,
+        "clients": clients,
+        "requests": len(answers),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_second": tokens / wall,
+        "ttft_p50": percentile(first, 0.5),
+        "ttft_p95": percentile(first, 0.95),
+        "per_token_p50": percentile(pace, 0.5),
+        "per_token_p95": percentile(pace, 0.95),
+        "mean_latency": sum(a.latency for a in answers) / len(answers),
+        "request_speedup_p50": percentile(
+            [ref.latency / a.latency for ref, a in zip(reference, answers)], 0.5
+        ),
+        "acceptance": accepted / drafted if drafted else None,
+        "mean_batch": (
+            sum(size * count for size, count in enumerate(rounds)) / sum(rounds)
+            if sum(rounds)
+            else 1.0
+        ),
+        "equal": sum(ref.text == a.text for ref, a in zip(reference, answers)),
+        "near_ties": sum(answer.record.get("near_ties", 0) for answer in answers),
+    }
+
+
+def summarize_anchor(
+    clients: int, wall: float, texts: list[str], tokens: int, reference: list[Answer]
+) -> dict[str, Any]:
+    return {
+        "row": ANCHOR,
+        "clients": clients,
+        "requests": len(texts),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_second": tokens / wall,
+        "equal": sum(ref.text == text for ref, text in zip(reference, texts)),
+    }
+
+
+def run_concurrency(
+    runtime: Runtime,
+    prompts: list[BenchPrompt],
+    levels: list[int],
+    proposers: list[str],
+    max_tokens: int,
+    notify: Callable[[str], None],
+) -> dict[str, Any]:
+    """Every row at every concurrency level; the result document's rows."""
+    kept, refused = batchable(runtime, proposers)
+    for name, reason in refused.items():
+        notify(f"skipping {name} in the batched rows: {reason}")
+    default = runtime.proposer(None)
+    runtime.engine.verify_cost  # noqa: B018  (calibrate now, not inside a timed row)
+    rows: list[dict[str, Any]] = []
+    for clients in levels:
+        reference: list[Answer] | None = None
+        for row in served_rows(clients, default, kept):
+            notify(f"{clients} clients: {row.label} ({len(prompts)} requests)")
+            wall, answers = run_served(runtime, row, prompts, clients, max_tokens)
+            rows.append(summarize(row.label, clients, wall, answers, reference))
+            reference = reference or answers
+        notify(f"{clients} clients: {ANCHOR}")
+        wall, texts, tokens = run_anchor(runtime, prompts, clients, max_tokens)
+        rows.append(summarize_anchor(clients, wall, texts, tokens, reference))
+    return {"rows": rows, "skipped": refused}
+
+
+def concurrency_markdown(result: dict[str, Any]) -> str:
+    """One table: a row per (clients, method), ratios against the first row of each level."""
+    lines = [
+        "| clients | row | tok/s | x one at a time | TTFT p50 / p95 s | per token p50 / p95 ms "
+        "| mean latency s | request speedup p50 | acceptance | mean batch | equal |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base: dict[int, float] = {}
+    for row in result["rows"]:
+        rate = row["tokens_per_second"]
+        base.setdefault(row["clients"], rate)
+        cells = [
+            str(row["clients"]),
+            row["row"],
+            f"{rate:.1f}",
+            f"{rate / base[row['clients']]:.2f}x",
+            _pair(row.get("ttft_p50"), row.get("ttft_p95"), 1.0, ".2f"),
+            _pair(row.get("per_token_p50"), row.get("per_token_p95"), 1000.0, ".0f"),
+            _number(row.get("mean_latency"), ".1f"),
+            _number(row.get("request_speedup_p50"), ".2f", "x"),
+            _number(row.get("acceptance"), ".0%"),
+            _number(row.get("mean_batch"), ".1f"),
+            f"{row['equal']}/{row['requests']}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    for name, reason in result.get("skipped", {}).items():
+        lines.append(f"\n{name} is not in the batched rows: {reason}.")
+    return "\n".join(lines)
+
+
+def _pair(low: float | None, high: float | None, scale: float, spec: str) -> str:
+    if low is None or high is None:
+        return "—"
+    return f"{low * scale:{spec}} / {high * scale:{spec}}"
+
+
+def _number(value: float | None, spec: str, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"

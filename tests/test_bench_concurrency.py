@@ -1,0 +1,103 @@
+"""`mlxspec bench --concurrency`: N clients against the real in-process server.
+
+The tiny llama of test_bench behind uvicorn; the rows must really share target passes
+(mean batch > 1) and every greedy answer, batched or mlx-lm's, must equal the
+one-at-a-time server's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from test_bench import (
+    PROMPTS,
+    TINY_MODELS,
+    make_entry,
+    make_runtime,
+    one_error_line,
+    record_calibrations,
+)
+
+import mlxspec.runtime
+from mlxspec.bench.client import Answer
+from mlxspec.bench.concurrency import ANCHOR, percentile, summarize
+from mlxspec.bench.suites import BenchPrompt
+from mlxspec.cli import main
+
+FOUR = [*PROMPTS, BenchPrompt("tail", "copy", "x y z x y z x y"), PROMPTS[0]]
+
+
+@pytest.fixture
+def four_prompts(tmp_path, monkeypatch):
+    """`mlxspec bench --model tiny --prompts four.jsonl` on the tiny runtime."""
+    record_calibrations(monkeypatch)
+    runtime = make_runtime(make_entry(tmp_path), tmp_path, monkeypatch)
+    models = tmp_path / "models.toml"
+    models.write_text(TINY_MODELS)
+    monkeypatch.setenv("MLXSPEC_MODELS", str(models))
+    monkeypatch.setattr(mlxspec.runtime, "open_runtime", lambda entry, notify: runtime)
+    path = tmp_path / "four.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p.text, "class": p.kind}) + "\n" for p in FOUR))
+    return ["bench", "--model", "tiny", "--prompts", str(path), "--max-tokens", "10"]
+
+
+def test_rows_share_passes_and_every_answer_equals_one_at_a_time(four_prompts, tmp_path):
+    out = tmp_path / "concurrency.json"
+    args = [*four_prompts, "-c", "2", "--proposers", "prompt-lookup", "--json", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == [
+        "one at a time (prompt-lookup)",
+        "batched plain",
+        "batched + prompt-lookup",
+        ANCHOR,
+    ]
+    for row in rows:
+        assert row["requests"] == len(FOUR) and row["tokens"] > 0
+        assert row["equal"] == len(FOUR), row  # greedy: batched and mlx-lm == one at a time
+    alone, plain, lookup = rows[:3]
+    assert alone["mean_batch"] == 1.0
+    assert plain["mean_batch"] > 1.2 and lookup["mean_batch"] > 1.2  # rounds were shared
+    assert plain["acceptance"] is None and lookup["acceptance"] > 0
+    assert alone["ttft_p95"] >= alone["ttft_p50"] > 0
+    assert "| 2 | batched + prompt-lookup |" in result.output
+
+
+def test_concurrency_refuses_options_it_cannot_honour(four_prompts):
+    result = CliRunner().invoke(main, [*four_prompts, "-c", "2", "--tree"])
+    assert result.exit_code == 2
+    assert "--concurrency runs every row once" in result.output
+
+
+def test_an_unknown_proposer_is_one_line_before_the_weights_load(four_prompts, monkeypatch):
+    def no_loading(entry, notify):
+        raise AssertionError("the weights loaded before the names were checked")
+
+    monkeypatch.setattr(mlxspec.runtime, "open_runtime", no_loading)
+    result = CliRunner().invoke(main, [*four_prompts, "-c", "2", "--proposers", "prompt-lookp"])
+    assert result.exit_code == 1
+    assert "unknown proposer 'prompt-lookp'" in one_error_line(result)
+
+
+def answer(sent: float, first: float, done: float, tokens: int, text: str = "a") -> Answer:
+    return Answer("p", text, sent, first, done, {"completion_tokens": tokens, "batch_sizes": []})
+
+
+def test_latency_pace_and_request_speedup_are_what_the_client_saw():
+    slow = [answer(0.0, 2.0, 6.0, 5), answer(0.0, 1.0, 2.0, 3)]
+    fast = [answer(0.0, 0.5, 2.5, 5), answer(1.0, 1.5, 2.0, 3, text="b")]
+    row = summarize("fast", 2, wall=4.0, answers=fast, reference=slow)
+    assert row["tokens_per_second"] == 8 / 4.0
+    assert row["per_token_p50"] == 0.25 and row["per_token_p95"] == 0.5  # (2.5-.5)/4, .5/2
+    assert row["ttft_p50"] == 0.5 and row["mean_latency"] == (2.5 + 1.0) / 2
+    assert row["request_speedup_p50"] == 2.0  # 6/2.5 = 2.4 and 2/1 = 2: nearest rank
+    assert row["equal"] == 1  # the second answer's text differs
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([], 0.5) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.95) == 4.0

@@ -1,0 +1,371 @@
+"""Models' own MTP layers as drafters: tiny targets (a hybrid Qwen3.5, a hybrid MoE
+Qwen3-Next, a llama) with MTP tensors written in each published layout's exact names
+(HF names: zero-centred norms stored as w - 1 for the Qwen ones, MoE experts one by
+one), loaded, drafting losslessly (greedy line and tree, sampled by chi-square), and
+`mlxspec pull --mtp` against a local original checkpoint (index + shards).
+
+Acceptance is made to happen by construction: the targets' layers write little into
+the residual stream (so they act nearly as a bigram of the embedding), and each MTP
+layer's fusion picks the next token's embedding, so the MTP layer drafts that bigram."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from lossless import assert_lossless, plain_greedy
+from mlx.utils import tree_flatten, tree_map_with_path
+from tiny_models import VOCAB, byte_tokenizer
+
+from mlxspec.anatomy import last_attention_layer, split_decoder
+from mlxspec.cli import main
+from mlxspec.drafter.formats import convert_published
+from mlxspec.drafter.head import HeadError, family_block, lm_rows
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.proposers.head import HeadProposer
+from mlxspec.sampling import SamplingSettings
+
+D, EOS = 64, VOCAB - 1
+HYBRID = dict(
+    hidden_size=D,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    vocab_size=VOCAB,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,  # layers 0, 2 recurrent (GatedDeltaNet), 1, 3 attention
+    tie_word_embeddings=False,
+)
+CONFIGS = {
+    "qwen3_5": {
+        "model_type": "qwen3_5",
+        "text_config": dict(
+            HYBRID,
+            model_type="qwen3_5_text",
+            rope_parameters={"type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+        ),
+    },
+    "qwen3_next": dict(
+        HYBRID,
+        model_type="qwen3_next",
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[],
+        moe_intermediate_size=32,
+        rope_theta=1e4,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=4096,
+    ),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=D,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    ),
+}
+QUIET = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+
+def target(family: str, seed: int = 0):
+    """A tiny random model whose layers write little (x0.05) into the residual stream,
+    with a sharp LM head (x8), so its next token mostly follows the current one."""
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(json.loads(json.dumps(CONFIGS[family]))))
+
+    def shape(path, value):
+        if path.endswith("lm_head.weight"):
+            return value * 8
+        return value * 0.05 if path.endswith(QUIET) else value
+
+    model.update(tree_map_with_path(shape, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def hf_block(model, prefix: str, zero_centred: bool) -> tuple[dict, dict]:
+    """(checkpoint tensors, what mlxspec must load): a fresh layer of the target's family
+    in HF names (experts one by one; zero-centred norms stored as w - 1)."""
+    fresh = dict(tree_flatten(family_block(model).parameters()))
+    intended = {
+        k: (1 + 0.1 * mx.random.normal(v.shape) if k.endswith("norm.weight") else 0.05 * v)
+        for k, v in fresh.items()
+    }
+    stored = {}
+    for key, value in intended.items():
+        if zero_centred and key.endswith("norm.weight"):
+            value = value - 1.0
+        if ".switch_mlp." in key:  # mlx-lm stacks the experts; checkpoints list them
+            for e in range(value.shape[0]):
+                stored[prefix + key.replace("switch_mlp.", f"experts.{e}.")] = value[e]
+        else:
+            stored[prefix + key] = value
+    return stored, intended
+
+
+def picks(first: bool) -> mx.array:
+    """A fusion matrix (d, 2d) that passes one of its two inputs through."""
+    eye, zero = mx.eye(D), mx.zeros((D, D))
+    return mx.concatenate([eye, zero] if first else [zero, eye], axis=1)
+
+
+def layout_tensors(layout: str, model) -> tuple[dict, dict]:
+    """A checkpoint's MTP tensors in `layout`'s published names, and the block it holds."""
+    n = len(model.layers)
+    small = lambda: 0.1 * mx.random.normal((D,))  # noqa: E731
+    if layout in ("qwen3.5", "qwen3-next"):
+        block, intended = hf_block(model, "mtp.layers.0.", zero_centred=True)
+        return {
+            "mtp.fc.weight": picks(first=True),
+            "mtp.pre_fc_norm_embedding.weight": mx.zeros((D,)),  # w - 1: a norm of ones
+            "mtp.pre_fc_norm_hidden.weight": small(),
+            "mtp.norm.weight": mx.zeros((D,)),
+            **block,
+        }, intended
+    if layout == "deepseek-v3":  # also GLM-4.5's names: the layer after the last
+        p = f"model.layers.{n}."
+        block, intended = hf_block(model, p, zero_centred=False)
+        return {
+            p + "eh_proj.weight": picks(first=True),
+            p + "enorm.weight": mx.ones((D,)),
+            p + "hnorm.weight": 1 + small(),
+            p + "shared_head.norm.weight": mx.ones((D,)),
+            p + "shared_head.head.weight": lm_rows(split_decoder(model), mx.arange(VOCAB)),
+            p + "embed_tokens.weight": model.model.embed_tokens.weight,  # a copy: unused
+            **block,
+        }, intended
+    p = "model.mtp_layers.0."  # MiMo: [hidden, embedding]
+    block, intended = hf_block(model, p, zero_centred=False)
+    return {
+        p + "input_proj.weight": picks(first=False),
+        p + "token_layernorm.weight": mx.ones((D,)),
+        p + "hidden_layernorm.weight": 1 + small(),
+        p + "final_layernorm.weight": mx.ones((D,)),
+        **block,
+    }, intended
+
+
+# layout -> target family (DeepSeek-V3 / GLM-4.5 and MiMo names on a llama target)
+LAYOUTS = {
+    "qwen3.5": "qwen3_5",
+    "qwen3-next": "qwen3_next",
+    "deepseek-v3": "llama",
+    "mimo": "llama",
+}
+
+
+def mtp_head(layout: str, folder, seed: int = 0):
+    model = target(LAYOUTS[layout], seed)
+    mx.random.seed(seed + 1)
+    tensors, intended = layout_tensors(layout, model)
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors)
+    return model, convert_published(folder, model, split_decoder(model)), intended
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(3, 12))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mtp_layouts_load_draft_chained_and_stay_lossless(layout, tmp_path):
+    model, head, intended = mtp_head(layout, tmp_path)
+    # Every block weight is where mlx-lm's layer class wants it, zero-centring undone.
+    loaded = dict(tree_flatten(head.block.parameters()))
+    assert loaded.keys() == intended.keys()
+    for key, value in intended.items():
+        assert mx.allclose(loaded[key], value, atol=1e-6), key
+    # What a chained step reads back: the normed output where the published forward
+    # returns it normed (Qwen3-Next, MiMo), the pre-norm one for DeepSeek-V3's shared_head.
+    g = mx.random.normal((1, 2, D)) * 5
+    fed_normed = mx.allclose(head.feedback(g), head.features(g))
+    assert fed_normed == (layout != "deepseek-v3") and head.features(g).abs().max() < 5
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    engine.add_proposer(HeadProposer(head, engine.target))
+    trees = [False] if engine.target.tree_unsupported else [False, True]
+    for tree in trees:
+        drafted = accepted = longest = 0
+        for prompt in prompts(3, seed=len(layout)):
+            settings = GenerationSettings(max_tokens=30, k=3, tree=tree)
+            done = list(engine.stream(prompt, settings, "head"))[-1]
+            reference = plain_greedy(model, prompt, 30, {EOS})
+            label = f"{layout} tree={tree} {prompt[:3]}"
+            assert_lossless(model, prompt, reference, list(done.token_ids), label, done.record)
+            drafted, accepted = drafted + done.record.drafted, accepted + done.record.accepted
+            longest = max([longest, *done.record.accepted_lengths])
+        assert drafted > 0 and accepted > drafted / 4, (layout, tree, accepted, drafted)
+        assert longest >= 2, "chained drafts (depth > 1) were never all accepted"
+
+
+def test_a_hybrid_target_uses_the_snapshot_path_and_samples_the_targets_law(tmp_path):
+    """Sampled speculation with the MTP layer of a GatedDeltaNet hybrid: the first token
+    follows the target's own law (chi-square), with rejections rolled back by snapshot."""
+    model, head, _ = mtp_head("qwen3.5", tmp_path, seed=3)
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    assert engine.target.strategy == "snapshot"
+    engine.add_proposer(HeadProposer(head, engine.target))
+    prompt, runs, temperature = [72, 101, 108, 108], 300, 3.0
+    law = np.array(mx.softmax(model(mx.array([prompt]))[0, -1] / temperature).tolist())
+    first, drafted = Counter(), 0
+    for seed in range(runs):
+        sampling = SamplingSettings(temperature=temperature, seed=seed)
+        done = list(engine.stream(prompt, GenerationSettings(2, sampling, k=2), "head"))[-1]
+        drafted += done.record.drafted
+        first[done.token_ids[0] if done.token_ids else EOS] += 1
+    likely = [t for t in range(VOCAB) if law[t] * runs >= 5]
+    observed = np.array([first[t] for t in likely] + [runs - sum(first[t] for t in likely)])
+    expected = np.array([law[t] for t in likely] + [1 - law[likely].sum()]) * runs
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    assert drafted >= runs and dof >= 3
+    assert statistic < dof + 4.5 * np.sqrt(2 * dof), (statistic, dof)  # ~ alpha 1e-4
+
+
+def test_an_mtp_layer_that_does_not_fit_is_refused_in_one_line(tmp_path):
+    model = target("qwen3_5")
+    tensors, _ = layout_tensors("qwen3.5", model)
+    del tensors["mtp.layers.0.self_attn.k_proj.weight"]
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), tensors)
+    with pytest.raises(HeadError, match="qwen3-next-mtp head but does not fit") as err:
+        convert_published(tmp_path, model, split_decoder(model))
+    assert "\n" not in str(err.value)
+
+
+# --- mlxspec pull --mtp --------------------------------------------------------------------------
+
+
+def original_checkpoint(folder, model, layout_name: str = "deepseek-v3", **changes) -> None:
+    """An original (HF) checkpoint of `model` with its MTP layer in the layer after the
+    last (GLM-4.5 / DeepSeek-V3 names): the target's tensors in one shard, the MTP
+    tensors in another, and a third shard that is not a safetensors file at all, so a
+    pull that opened anything but the MTP shard would fail."""
+    folder.mkdir()
+    mtp, _ = layout_tensors(layout_name, model)
+    for key, value in changes.items():
+        if value is None:
+            mtp.pop(key)
+        else:
+            mtp[key] = value
+    body = {f"model.{k}": v for k, v in tree_flatten(model.model.parameters())}
+    mx.save_safetensors(str(folder / "model-00001-of-00003.safetensors"), body)
+    mx.save_safetensors(str(folder / "model-00002-of-00003.safetensors"), mtp)
+    (folder / "model-00003-of-00003.safetensors").write_bytes(b"not weights")
+    weight_map = {k: "model-00001-of-00003.safetensors" for k in body}
+    weight_map.update({k: "model-00002-of-00003.safetensors" for k in mtp})
+    weight_map["lm_head.weight"] = "model-00003-of-00003.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = {"model_type": "glm4_moe", "num_hidden_layers": len(model.layers), "hidden_size": D}
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A quantized tiny llama target in mlx-lm's format (named `tiny` in models.toml),
+    and private config and cache folders."""
+    from test_loading import save_tiny_llama
+
+    model, _ = save_tiny_llama(tmp_path / "float")  # the same weights, not quantized
+    save_tiny_llama(tmp_path / "tiny", quantize=True)
+    models = tmp_path / "models.toml"
+    models.write_text(f'[models.tiny]\ntarget = "{tmp_path / "tiny"}"\n')
+    monkeypatch.setenv("MLXSPEC_MODELS", str(models))
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path, model
+
+
+def cli(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_pull_mtp_fetches_only_the_mtp_shard_quantizes_registers_and_drafts(hub):
+    tmp_path, model = hub
+    original_checkpoint(tmp_path / "original", model)
+    result = cli("pull", "tiny", "--mtp", "--from", str(tmp_path / "original"))
+    assert result.exit_code == 0, result.output
+    assert "in 1 of the checkpoint's files: model-00002-of-00003" in result.output
+    assert "registered as proposer 'mtp' of 'tiny'" in result.output
+    saved = list((tmp_path / "cache" / "mtp").iterdir())[0]
+    stored = mx.load(str(saved / "mtp.safetensors"))
+    assert "model.layers.2.self_attn.q_proj.scales" in stored  # quantized like the target
+    assert json.loads((saved / "config.json").read_text())["quantization"]["bits"] == 4
+
+    def generate(proposer):
+        args = ["generate", "hello there", "-m", "tiny", "-p", proposer, "-n", "24", "--k", "3"]
+        result = cli(*args, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    spec, plain = generate("mtp"), generate("none")
+    assert spec["record"]["proposer"] == "mtp" and spec["record"]["drafted"] > 0
+    assert spec["token_ids"] == plain["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model.layers.2.enorm.weight": None}, "does not fit this target"),
+        ({"model.layers.2.eh_proj.weight": mx.zeros((96, 192))}, "does not fit this target"),
+    ],
+)
+def test_a_pulled_mtp_layer_missing_a_tensor_or_too_wide_fails_in_one_line(hub, change, message):
+    tmp_path, model = hub
+    original_checkpoint(tmp_path / "original", model, **change)
+    assert cli("pull", "tiny", "--mtp", "--from", str(tmp_path / "original")).exit_code == 0
+    result = cli("generate", "hello", "-m", "tiny", "-p", "mtp", "-n", "4")
+    assert result.exit_code != 0
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith("Error: proposer 'mtp'") and message in lines[-1], result.output
+
+
+def test_pull_mtp_says_in_one_line_when_the_hub_cannot_be_reached(hub, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    result = cli("pull", "tiny", "--mtp", "--from", "someone/not-cached-here")
+    assert result.exit_code != 0
+    assert "cannot reach the Hugging Face hub" in result.output, result.output
+
+
+def test_a_checkpoint_without_mtp_tensors_is_named(hub):
+    tmp_path, model = hub
+    original_checkpoint(tmp_path / "original", model)
+    index = tmp_path / "original" / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    index.write_text(
+        json.dumps({"weight_map": {k: v for k, v in weight_map.items() if ".layers.2." not in k}})
+    )
+    result = cli("pull", "tiny", "--mtp", "--from", str(tmp_path / "original"))
+    assert result.exit_code != 0 and "has no MTP tensors" in result.output
+
+
+def test_mtp_without_a_pull_says_what_to_run(hub):
+    models = hub[0] / "models.toml"
+    models.write_text(models.read_text() + "[models.tiny.proposers.mtp]\n")
+    result = cli("generate", "hello", "-m", "tiny", "-p", "mtp", "-n", "4")
+    assert result.exit_code != 0 and "mlxspec pull tiny --mtp" in result.output
+
+
+def test_the_mtp_layer_is_modelled_on_an_attention_layer_of_a_hybrid():
+    model = target("qwen3_5")
+    assert last_attention_layer(model.layers) == 3 and not family_block(model).is_linear
