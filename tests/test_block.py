@@ -537,3 +537,22 @@ def test_the_policy_verifies_only_the_slots_that_pay_by_their_own_acceptance():
             policy.update(situation, drafted=4, accepted=1, draft_seconds=0.05)
         chosen[by_position] = policy.choose(situation, 15)
     assert chosen == {False: chosen[False], True: 1} and chosen[False] >= 2, chosen
+
+
+def test_a_hybrid_target_rolls_back_by_snapshot_and_stays_lossless(tmp_path):
+    """A GatedDeltaNet hybrid (test_mtp's tiny Qwen3.5: recurrent layers whose state
+    cannot be trimmed): rejected block drafts are undone by the snapshot path, and a
+    drafter made to agree still gets most of its drafts accepted."""
+    from test_mtp import target as hybrid_target
+
+    model = hybrid_target("qwen3_5")
+    prompt = prompts(2)[1]  # an answer whose bigrams are mostly, not always, the same
+    reference = plain_greedy(model, prompt, 40, {EOS})
+    agreeing("dspark", tmp_path, model, prompt + list(reference))
+    engine = Engine(model, byte_tokenizer(), "hybrid")
+    engine.add_proposer(block_proposer(engine, tmp_path))
+    assert engine.target.strategy == "snapshot"
+    done = list(engine.stream(prompt, GenerationSettings(max_tokens=40, k=3), "block"))[-1]
+    assert_lossless(model, prompt, reference, list(done.token_ids), "hybrid", done.record)
+    assert done.record.accepted >= 0.5 * done.record.drafted > 0, done.record
+    assert done.record.accepted < done.record.drafted  # rejections were rolled back too
