@@ -98,7 +98,9 @@ class Attention(nn.Module):
         """Cache the keys and values of context rows that start at `position`."""
         cache.update_and_fetch(*self._keys_values(context, position))
 
-    def __call__(self, x: mx.array, position: int, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, position, cache: KVCache, mask=None) -> mx.array:
+        """The block x (B, L, d) at `position` (an int, or one per row for training, which
+        passes its own `mask`) over the cached context and itself."""
         B, L, _ = x.shape
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.heads, -1)).transpose(0, 2, 1, 3)
         queries = self._rope(queries, offset=position)
@@ -106,8 +108,10 @@ class Attention(nn.Module):
         context_keys, context_values = cache.keys_and_values()
         keys = mx.concatenate([context_keys, block_keys], axis=2)
         values = mx.concatenate([context_values, block_values], axis=2)
+        if mask is None:
+            mask = self._mask(position, cache.offset, L)
         out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=self.scale, mask=self._mask(position, cache.offset, L)
+            queries, keys, values, scale=self.scale, mask=mask
         )
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -142,8 +146,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.norm_eps)
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
 
-    def __call__(self, x: mx.array, position: int, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), position, cache)
+    def __call__(self, x: mx.array, position, cache: KVCache, mask=None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), position, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -206,12 +210,18 @@ class BlockDrafter(nn.Module):
         before DSpark's Markov bias (which depends on the drafts drawn)."""
         spec = self.spec
         block = mx.array([[pending] + [spec.mask_token_id] * (spec.block_size - 1)])
-        h = self.embed_tokens(block) if spec.format == DSPARK else decoder.embed(block)
-        for layer, cache in zip(self.layers, caches):
-            h = layer(h, position, cache)
-        h = self.norm(h[:, spec.first_slot :])
+        h = self.block_hidden(block, position, caches, decoder)
         logits = self.lm_head(h) if spec.format == DSPARK else decoder.head(h)
         return logits[0].astype(mx.float32)
+
+    def block_hidden(self, blocks: mx.array, position, caches, decoder: Decoder, mask=None):
+        """The final norm's output (B, drafts_per_block, d) at the drafting slots of
+        `blocks` (B, block_size) token ids (see `Attention.__call__` for the rest)."""
+        spec = self.spec
+        h = self.embed_tokens(blocks) if spec.format == DSPARK else decoder.embed(blocks)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, position, cache, mask)
+        return self.norm(h[:, spec.first_slot :])
 
     def markov_bias(self, previous: list[int]) -> mx.array | None:
         """(len(previous), V) logit biases of slots that follow `previous` tokens."""
