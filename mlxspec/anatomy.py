@@ -43,8 +43,9 @@ class Decoder:
         """Normed hidden states after the first `n_layers` layers (all by default).
 
         With `capture`, the residual stream entering each of those layers comes first,
-        side by side in layer order: (B, L, (len(capture) + 1) * width). EAGLE-3 heads
-        read three layers; `logits` takes the LM head of the last `width` columns."""
+        side by side in layer order: (B, L, (len(capture) + 1) * width); index
+        len(layers) is the last layer's output (block drafters may read it). EAGLE-3
+        heads read three layers; `logits` takes the LM head of the last `width` columns."""
         layers = self.layers if n_layers is None else self.layers[:n_layers]
         h = self.embed(inputs)
         masks = _layer_masks(h, self.layers, cache)
@@ -53,6 +54,8 @@ class Decoder:
             if index in capture:
                 taken.append(h)
             h = layer(h, masks[is_recurrent(layer)], cache=layer_cache)
+        if len(layers) in capture:  # the last layer's own output, before the final norm
+            taken.append(h)
         return mx.concatenate([*taken, self.norm(h)], axis=-1) if taken else self.norm(h)
 
     def logits(self, features: mx.array) -> mx.array:

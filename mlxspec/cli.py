@@ -704,13 +704,14 @@ def _bench_concurrency(
 @click.option("--model", "-m", help="Entry in models.toml whose target the drafter drafts for.")
 @click.option(
     "--kind",
-    type=click.Choice(["head", "model", "exit", "medusa"]),
+    type=click.Choice(["head", "model", "exit", "medusa", "block"]),
     default="head",
     show_default=True,
     help="head: one transformer layer reading the target's hidden state (EAGLE/MTP style); "
     "model: a small mlx-lm draft model, the target's first --layers layers distilled; "
     "exit: an exit head after the target's first --layers layers, for self-spec; "
-    "medusa: --heads Medusa heads guessing 2..K+1 tokens ahead from one hidden state.",
+    "medusa: --heads Medusa heads guessing 2..K+1 tokens ahead from one hidden state; "
+    "block: a DFlash-layout block drafter, 7 drafts in one pass from the last layer.",
 )
 @click.option(
     "--heads",
@@ -730,7 +731,7 @@ def _bench_concurrency(
     "--layers",
     type=click.IntRange(min=1),
     help="model/exit: how many of the target's layers (default: 1/8 of them for a model, "
-    "half for an exit head); head: how many layers the head has (default: 1).",
+    "half for an exit head); head, block: how many layers the drafter has (default: 1).",
 )
 @click.option(
     "--out",

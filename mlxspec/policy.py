@@ -10,6 +10,8 @@ story: on MLX's CPU backend with OpenBLAS 8 tokens cost ~1.6 steps, with the
 reference BLAS ~7. Acceptance is estimated per (proposer, case) from decayed counts,
 where a case is what the proposer saw (e.g. prompt lookup's match length) plus
 whether that proposer's last draft was fully accepted (verbatim copies are sticky).
+Block drafters, whose slots differ, get E(k) from an estimate per draft position
+instead, and their one pass is priced per round rather than per token.
 """
 
 from __future__ import annotations
@@ -167,6 +169,9 @@ class Policy:
     decay: float = 0.9
     explore_every: int = 16
     stats: dict[tuple[str, str], Acceptance] = field(default_factory=dict)
+    # Sources whose acceptance changes along the draft (a block drafter's slots) also keep
+    # one estimate per position j: a_j = P(draft j kept | the drafts before it were).
+    by_position: dict[tuple[str, str], list[Acceptance]] = field(default_factory=dict)
     draft_cost: dict[str, float] = field(default_factory=dict)  # per token, in target steps
     _full_streak: dict[str, bool] = field(default_factory=dict)
     _idle_rounds: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -245,12 +250,28 @@ class Policy:
         best_k, best_speed = 0, 1.0
         # A source may verify more nodes than the depth it drafts (lookahead's window).
         nodes = getattr(situation.source, "verify_nodes", lambda k: k)
+        # A block drafter's one pass drafts every k alike: its cost is per round.
+        per_round = getattr(situation.source, "cost_per_round", False)
+        tokens = self._expected_by_position(situation, key, limit)
         for k in range(1, limit + 1):
-            cost = self.verify_cost(nodes(k) + 1) + k * per_draft
-            speed = expected_tokens(rate, k) / cost
+            cost = self.verify_cost(nodes(k) + 1) + (1 if per_round else k) * per_draft
+            speed = (tokens[k] if tokens else expected_tokens(rate, k)) / cost
             if speed > best_speed:
                 best_k, best_speed = k, speed
         return best_k, best_speed
+
+    def _expected_by_position(self, situation: Situation, key, limit: int) -> list[float]:
+        """Expected tokens of a round for k = 0..limit from the per-position estimates
+        (positions not seen yet: the situation's prior); [] for other sources."""
+        if not getattr(situation.source, "acceptance_by_position", False):
+            return []
+        positions = self.by_position.get(key, [])
+        prior = Acceptance.with_prior(situation.prior).rate
+        totals, survive = [1.0], 1.0
+        for j in range(limit):
+            survive *= positions[j].rate if j < len(positions) else prior
+            totals.append(totals[-1] + survive)
+        return totals
 
     def observe_unverified(self, situation: Situation, first_right: bool) -> None:
         """A draft the batch cut to nothing still tells whether its first token was the
@@ -278,9 +299,16 @@ class Policy:
         self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).update(
             drafted, accepted, self.decay
         )
+        if getattr(situation.source, "acceptance_by_position", False):
+            positions = self.by_position.setdefault(key, [])
+            for j in range(min(accepted + 1, drafted)):  # the positions this round reached
+                if j == len(positions):
+                    positions.append(Acceptance.with_prior(situation.prior))
+                positions[j].update(1, 1 if j < accepted else 0, self.decay)
         self._full_streak[situation.source.name] = accepted == drafted
         name = situation.source.name
-        measured = draft_seconds / drafted / (self.step_seconds or self.cost.step_seconds)
+        per = 1 if getattr(situation.source, "cost_per_round", False) else drafted
+        measured = draft_seconds / per / (self.step_seconds or self.cost.step_seconds)
         previous = self.draft_cost.get(name)
         self.draft_cost[name] = measured if previous is None else 0.8 * previous + 0.2 * measured
 

@@ -209,6 +209,17 @@ _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
         "chain": {"members": _Option(list, "a non-empty list of proposer names", ok=bool)},
         "lookahead": {"window": _int(1, 5), "ngram": _int(2, 4), "guesses": _int(0, 3)},
         "medusa": {"path": _Option(str, "a path or hub repo id of Medusa heads", reference=True)},
+        "block": {
+            "path": _Option(
+                str, "a path or hub repo id of a DFlash or DSpark drafter", reference=True
+            ),
+            "format": _Option(
+                str,
+                "'dflash' or 'dspark' (default: read from its config)",
+                None,
+                lambda v: v in ("dflash", "dspark"),
+            ),
+        },
     }.items()
 }
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")

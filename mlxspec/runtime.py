@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxspec.anatomy import UnsupportedModel
+from mlxspec.drafter.block import BLOCK_PATTERNS, load_block_drafter
 from mlxspec.drafter.exit import EXIT_PATTERNS, load_exit
 from mlxspec.drafter.head import HEAD_PATTERNS, HeadError, load_head
 from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
@@ -28,6 +29,7 @@ from mlxspec.proposers import (
     check_same_vocabulary,
     truncated_model,
 )
+from mlxspec.proposers.block import BlockProposer
 from mlxspec.proposers.draft_model import VocabularyMismatch
 from mlxspec.proposers.head import HeadProposer
 from mlxspec.proposers.medusa import MedusaProposer
@@ -101,6 +103,8 @@ class Runtime:
                 return self._draft_model(config)
             if config.kind in ("head", "mtp"):
                 return self._head(config)
+            if config.kind == "block":
+                return self._block(config)
             if config.kind == "medusa":
                 path = fetch_weights(options["path"], patterns=MEDUSA_PATTERNS)
                 heads = load_medusa(path, self.engine.target.decoder)
@@ -146,6 +150,12 @@ class Runtime:
         path = fetch_weights(reference, patterns=HEAD_PATTERNS)
         head = load_head(path, self.loaded.model, target.decoder)
         return HeadProposer(head, target, config.name, config.options["k_max"])
+
+    def _block(self, config: ProposerConfig) -> BlockProposer:
+        target, options = self.engine.target, config.options
+        path = fetch_weights(options["path"], patterns=BLOCK_PATTERNS)
+        drafter = load_block_drafter(path, target.decoder, options["format"])
+        return BlockProposer(drafter, target, config.name, options["k_max"])
 
     def _draft_model(self, config: ProposerConfig) -> DraftModel:
         reference = config.options["draft"]

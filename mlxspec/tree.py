@@ -199,3 +199,39 @@ def sample_walk(
             return path, sample_from(p, rng)
         path.append(accepted)
         node = accepted
+
+
+class LevelGrower:
+    """A draft tree grown level by level from per-node draft distributions: each node
+    of a level offers its `branch` likeliest tokens as children, scored by the product
+    of draft probabilities along the path (EAGLE-2's tree, shared by heads and block
+    drafters)."""
+
+    def __init__(self, branch: int):
+        self.branch = branch
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = [1.0]  # scores[n] for node n (the root's is 1)
+        self.paths: dict[int, list[int]] = {0: []}  # node -> its tokens from the root
+
+    def grow(self, level: list[int], probs: mx.array) -> list[int]:
+        """Children of the `level` nodes from their draft distributions (len(level), V)."""
+        top = mx.argpartition(-probs, self.branch - 1, axis=-1)[:, : self.branch]
+        chosen = mx.take_along_axis(probs, top, axis=-1)
+        children = []
+        for row, node in enumerate(level):
+            for token, p in zip(top[row].tolist(), chosen[row].tolist()):
+                if p > 0:
+                    self.tokens.append(token)
+                    self.parents.append(node)
+                    self.scores.append(self.scores[node] * p)
+                    self.paths[len(self.tokens)] = [*self.paths[node], token]
+                    children.append(len(self.tokens))
+        return children
+
+    def best(self, nodes: list[int], n: int) -> list[int]:
+        """The `n` likeliest of `nodes` (the next level to expand)."""
+        return sorted(nodes, key=lambda node: -self.scores[node])[:n]
+
+    def tree(self, budget: int) -> DraftTree:
+        return keep_best(from_nodes(self.tokens, self.parents, self.scores[1:]), budget)

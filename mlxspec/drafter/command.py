@@ -5,7 +5,9 @@ Three kinds share the data, the draft vocabulary and the training loop:
 - `model`: a small standalone mlx-lm model, the target's first M layers distilled
   (proposer kind draft-model; mlx-lm can use it too);
 - `exit`: an exit head after the target's first L layers (proposer kind self-spec);
-- `medusa`: K Medusa heads on the target's last hidden state (proposer kind medusa).
+- `medusa`: K Medusa heads on the target's last hidden state (proposer kind medusa);
+- `block`: a block drafter in z-lab's DFlash layout, drafting a block in one pass from
+  the target's last layer (proposer kind block).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mlxspec import device
 from mlxspec.anatomy import Decoder, split_decoder
 from mlxspec.drafter import distill
 from mlxspec.drafter.answers import shipped_answers
+from mlxspec.drafter.block_train import BlockStudent, build_block, save_block
 from mlxspec.drafter.data import DataStore, add_file, add_text, self_distill
 from mlxspec.drafter.exit import ExitStudent, build_exit, save_exit
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
@@ -43,12 +46,13 @@ from mlxspec.registry import ModelEntry, register_proposer
 
 HELD_OUT = "held-out"
 HELD_OUT_PROMPTS = 80  # ~10k answer tokens: enough for the agreement measure (EVAL_POSITIONS)
-KINDS = ("head", "model", "exit", "medusa")
+KINDS = ("head", "model", "exit", "medusa", "block")
 PROPOSER_NAMES = {
     "head": "head",
     "model": "distilled",
     "exit": "self-spec-exit",
     "medusa": "medusa",
+    "block": "block",
 }
 
 
@@ -79,6 +83,7 @@ KIND_SETTINGS: dict[str, dict] = {
     "model": {"learning_rate": 3e-4, "batch": 4, "eval_every_seconds": 240.0},
     "exit": {"batch": 4, "window": 128},  # each batch runs L target layers first
     "medusa": {},
+    "block": {},
 }
 
 
@@ -182,6 +187,8 @@ def make_student(
     if job.kind == "medusa":
         heads = MedusaHeads(decoder.width, job.heads, vocab)
         return MedusaStudent(heads, decoder)
+    if job.kind == "block":
+        return BlockStudent(build_block(decoder, job.layers or 1), decoder, vocab)
     raise ValueError(f"unknown drafter kind {job.kind!r}; choose one of: {', '.join(KINDS)}")
 
 
@@ -198,6 +205,9 @@ def save_student(student: Student, loaded: LoadedModel, job: DrafterJob, record:
     if isinstance(student, MedusaStudent):
         save_medusa(student.module, job.out, record)
         return {"kind": "medusa", "path": where}
+    if isinstance(student, BlockStudent):
+        save_block(student.module, student.decoder, job.out, record)
+        return {"kind": "block", "path": where}
     student.module.spec.record = record
     save_exit(student.module, job.out)
     return {"kind": "self-spec", "layers": student.layers, "exit": where}
@@ -210,7 +220,7 @@ def train_drafter(entry: ModelEntry, loaded: LoadedModel, job: DrafterJob, say) 
     if job.kind == "medusa" and job.layers is not None:  # before making any data
         raise ValueError("--layers is for --kind head, model and exit; --kind medusa has none")
     if job.layers is not None:
-        check_layers(job.layers, len(decoder.layers), head=job.kind == "head")
+        check_layers(job.layers, len(decoder.layers), head=job.kind in ("head", "block"))
     store = make_data(entry, loaded, decoder, job, say)
     training = [s for src in ("self-distill", "text", "file") for s in store.shards(src)]
     answers = store.shards("self-distill") or training

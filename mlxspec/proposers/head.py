@@ -17,7 +17,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlxspec.drafter.head import Head, head_cache, lm_rows
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw, full_width
 from mlxspec.target import Target, common_prefix_len
-from mlxspec.tree import DraftTree, from_nodes, keep_best
+from mlxspec.tree import DraftTree, LevelGrower
 from mlxspec.tree_attention import rope_positions
 
 BRANCH = 3  # children offered per expanded node
@@ -147,32 +147,20 @@ class HeadProposer:
         history = list(ctx.tokens)
         outputs = {0: self._catch_up()}  # node -> head output (1, 1, d) at the node
         real = self.cache.offset  # entries made from the target's own hidden states
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = [1.0]  # scores[n] for node n (the root's is 1)
-        paths: dict[int, list[int]] = {0: []}
+        grower = LevelGrower(BRANCH)
         slots: dict[int, int] = {}  # node -> its place among this round's head entries
         level = [0]
         for d in range(1, depth + 1):
             g = mx.concatenate([outputs[n] for n in level], axis=1)
-            probs = self._probs(ctx, g, [history + paths[n] for n in level])
-            top = mx.argpartition(-probs, BRANCH - 1, axis=-1)[:, :BRANCH]
-            chosen = mx.take_along_axis(probs, top, axis=-1)
-            children = []
-            for row, node in enumerate(level):
-                for token, p in zip(top[row].tolist(), chosen[row].tolist()):
-                    if p > 0:
-                        tokens.append(token)
-                        parents.append(node)
-                        scores.append(scores[node] * p)
-                        paths[len(tokens)] = [*paths[node], token]
-                        children.append(len(tokens))
+            probs = self._probs(ctx, g, [history + grower.paths[n] for n in level])
+            children = grower.grow(level, probs)
             if d == depth or not children:
                 break
-            level = sorted(children, key=lambda n: -scores[n])[:BEAM]
+            level = grower.best(children, BEAM)
+            parents, tokens = grower.parents, grower.tokens
             outputs.update(self._expand(level, parents, tokens, slots, outputs, real, d))
         self.cache.trim(self.cache.offset - real)
-        return keep_best(from_nodes(tokens, parents, scores[1:]), budget)
+        return grower.tree(budget)
 
     def _probs(self, ctx: ProposalContext, g: mx.array, prefixes: list[list[int]]) -> mx.array:
         """Draft distributions (F, V) at F nodes, under the sampling settings."""
