@@ -12,7 +12,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from test_server import CHAT, ECHO, TinyProvider, direct_answer, serving, wait_until_idle
+from test_server import (
+    CHAT,
+    ECHO,
+    TinyProvider,
+    TinyRuntime,
+    direct_answer,
+    serving,
+    wait_until_idle,
+)
 from test_units import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
@@ -148,3 +156,87 @@ def test_64_clients_against_max_batch_8_none_lost_and_429_only_beyond_the_bound(
         for prompt, reply in served:
             assert reply.json()["choices"][0]["message"]["content"] == solo[prompt]
         wait_until_idle(url)
+
+
+def test_a_batch_that_cannot_be_prepared_at_start_fails_requests_instead_of_hanging(
+    monkeypatch,
+):
+    """Preparing the batch at start-up (measuring its pass costs) may fail, e.g. out of
+    memory: the generation thread must live on, and each request fail alone with a 500."""
+    import mlxspec.server.batch_worker as batch_worker
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory while measuring the pass grid")
+
+    monkeypatch.setattr(batch_worker, "Scheduler", broken)
+    with serving(TinyProvider(), limits=BATCH, preload="tiny") as url:
+        reply = httpx.post(
+            url + CHAT, json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30
+        )
+        assert reply.status_code == 500 and reply.json()["error"]["type"] == "server_error"
+
+
+def test_switching_models_lets_the_old_batch_go_before_the_next_model_loads():
+    """One model in memory at a time, batched or not: the old engine (held by the batch's
+    scheduler and its kept prefixes) is gone when the next model opens."""
+    import gc
+    import weakref
+
+    class Watching(TinyProvider):
+        def __init__(self):
+            super().__init__()
+            self.engines: list = []
+            self.alive_at_open: list[bool] = []
+
+        def open(self, name):
+            gc.collect()
+            self.alive_at_open += [ref() is not None for ref in self.engines]
+            runtime = TinyRuntime(name)  # not kept in `opened`: only the server holds it
+            self.engines.append(weakref.ref(runtime.engine))
+            return runtime
+
+    provider = Watching()
+    with serving(provider, limits=BATCH) as url:
+        for name in ("tiny", "tiny-b"):
+            body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            assert httpx.post(url + CHAT, json=body, timeout=60).status_code == 200
+    assert provider.alive_at_open == [False]  # tiny's engine was gone when tiny-b opened
+
+
+def test_kept_prefixes_hold_their_own_rows_not_the_whole_batch():
+    """A finished row's kept cache is evaluated when kept: lazily, it would keep the
+    whole batch's cache of that moment alive (every row, full size)."""
+    import gc
+
+    import mlx.core as mx
+    from test_batch import collect, sample_prompts, scheduler_for
+
+    scheduler = scheduler_for("llama", max_batch=8)
+    for i, prompt in enumerate((sample_prompts(3) + sample_prompts(4))[:8]):
+        scheduler.submit(prompt, GenerationSettings(max_tokens=20 + 7 * i), "lookup")
+    collect(scheduler)
+    del scheduler.target
+    gc.collect()
+    held = mx.get_active_memory()
+    for kept in scheduler.prefixes.kept:
+        mx.eval([c.keys for c in kept.cache] + [c.values for c in kept.cache])
+    gc.collect()
+    assert mx.get_active_memory() == held  # nothing was left to compute or let go
+
+
+def test_the_queue_counts_free_slots_only_where_the_batch_can_take_them():
+    """Free batch slots widen the queue (a burst waits for the round to end), but not
+    for a model that cannot batch, nor while a request runs alone."""
+    from mlxspec.server.batch_worker import BatchedWorker
+
+    worker = BatchedWorker(GemmaProvider(), max_waiting=2, max_batch=4)
+    assert worker.queue_room == 6  # nothing loaded yet: the batch may take four
+    worker._open("tiny")
+    assert worker._scheduler_for(worker._model.engine) is None  # gemma cannot batch
+    assert worker.queue_room == 2
+    tiny = BatchedWorker(TinyProvider(), max_waiting=2, max_batch=4)
+    tiny._open("tiny")
+    tiny._scheduler_for(tiny._model.engine)
+    assert tiny.queue_room == 6
+    tiny._running = object()  # a request the batch could not take runs alone
+    assert tiny.queue_room == 2

@@ -369,3 +369,9 @@ def test_mtp_without_a_pull_says_what_to_run(hub):
 def test_the_mtp_layer_is_modelled_on_an_attention_layer_of_a_hybrid():
     model = target("qwen3_5")
     assert last_attention_layer(model.layers) == 3 and not family_block(model).is_linear
+
+
+@pytest.mark.parametrize("source", ["smollm2-135m", "/models/some.Q4_K_M.gguf"])
+def test_pull_mtp_from_a_gguf_says_so_at_once(hub, source):
+    result = cli("pull", "tiny", "--mtp", "--from", source)
+    assert result.exit_code != 0 and "keeps no MTP layer" in result.output, result.output

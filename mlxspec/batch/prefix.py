@@ -42,6 +42,9 @@ class PrefixPool:
     def add(self, tokens: list[int], cache: list[KVCache]) -> None:
         if self.capacity <= 0:
             return
+        # `BatchKVCache.extract` is lazy: unevaluated, each entry would keep the whole
+        # batch's cache of that moment alive (every row, full size), not its own row.
+        mx.eval([layer.keys for layer in cache] + [layer.values for layer in cache])
         self.kept.append(Kept(list(tokens), cache))
         del self.kept[: -self.capacity]
 

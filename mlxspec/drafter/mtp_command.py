@@ -10,6 +10,7 @@ from pathlib import Path
 from mlxspec.console import say
 from mlxspec.drafter.mtp_pull import mtp_folder, pull_mtp
 from mlxspec.loading import fetch_weights
+from mlxspec.pull import PullError, is_packaged
 from mlxspec.registry import ModelEntry, register_proposer
 
 PROPOSER = "mtp"
@@ -38,6 +39,11 @@ def pull_and_register_mtp(
     if source is None and configured is not None and configured.kind == PROPOSER:
         source = configured.options.get("source")
     source = source or target
+    if is_packaged(source) or source.lower().endswith(".gguf"):
+        raise PullError(
+            f"{source} is a GGUF file, which keeps no MTP layer; pass the original "
+            "checkpoint with --from (a hub repo id or a folder with safetensors)"
+        )
     destination = mtp_folder(target)
     say(f"fetching the MTP layer of {target} from {source}")
     keys = pull_mtp(source, destination, target_quantization(target), say)

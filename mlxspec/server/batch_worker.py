@@ -50,8 +50,19 @@ class BatchedWorker(Worker):
     def queue_room(self) -> int:
         """`max_waiting`, plus the batch's free slots: a burst that arrives during a round
         sits in the queue until the round ends, and requests that will have a slot at
-        once must not be refused for it."""
+        once must not be refused for it. A model that cannot batch, or a request running
+        alone, has no free slots: then the queue is `max_waiting`, as without batching."""
+        cannot_batch = self._model is not None and self._scheduler is None
+        if cannot_batch or self._running is not None:
+            return self.max_waiting
         return self.max_waiting + max(0, self.max_batch - self._rows())
+
+    def _open(self, name: str):
+        """Let the old model's batch (its engine, rows and kept prefixes) go before the
+        next model loads, as the one-at-a-time worker lets the old weights go."""
+        if name != self.resident:
+            self._scheduler = None
+        return super()._open(name)
 
     def _rows(self) -> int:
         """Requests the scheduler holds: it, not the job table, says what still runs."""
@@ -63,7 +74,10 @@ class BatchedWorker(Worker):
     def _serve(self) -> None:
         self._open_preload()
         if self._model is not None:  # measure the batch's costs before the first request
-            self._scheduler_for(self._model.engine)
+            try:
+                self._scheduler_for(self._model.engine)
+            except Exception:  # the thread must live on: the first request retries, and
+                log.exception("cannot prepare the batch")  # fails alone with a 500
         stopping = False
         while not stopping or self._rows():
             if not stopping:
