@@ -80,9 +80,15 @@ def test_estimated_speedup_agrees_with_the_bench(smollm2):
     prompt = BenchPrompt("copy", "copy", COPY_PROMPT)
     bench = Bench(runtime, [prompt], [Method(PLAIN), spec], max_tokens=64, repeats=5)
     bench.prepare()
-    row = next(r for r in build_rows(list(bench.runs())) if r["method"] == spec.name)
-    measured, estimated = row["speedup"], row["estimated_speedup"]
-    assert measured > 1.2, f"the copy prompt should speculate well; bench measured {measured:.2f}x"
-    assert estimated == pytest.approx(measured, rel=0.15), (
-        f"estimated {estimated:.2f}x (run record) vs measured {measured:.2f}x (bench)"
-    )
+    seen = []
+    # The measured side is a timing on a shared machine: a burst of other work during one
+    # bench (seen: 3.37x estimated vs 4.01x measured while another job trained a model)
+    # earns one more bench. An estimate that is really off fails both.
+    for _ in range(2):
+        row = next(r for r in build_rows(list(bench.runs())) if r["method"] == spec.name)
+        measured, estimated = row["speedup"], row["estimated_speedup"]
+        assert measured > 1.2, f"the copy prompt should speculate well; measured {measured:.2f}x"
+        seen.append(f"estimated {estimated:.2f}x (run record) vs measured {measured:.2f}x")
+        if estimated == pytest.approx(measured, rel=0.15):
+            return
+    raise AssertionError("; ".join(seen))
