@@ -437,9 +437,10 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
     Up to --max-batch requests (default 8; 1 when sharded) share each target pass; the
-    others wait in line (bounded by --max-waiting; beyond it, 429). Requests may name any registry model (one is in memory at a
-    time) and pass {"mlxspec": {"proposer": ..., "k": ..., "tree": ..., "history": false,
-    "provenance": true}}; answers carry the run record as x_mlxspec.
+    others wait in line (bounded by --max-waiting; beyond it, 429). Requests may name any
+    registry model (one is in memory at a time) and pass {"mlxspec": {"proposer": ...,
+    "k": ..., "tree": ..., "history": false, "provenance": true}}; answers carry the run
+    record as x_mlxspec.
 
     \b
     Examples:
