@@ -32,6 +32,7 @@ from typing import Any
 from mlxspec.batch.scheduler import unbatchable_reason
 from mlxspec.bench import BenchError
 from mlxspec.bench.client import Answer, RequestFailed, stream_chat
+from mlxspec.bench.report import markdown_table, number_cell
 from mlxspec.bench.suites import BenchPrompt
 from mlxspec.chat_template import encode_chat
 from mlxspec.registry import NONE
@@ -168,9 +169,9 @@ def percentile(values: list[float], fraction: float) -> float | None:
 
 
 def summarize(
-    label: str, clients: int, wall: float, answers: list[Answer], reference: list[Answer] | None
+    label: str, clients: int, wall: float, answers: list[Answer], reference: list[Answer]
 ) -> dict[str, Any]:
-    """A served row's numbers."""
+    """A served row's numbers; request speedups and equal answers are against `reference`."""
     tokens = sum(answer.tokens for answer in answers)
     drafted = sum(answer.record.get("drafted", 0) for answer in answers)
     accepted = sum(answer.record.get("accepted", 0) for answer in answers)
@@ -180,7 +181,6 @@ def summarize(
     for answer in answers:
         for size, count in enumerate(answer.record.get("batch_sizes", [])):
             rounds[min(size, clients)] += count
-    reference = reference or answers
     return {
         "row": label,
         "clients": clients,
@@ -262,29 +262,40 @@ def run_concurrency(
 
 def concurrency_markdown(result: dict[str, Any]) -> str:
     """One table: a row per (clients, method), ratios against the first row of each level."""
-    lines = [
-        "| clients | row | tok/s | x one at a time | TTFT p50 / p95 s | per token p50 / p95 ms "
-        "| mean latency s | request speedup p50 | acceptance | mean batch | equal |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    header = [
+        "clients",
+        "row",
+        "tok/s",
+        "x one at a time",
+        "TTFT p50 / p95 s",
+        "per token p50 / p95 ms",
+        "mean latency s",
+        "request speedup p50",
+        "acceptance",
+        "mean batch",
+        "equal",
     ]
     base: dict[int, float] = {}
+    body = []
     for row in result["rows"]:
         rate = row["tokens_per_second"]
         base.setdefault(row["clients"], rate)
-        cells = [
-            str(row["clients"]),
-            row["row"],
-            f"{rate:.1f}",
-            f"{rate / base[row['clients']]:.2f}x",
-            _pair(row.get("ttft_p50"), row.get("ttft_p95"), 1.0, ".2f"),
-            _pair(row.get("per_token_p50"), row.get("per_token_p95"), 1000.0, ".0f"),
-            _number(row.get("mean_latency"), ".1f"),
-            _number(row.get("request_speedup_p50"), ".2f", "x"),
-            _number(row.get("acceptance"), ".0%"),
-            _number(row.get("mean_batch"), ".1f"),
-            f"{row['equal']}/{row['requests']}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+        body.append(
+            [
+                str(row["clients"]),
+                row["row"],
+                f"{rate:.1f}",
+                f"{rate / base[row['clients']]:.2f}x",
+                _pair(row.get("ttft_p50"), row.get("ttft_p95"), 1.0, ".2f"),
+                _pair(row.get("per_token_p50"), row.get("per_token_p95"), 1000.0, ".0f"),
+                number_cell(row.get("mean_latency"), ".1f"),
+                number_cell(row.get("request_speedup_p50"), ".2f", "x"),
+                number_cell(row.get("acceptance"), ".0%"),
+                number_cell(row.get("mean_batch"), ".1f"),
+                f"{row['equal']}/{row['requests']}",
+            ]
+        )
+    lines = markdown_table(header, body)
     for name, reason in result.get("skipped", {}).items():
         lines.append(f"\n{name} is not in the batched rows: {reason}.")
     return "\n".join(lines)
@@ -292,9 +303,5 @@ def concurrency_markdown(result: dict[str, Any]) -> str:
 
 def _pair(low: float | None, high: float | None, scale: float, spec: str) -> str:
     if low is None or high is None:
-        return "—"
+        return number_cell(None, spec)
     return f"{low * scale:{spec}} / {high * scale:{spec}}"
-
-
-def _number(value: float | None, spec: str, suffix: str = "") -> str:
-    return "—" if value is None else f"{value:{spec}}{suffix}"

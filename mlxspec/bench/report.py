@@ -66,7 +66,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"- roofline: {roof['weight_bytes'] / 1e6:.0f} MB of weights at "
         f"{roof['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s = "
         f"{roof['ceiling_tokens_per_second']:.1f} tok/s ceiling; plain-mlx-lm reaches "
-        f"{_number(roof['plain_percent_of_ceiling'], '.0f')}%",
+        f"{number_cell(roof['plain_percent_of_ceiling'], '.0f')}%",
         f"- settings: greedy, max {result['settings']['max_tokens']} tokens, "
         f"{result['settings']['repeats']} repeat(s), decode tok/s excludes the first round",
     ]
@@ -86,15 +86,15 @@ def markdown(result: dict[str, Any]) -> str:
 def table_lines(rows: list[dict[str, Any]], collectives: bool = False) -> list[str]:
     """`collectives`: a sharded run's table, with mlxspec's collective time per round."""
     if not collectives:
-        return _table(TABLE_COLUMNS, [_cells(row) for row in rows])
+        return markdown_table(TABLE_COLUMNS, [_cells(row) for row in rows])
     header = (*TABLE_COLUMNS[:-1], COLLECTIVE_COLUMN, TABLE_COLUMNS[-1])
     body = []
     for row in rows:
         cells = _cells(row)
         per_round = row.get("collective_seconds_per_round")
         per_round_ms = None if per_round is None else per_round * 1000
-        body.append([*cells[:-1], _number(per_round_ms, ".2f"), cells[-1]])
-    return _table(header, body)
+        body.append([*cells[:-1], number_cell(per_round_ms, ".2f"), cells[-1]])
+    return markdown_table(header, body)
 
 
 def summary_lines(summary: dict[str, dict[str, float | None]]) -> list[str]:
@@ -103,15 +103,19 @@ def summary_lines(summary: dict[str, dict[str, float | None]]) -> list[str]:
         return []
     classes = list(next(iter(summary.values())))
     body = [
-        [method, *(_number(speedups[kind], ".2f", "x") for kind in classes)]
+        [method, *(number_cell(speedups[kind], ".2f", "x") for kind in classes)]
         for method, speedups in summary.items()
     ]
     header = ("method", *(f"{kind} (geomean)" if kind == ALL_CLASSES else kind for kind in classes))
-    return ["Speedup vs plain-mlx-lm (geometric mean per prompt class):", "", *_table(header, body)]
+    return [
+        "Speedup vs plain-mlx-lm (geometric mean per prompt class):",
+        "",
+        *markdown_table(header, body),
+    ]
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
-    speed = _number(row["tokens_per_second"], ".1f")
+    speed = number_cell(row["tokens_per_second"], ".1f")
     if row["repeats"] > 1 and row["tokens_per_second"] is not None:
         speed += f" ({row['tokens_per_second_min']:.1f}-{row['tokens_per_second_max']:.1f})"
     k = row["k"]
@@ -128,15 +132,15 @@ def _cells(row: dict[str, Any]) -> list[str]:
         str(k),
         speed,
         f"{row['time_to_first_token']:.2f}",
-        _number(row["acceptance_rate"], ".0%"),
-        _number(row["mean_accepted_length"], ".2f"),
-        _number(row["speedup"], ".2f", "x"),
-        _number(row.get("estimated_speedup"), ".2f", "x"),
+        number_cell(row["acceptance_rate"], ".0%"),
+        number_cell(row["mean_accepted_length"], ".2f"),
+        number_cell(row["speedup"], ".2f", "x"),
+        number_cell(row.get("estimated_speedup"), ".2f", "x"),
         match,
     ]
 
 
-def _table(header, body: list[list[str]]) -> list[str]:
+def markdown_table(header, body: list[list[str]]) -> list[str]:
     return [
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
@@ -144,7 +148,7 @@ def _table(header, body: list[list[str]]) -> list[str]:
     ]
 
 
-def _number(value: float | None, spec: str, suffix: str = "") -> str:
+def number_cell(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
