@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -65,12 +65,18 @@ class PassGrid:
     point it extends the last slope, as `VerifyCost` does."""
 
     cells: dict[tuple[int, int], float]
+    # Per row count, its cost over columns: built once, since every round's width choice
+    # asks for a cost per candidate width.
+    _lines: dict[int, VerifyCost] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._lines = {
+            r: VerifyCost({c: cost for (r2, c), cost in self.cells.items() if r2 == r}, 1.0)
+            for r in sorted({r for r, _ in self.cells})
+        }
 
     def __call__(self, rows: int, columns: int) -> float:
-        by_rows = {}
-        for r in sorted({r for r, _ in self.cells}):
-            line = {c: cost for (r2, c), cost in self.cells.items() if r2 == r}
-            by_rows[r] = VerifyCost(line, 1.0)(columns)
+        by_rows = {r: line(columns) for r, line in self._lines.items()}
         return VerifyCost(by_rows, 1.0)(rows)
 
     def to_json(self) -> str:
