@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from lossless import assert_lossless, plain_greedy
+from mlx_lm.models.cache import make_prompt_cache
 from test_lossless import CPU_LIKE_COST, MAX_TOKENS, Oracle
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
@@ -27,6 +28,7 @@ from mlxspec.batch.width import (
     PassGrid,
     choose_width,
     measure_pass_grid,
+    monotone_cells,
 )
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
@@ -41,7 +43,7 @@ from mlxspec.proposers import (
 )
 from mlxspec.sampling import SamplingSettings
 
-BATCHED = ["llama", "qwen3"]
+BATCHED = ["llama", "qwen3", "lfm2"]  # lfm2: recurrent conv layers beside attention
 
 
 def greedy_rounds(target: BatchTarget, rows: dict, rng: random.Random, rounds: int) -> None:
@@ -64,7 +66,7 @@ def greedy_rounds(target: BatchTarget, rows: dict, rng: random.Random, rounds: i
                 n += 1
             row["tokens"].extend([*line[1 : n + 1], choice[n]])
             kept.append(n + 1)
-        target.keep(kept, max(map(len, verified)))
+        target.keep(kept, max(map(len, verified)), verified)
         assert target.lengths() == [len(r["tokens"]) - 1 for r in rows.values()]
 
 
@@ -99,10 +101,30 @@ def test_ragged_rows_join_and_leave_match_solo_greedy(family, monkeypatch):
         assert_lossless(model, row["prompt"], references[i][:n], got[:n], f"{family} row {i}")
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "lfm2"])
-def test_families_that_cannot_batch_are_refused_in_one_line(family):
-    with pytest.raises(ValueError, match="batching needs plain KV caches") as err:
-        BatchTarget(tiny_model(family))
+def test_recurrent_rows_hold_their_solo_state_after_ragged_rounds():
+    """A tiny random model's output hardly depends on its conv state, so greedy equality
+    alone would not see a row replayed from the wrong state: compare the state itself
+    with the row's own tokens fed alone."""
+    model = tiny_model("lfm2", seed=2)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (7, 12, 3)]
+    target, rows = BatchTarget(model), {}
+    for i, prompt in enumerate(prompts):
+        prefill, rows[i] = new_row(model, prompt, plain_greedy(model, prompt, 40, set()))
+        target.join(prefill)
+    greedy_rounds(target, rows, rng, 8)
+    assert target.recurrent
+    for i, row in rows.items():
+        solo = make_prompt_cache(model)
+        model(mx.array([row["tokens"][:-1]]), cache=solo)
+        for layer in target.recurrent:
+            for batched, alone in zip(target.cache[layer].cache, solo[layer].cache):
+                assert mx.allclose(batched[i], alone[0], atol=1e-4), f"row {i} layer {layer}"
+
+
+def test_a_family_that_cannot_batch_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="batching needs attention KV caches") as err:
+        BatchTarget(tiny_model("gemma3_text"))
     assert "\n" not in str(err.value)
 
 
@@ -436,6 +458,22 @@ def test_the_pass_cost_learns_the_shape_of_real_passes_not_the_machine_load():
     assert cost(4, 4) == pytest.approx(1.5 + 1.5 * 1.0)
 
 
+def test_the_pass_cost_learns_columns_a_flat_grid_priced_at_nothing():
+    """A grid timed in a quiet moment read 8 x 2 as cheap as 8 x 1; under load it cost
+    1.65x. The cost of each pass run is learned, and no wider pass not run yet is priced
+    below it, or the batch would jump to a wide draft it never paid for."""
+    flat = PassGrid({(1, 1): 1.0, (1, 8): 1.0, (8, 1): 2.0, (8, 8): 2.0})
+    cost = PassCost(CPU_LIKE_COST, decay=0.0, relax=0.5, grid=flat)
+    assert cost(8, 2) == cost(8, 1) == 2.0
+    cost.observe(8, 1, 1.0)
+    cost.observe(8, 2, 1.65)
+    assert cost(8, 2) == pytest.approx(2.0 * 1.65)
+    assert cost(8, 4) == pytest.approx(2.0 * (1 + 3 * 0.65))  # not run: the seen slope on
+    assert choose_width([(0.5, 4)] * 8, 0, cost) == 0  # 1.5 tokens a row cannot pay 1.65x
+    cost.observe(8, 1, 1.0)  # a plain pass relaxes the learned cost towards the grid
+    assert 2.0 < cost(8, 2) < 2.0 * 1.65
+
+
 class Faithful(Oracle):
     """Drafts the plain output as is (`wrong`: with its first token always off)."""
 
@@ -530,6 +568,17 @@ def test_the_pass_grid_is_measured_through_real_batched_passes():
     for (rows, columns), cost in grid.cells.items():  # never below a smaller pass
         smaller = [v for (r, c), v in grid.cells.items() if r <= rows and c <= columns]
         assert cost == max(smaller)
+
+
+def test_one_slow_timing_in_the_grid_lifts_no_other_cell():
+    rows_columns = [(r, c) for r in (1, 2, 4) for c in (1, 2, 4)]
+    seconds = {(r, c): 0.1 * (1 + 0.1 * r * c) for r, c in rows_columns}  # a smooth grid
+    seconds[(2, 1)] = 1.0  # a burst of other work while 2 x 1 was timed
+    cells = monotone_cells(seconds)
+    assert cells[(1, 1)] == 1.0
+    assert cells[(2, 1)] == cells[(2, 2)]  # the outlier is pulled down to a larger pass
+    assert cells[(4, 4)] == pytest.approx(seconds[(4, 4)] / seconds[(1, 1)], abs=1e-4)
+    assert cells[(2, 4)] == pytest.approx(seconds[(2, 4)] / seconds[(1, 1)], abs=1e-4)
 
 
 def test_a_scheduler_measures_its_grid_unless_the_engine_was_handed_its_costs(monkeypatch):

@@ -97,7 +97,8 @@ class Scheduler:
         self.target = BatchTarget(engine.target.model)
         # A pass's cost over (rows, columns): measured, corrected by the passes run.
         self.pass_cost = PassCost(engine.verify_cost, grid=pass_grid_for(engine))
-        self.prefixes = PrefixPool(max_batch)  # finished rows' caches, for the next prompts
+        # Finished rows' caches, for the next prompts that share their beginning.
+        self.prefixes = PrefixPool(max_batch if self.target.reuses_prefixes else 0)
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
         self.active: list[Slot] = []  # in the order of the target's rows
@@ -187,7 +188,8 @@ class Scheduler:
         lengths = self.target.lengths()
         for i, slot in enumerate(self.active):
             held = slot.run.sequence[:-1]  # the row's cache holds all but the pending token
-            if slot in leaving and not slot.error and lengths[i] == len(held):
+            reusable = self.prefixes.capacity and not slot.error and lengths[i] == len(held)
+            if slot in leaving and reusable:
                 self.prefixes.add(held, self.target.extract(i))
         keep = [i for i, slot in enumerate(self.active) if slot not in leaving]
         self.target.leave(keep)
@@ -220,7 +222,7 @@ class Scheduler:
             self._guarded(slot, self._accept, slot, r, rows_processed) or ([], -1)
             for slot, r, rows_processed in zip(self.active, rounds, processed)
         ]
-        self.target.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
+        self.target.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)), rows)
         # The price of a width includes the rows' roll after a ragged acceptance (about a
         # tenth of a pass over 8 rows here), which only wide rounds pay.
         self.target.settle()

@@ -7,6 +7,13 @@ entries. The part all rows refuse is trimmed; each row's further unkept tail is 
 into left padding by rolling the row right (mlx-lm's own right-padding `finalize`), so
 the kept entries of every row end at the shared cache index and the tail is masked.
 
+Recurrent layers (conv or gated-delta state in mlx-lm's `ArraysCache`, as in LFM2 and
+Qwen3-Next) cannot be trimmed at all. As the single-sequence target does, the batch
+copies their state before a verify wider than one token; afterwards each row that
+refused part of its drafts gets its copied state back and replays the tokens it kept,
+all such rows in one pass, right-padded, with `ArraysCache.prepare(lengths=...)`
+masking each row's padding out of its state (mlx-lm's own ragged-batch mechanism).
+
 Invariant between rounds, as in `mlxspec.target`: each row's cache holds every token
 of its sequence but the last (pending) one.
 """
@@ -16,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import _extend_cache, _merge_caches
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
 # Left padding a batch may carry before it is cut (a copy of every layer's cache).
 COMPACT_AT = 64
@@ -24,12 +31,14 @@ COMPACT_AT = 64
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why `model` cannot be batched here yet (None: it can)."""
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds == {"KVCache"}:
+    caches = make_prompt_cache(model)
+    attention = any(type(c) is KVCache for c in caches)  # where the rows' lengths are kept
+    if attention and all(type(c) is KVCache or isinstance(c, ArraysCache) for c in caches):
         return None
+    kinds = {type(c).__name__ for c in caches}
     return (
-        f"batching needs plain KV caches; this model uses {', '.join(sorted(kinds))} "
-        "(rotating windows and recurrent state cannot be trimmed per row yet)"
+        f"batching needs attention KV caches, beside any recurrent ones; this model uses "
+        f"{', '.join(sorted(kinds))} (a rotating window cannot be trimmed per row yet)"
     )
 
 
@@ -60,15 +69,28 @@ class BatchTarget:
         if reason:
             raise ValueError(reason)
         self.model = model
-        self.cache: list[BatchKVCache] = []  # one per layer; empty while no rows
+        self.cache: list[BatchKVCache | ArraysCache] = []  # one per layer; empty: no rows
+        layers = make_prompt_cache(model)
+        self.attention = [i for i, c in enumerate(layers) if type(c) is KVCache]
+        self.recurrent = [i for i, c in enumerate(layers) if isinstance(c, ArraysCache)]
+        self._copied: list[list] | None = None  # recurrent state before the last verify
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """A recurrent state holds its whole sequence: no prefix of it can be cut out."""
+        return not self.recurrent
+
+    @property
+    def _kv(self) -> BatchKVCache:
+        return self.cache[self.attention[0]]
 
     @property
     def rows(self) -> int:
-        return self.cache[0].offset.shape[0] if self.cache else 0
+        return self._kv.offset.shape[0] if self.cache else 0
 
     def lengths(self) -> list[int]:
         """Tokens each row's cache holds."""
-        return self.cache[0].offset.tolist() if self.cache else []
+        return self._kv.offset.tolist() if self.cache else []
 
     def join(self, prefill: Prefill) -> None:
         """Append a prefilled sequence as the last row."""
@@ -91,7 +113,7 @@ class BatchTarget:
     def settle(self) -> None:
         """Evaluate the cache now (the trims and rolls of `keep` are lazy), so that the
         time they take is counted in the round that caused them."""
-        mx.eval([c.keys for c in self.cache] + [c.values for c in self.cache])
+        mx.eval([c.state for c in self.cache])
 
     def verify(self, rows: list[list[int]]) -> mx.array:
         """One forward over every row's [pending] + drafts, right-padded to the widest:
@@ -99,18 +121,61 @@ class BatchTarget:
         changes none of their logits, and `keep` drops its cache entry."""
         width = max(len(r) for r in rows)
         padded = [r + [r[0]] * (width - len(r)) for r in rows]
+        if self.recurrent and width > 1:  # arrays are immutable: keeping them is a copy
+            self._copied = [list(self.cache[i].cache) for i in self.recurrent]
         return self.model(mx.array(padded), cache=self.cache)
 
-    def keep(self, n_keep: list[int], width: int) -> None:
-        """After a verify of `width` tokens, keep the first n_keep[i] entries of row i."""
+    def keep(self, n_keep: list[int], width: int, verified: list[list[int]] | None = None):
+        """After a verify of `width` tokens, keep the first n_keep[i] entries of row i.
+        A model with recurrent layers needs the `verified` rows to replay what they kept."""
+        copied, self._copied = self._copied, None
+        replay = [n < width for n in n_keep] if copied is not None else []
+        if any(replay) and verified is None:
+            raise ValueError("a batch with recurrent layers replays: pass the verified rows")
+        if not any(replay):
+            self._trim_rows(n_keep, width)
+        else:
+            # Rows that refused a draft drop the whole verify and are replayed from the
+            # copied state; the others keep it all, their recurrent state included.
+            self._trim_rows([0 if again else width for again in replay], width)
+            self._restore(copied, replay)
+            tokens = [row[:n] if again else [] for row, n, again in zip(verified, n_keep, replay)]
+            self._replay(tokens)
+        if min(self._kv.left_padding.tolist()) >= COMPACT_AT:
+            self.leave(list(range(self.rows)))  # `filter` cuts the shared left padding
+
+    def _trim_rows(self, n_keep: list[int], width: int) -> None:
+        """Keep the first n_keep[i] of the last `width` attention entries of row i."""
         unkept = [width - n for n in n_keep]
         common = min(unkept)
         extra = [n - common for n in unkept]
-        for c in self.cache:
+        for i in self.attention:
+            c = self.cache[i]
             if common:
                 c.trim(common)
             if any(extra):
                 c.prepare(right_padding=extra)  # roll each row right by its extra tail
                 c.finalize()
-        if min(self.cache[0].left_padding.tolist()) >= COMPACT_AT:
-            self.leave(list(range(self.rows)))  # `filter` cuts the shared left padding
+
+    def _restore(self, copied: list[list], rows: list[bool]) -> None:
+        """Put the copied recurrent state back in the chosen rows."""
+        chosen = mx.array(rows)
+        for i, before in zip(self.recurrent, copied):
+            layer = self.cache[i]
+            for j, (now, then) in enumerate(zip(layer.cache, before)):
+                if now is not None and then is not None:
+                    mask = chosen.reshape(-1, *([1] * (now.ndim - 1)))
+                    layer.cache[j] = mx.where(mask, then, now)
+
+    def _replay(self, tokens: list[list[int]]) -> None:
+        """Feed each row its own tokens (some none) in one right-padded pass."""
+        width = max(map(len, tokens))
+        if width == 0:
+            return
+        lengths = [len(t) for t in tokens]
+        for i in self.recurrent:
+            self.cache[i].prepare(lengths=lengths)
+        self.model(mx.array([t + [0] * (width - len(t)) for t in tokens]), cache=self.cache)
+        for i in self.recurrent:
+            self.cache[i].finalize()
+        self._trim_rows(lengths, width)

@@ -12,7 +12,7 @@ W = 0 is a plain round for every row, so under load speculation turns itself off
 
 The cost of a pass over (rows, columns) is measured once per model and machine
 (`measure_pass_grid`: real batched passes through `BatchTarget`, rows 1-8 x columns
-1-8 on a warm context, interleaved and best-of-three like the single-row calibration)
+1-16 on a warm context, interleaved and best-of-three like the single-row calibration)
 and interpolated between the measured points (`PassGrid`). Where no grid was measured
 (an engine handed a fixed cost, as the tests do) it is modelled from the single-row
 verify curve: a pass of B rows of w tokens costs what one row of B * w tokens costs,
@@ -36,7 +36,7 @@ from mlxspec.events import ProgressNote
 from mlxspec.policy import VerifyCost, cached_verify_cost, calibration_key, expected_tokens
 
 GRID_ROWS = (1, 2, 4, 8)
-GRID_COLUMNS = (1, 2, 4, 8)
+GRID_COLUMNS = (1, 2, 4, 8, 16)
 
 
 def choose_width(
@@ -113,7 +113,7 @@ def measure_pass_grid(
         start = clock()
         mx.eval(target.verify([line] * rows))
         seconds = clock() - start
-        target.keep([0] * rows, columns)  # back to the warm context
+        target.keep([0] * rows, columns, [line] * rows)  # back to the warm context
         return seconds
 
     cells = [(r, c) for r in GRID_ROWS for c in GRID_COLUMNS]
@@ -123,16 +123,26 @@ def measure_pass_grid(
     for _ in range(repeats):
         for cell in cells:
             best[cell] = min(best[cell], forward(*cell))
-    # More rows or more columns never cost less: a cell below a smaller one is noise
-    # (as in the single-row calibration), so each cell is at least its neighbours below.
-    unit, cells_out = best[(1, 1)], {}
-    for rows in GRID_ROWS:
-        for columns in GRID_COLUMNS:
-            below = [cells_out.get((rows, c), 1.0) for c in GRID_COLUMNS if c < columns]
-            below += [cells_out.get((r, columns), 1.0) for r in GRID_ROWS if r < rows]
-            cost = max([best[(rows, columns)] / unit, 1.0, *below])
-            cells_out[(rows, columns)] = round(cost, 4)
-    return PassGrid(cells_out)
+    return PassGrid(monotone_cells(best))
+
+
+def monotone_cells(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Timed cells as costs in one-row, one-column passes that never fall as rows or
+    columns grow.
+
+    Load only ever slows a timing, so a cell dearer than a larger pass is the noisy one:
+    each cell takes the least time of itself and every pass at least as large. (Lifting
+    each cell to its smaller neighbours instead carried one slow timing to every larger
+    cell: a grid measured under load read 3.16 for 2 rows x 1 column and 4.04 for every
+    pass from 2 x 2 to 8 x 4, so wide drafts looked free and one column dear, and the
+    batch drafted either nothing or 15-27 tokens a row.)
+    """
+    least = {
+        (rows, columns): min(t for (r, c), t in seconds.items() if r >= rows and c >= columns)
+        for rows, columns in seconds
+    }
+    unit = least[min(least)]
+    return {cell: round(max(t / unit, 1.0), 4) for cell, t in sorted(least.items())}
 
 
 def pass_grid_for(engine) -> PassGrid | None:
@@ -147,19 +157,27 @@ def pass_grid_for(engine) -> PassGrid | None:
         engine.notify(ProgressNote("measured batched pass costs", 1, 1))
         return grid
 
-    key = calibration_key(engine.name, "batch pass grid")
+    key = calibration_key(engine.name, "batch pass grid v2")  # v1 grids lifted outliers
     return cached_verify_cost(key, measure, load=PassGrid.from_json)
 
 
 class PassCost:
-    """A batched pass's cost in single-step units, from the single-row curve, with the
-    cost of its extra columns corrected online by the passes actually run.
+    """A batched pass's cost in single-step units: measured (grid, else the single-row
+    curve), with the cost of its extra columns corrected online by the passes actually
+    run.
 
     A pass of w columns is compared with plain passes (one column) over the same rows,
     timed in the same run, so a machine that is uniformly busier than at calibration
-    changes nothing; only the curve's shape is corrected. Each plain pass also relaxes
-    the correction towards the calibrated curve, so a scale learned in a bad moment
-    cannot keep speculation off for good.
+    changes nothing; only the shape is corrected. Each (rows, columns) the batch has run
+    keeps its own observed cost; a pass not run yet scales the modelled extra columns by
+    what the run ones showed, and costs at least the nearest narrower pass run with its
+    cost per column carried on.
+    Each plain pass relaxes what was learned towards the model, so a cost learned in a
+    bad moment cannot keep speculation off for good.
+
+    (One global scale alone could not learn from a model that priced extra columns at
+    nothing: a grid timed while the machine was quiet read 8 rows x 2 columns as cheap
+    as 8 x 1; under load it cost 1.65x, and the batch drafted at a loss, 0.70x plain.)
     """
 
     def __init__(
@@ -172,6 +190,7 @@ class PassCost:
         self.curve, self.decay, self.relax, self.grid = curve, decay, relax, grid
         self.extra_scale = 1.0  # observed / modelled cost of the columns beyond the first
         self.plain_seconds: dict[int, float] = {}  # recent plain-pass time per row count
+        self.seen: dict[tuple[int, int], float] = {}  # observed cost / plain, per pass
 
     def modelled(self, rows: int, columns: int) -> float:
         """The cost before online correction: measured grid, else the single-row curve."""
@@ -181,7 +200,19 @@ class PassCost:
 
     def __call__(self, rows: int, columns: int) -> float:
         plain = self.modelled(rows, 1)
-        return plain + self.extra_scale * (self.modelled(rows, columns) - plain)
+        if columns == 1:
+            return plain
+        if (rows, columns) in self.seen:
+            return plain * self.seen[(rows, columns)]
+        scaled = plain + self.extra_scale * (self.modelled(rows, columns) - plain)
+        narrower = [(c, ratio) for (r, c), ratio in self.seen.items() if r == rows and c < columns]
+        if not narrower:
+            return scaled
+        # The nearest narrower pass run, its cost per extra column carried on: linear,
+        # which a weight-bound machine beats (so the width grows one pass at a time).
+        seen_columns, ratio = max(narrower)
+        per_column = (ratio - 1.0) / (seen_columns - 1) if seen_columns > 1 else 0.0
+        return max(scaled, plain * (ratio + (columns - seen_columns) * per_column))
 
     def observe(self, rows: int, columns: int, seconds: float) -> None:
         """Feed back what a pass over `rows` x `columns` really took."""
@@ -191,11 +222,20 @@ class PassCost:
                 seconds if known is None else self.decay * known + (1 - self.decay) * seconds
             )
             self.extra_scale += self.relax * (1.0 - self.extra_scale)
+            for (r, c), ratio in self.seen.items():
+                model = self.modelled(r, c) / self.modelled(r, 1)
+                self.seen[(r, c)] = ratio + self.relax * (model - ratio)
             return
+        if rows not in self.plain_seconds:
+            return
+        observed = seconds / self.plain_seconds[rows]  # in plain passes over these rows
+        known = self.seen.get((rows, columns))
+        self.seen[(rows, columns)] = (
+            observed if known is None else self.decay * known + (1 - self.decay) * observed
+        )
         plain = self.modelled(rows, 1)
         modelled_extra = self.modelled(rows, columns) - plain
-        if rows not in self.plain_seconds or modelled_extra <= 0.02:
+        if modelled_extra <= 0.02:
             return
-        observed_extra = (seconds / self.plain_seconds[rows] - 1.0) * plain
-        ratio = min(max(observed_extra / modelled_extra, 0.25), 4.0)
+        ratio = min(max((observed - 1.0) * plain / modelled_extra, 0.25), 4.0)
         self.extra_scale = self.decay * self.extra_scale + (1 - self.decay) * ratio
