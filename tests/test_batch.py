@@ -101,11 +101,14 @@ def test_ragged_rows_join_and_leave_match_solo_greedy(family, monkeypatch):
         assert_lossless(model, row["prompt"], references[i][:n], got[:n], f"{family} row {i}")
 
 
-def test_recurrent_rows_hold_their_solo_state_after_ragged_rounds():
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
+def test_recurrent_rows_hold_their_solo_state_after_ragged_rounds(family):
     """A tiny random model's output hardly depends on its conv state, so greedy equality
     alone would not see a row replayed from the wrong state: compare the state itself
-    with the row's own tokens fed alone."""
-    model = tiny_model("lfm2", seed=2)
+    with the row's own tokens fed alone (lfm2: conv layers; qwen3_next: gated delta)."""
+    from test_mtp import target as hybrid_target
+
+    model = tiny_model("lfm2", seed=2) if family == "lfm2" else hybrid_target(family)
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (7, 12, 3)]
     target, rows = BatchTarget(model), {}
