@@ -66,7 +66,7 @@ def greedy_rounds(target: BatchTarget, rows: dict, rng: random.Random, rounds: i
                 n += 1
             row["tokens"].extend([*line[1 : n + 1], choice[n]])
             kept.append(n + 1)
-        target.keep(kept, max(map(len, verified)), verified)
+        target.keep(kept, max(map(len, verified)))
         assert target.lengths() == [len(r["tokens"]) - 1 for r in rows.values()]
 
 

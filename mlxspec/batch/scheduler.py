@@ -222,7 +222,7 @@ class Scheduler:
             self._guarded(slot, self._accept, slot, r, rows_processed) or ([], -1)
             for slot, r, rows_processed in zip(self.active, rounds, processed)
         ]
-        self.target.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)), rows)
+        self.target.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
         # The price of a width includes the rows' roll after a ragged acceptance (about a
         # tenth of a pass over 8 rows here), which only wide rounds pay.
         self.target.settle()

@@ -74,6 +74,7 @@ class BatchTarget:
         self.attention = [i for i, c in enumerate(layers) if type(c) is KVCache]
         self.recurrent = [i for i, c in enumerate(layers) if isinstance(c, ArraysCache)]
         self._copied: list[list] | None = None  # recurrent state before the last verify
+        self._verified: list[list[int]] = []  # and that verify's rows
 
     @property
     def reuses_prefixes(self) -> bool:
@@ -123,15 +124,14 @@ class BatchTarget:
         padded = [r + [r[0]] * (width - len(r)) for r in rows]
         if self.recurrent and width > 1:  # arrays are immutable: keeping them is a copy
             self._copied = [list(self.cache[i].cache) for i in self.recurrent]
+            self._verified = padded  # what a row that refuses a draft replays from
         return self.model(mx.array(padded), cache=self.cache)
 
-    def keep(self, n_keep: list[int], width: int, verified: list[list[int]] | None = None):
-        """After a verify of `width` tokens, keep the first n_keep[i] entries of row i.
-        A model with recurrent layers needs the `verified` rows to replay what they kept."""
+    def keep(self, n_keep: list[int], width: int) -> None:
+        """After a verify of `width` tokens, keep the first n_keep[i] entries of row i."""
         copied, self._copied = self._copied, None
+        verified, self._verified = self._verified, []
         replay = [n < width for n in n_keep] if copied is not None else []
-        if any(replay) and verified is None:
-            raise ValueError("a batch with recurrent layers replays: pass the verified rows")
         if not any(replay):
             self._trim_rows(n_keep, width)
         else:
