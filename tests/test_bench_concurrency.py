@@ -22,7 +22,7 @@ from test_bench import (
 
 import mlxspec.runtime
 from mlxspec.bench.client import Answer
-from mlxspec.bench.concurrency import ANCHOR, percentile, summarize
+from mlxspec.bench.concurrency import ANCHOR, pace_by_class, percentile, summarize
 from mlxspec.bench.suites import BenchPrompt
 from mlxspec.cli import main
 
@@ -65,6 +65,8 @@ def test_rows_share_passes_and_every_answer_equals_one_at_a_time(four_prompts, t
     assert plain["acceptance"] is None and lookup["acceptance"] > 0
     assert alone["ttft_p95"] >= alone["ttft_p50"] > 0
     assert "| 2 | batched + prompt-lookup |" in result.output
+    assert set(lookup["pace_vs_plain_by_class"]) == {p.kind for p in FOUR}
+    assert "Decode speed per prompt class" in result.output
 
 
 def test_concurrency_refuses_options_it_cannot_honour(four_prompts):
@@ -96,6 +98,14 @@ def test_latency_pace_and_request_speedup_are_what_the_client_saw():
     assert row["ttft_p50"] == 0.5 and row["mean_latency"] == (2.5 + 1.0) / 2
     assert row["request_speedup_p50"] == 2.0  # 6/2.5 = 2.4 and 2/1 = 2: nearest rank
     assert row["equal"] == 1  # the second answer's text differs
+
+
+def test_decode_speed_by_class_is_the_median_pace_ratio_per_class():
+    prompts = [BenchPrompt(str(i), kind, "x") for i, kind in enumerate("aaab")]
+    plain = [answer(0.0, 1.0, 1.0 + 0.1 * 4, 5) for _ in prompts]  # 0.1 s between tokens
+    paces = [0.05, 0.1, 0.025, 0.2]  # class a: 2x, 1x, 4x; class b: 0.5x
+    here = [answer(0.0, 1.0, 1.0 + pace * 4, 5) for pace in paces]
+    assert pace_by_class(prompts, here, plain) == pytest.approx({"a": 2.0, "b": 0.5})
 
 
 def test_percentile_is_nearest_rank():

@@ -207,6 +207,19 @@ def summarize(
     }
 
 
+def pace_by_class(
+    prompts: list[BenchPrompt], answers: list[Answer], plain: list[Answer]
+) -> dict[str, float]:
+    """Per prompt class, the median over its requests of (seconds between tokens in the
+    batched plain row / here): how much faster speculation decodes each class inside the
+    batch. Aggregate tokens/s cannot say it, as one batch mixes the classes."""
+    ratios: dict[str, list[float]] = {}
+    for prompt, answer, base in zip(prompts, answers, plain):
+        if answer.per_token and base.per_token:
+            ratios.setdefault(prompt.kind, []).append(base.per_token / answer.per_token)
+    return {kind: percentile(values, 0.5) for kind, values in sorted(ratios.items())}
+
+
 def summarize_anchor(
     clients: int, wall: float, texts: list[str], tokens: int, reference: list[Answer]
 ) -> dict[str, Any]:
@@ -254,8 +267,11 @@ def run_concurrency(
             measured = run_anchor(runtime, prompts, clients, max_tokens)
             anchor = measured if anchor is None or measured[0] < anchor[0] else anchor
         reference = next(iter(served.values()))[1]  # the one-at-a-time row's answers
+        plain = served["batched plain"][1]
         for label, (wall, answers) in served.items():
             rows.append(summarize(label, clients, wall, answers, reference))
+            if label.startswith("batched + "):
+                rows[-1]["pace_vs_plain_by_class"] = pace_by_class(prompts, answers, plain)
         rows.append(summarize_anchor(clients, *anchor, reference))
     return {"rows": rows, "skipped": refused, "repeats": repeats}
 
@@ -296,6 +312,7 @@ def concurrency_markdown(result: dict[str, Any]) -> str:
             ]
         )
     lines = markdown_table(header, body)
+    lines += _class_table(result["rows"])
     for name, reason in result.get("skipped", {}).items():
         lines.append(f"\n{name} is not in the batched rows: {reason}.")
     return "\n".join(lines)
@@ -305,3 +322,18 @@ def _pair(low: float | None, high: float | None, scale: float, spec: str) -> str
     if low is None or high is None:
         return number_cell(None, spec)
     return f"{low * scale:{spec}} / {high * scale:{spec}}"
+
+
+def _class_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Each speculative row's decode speed per prompt class, against batched plain."""
+    speculative = [row for row in rows if row.get("pace_vs_plain_by_class")]
+    if not speculative:
+        return []
+    kinds = sorted({kind for row in speculative for kind in row["pace_vs_plain_by_class"]})
+    body = [
+        [str(row["clients"]), row["row"]]
+        + [number_cell(row["pace_vs_plain_by_class"].get(kind), ".2f", "x") for kind in kinds]
+        for row in speculative
+    ]
+    intro = "\nDecode speed per prompt class, x batched plain (median over its requests):\n"
+    return [intro, *markdown_table(["clients", "row", *kinds], body)]
