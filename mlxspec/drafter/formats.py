@@ -137,8 +137,15 @@ def _layouts(model: nn.Module) -> list[Layout]:
     }
     return [
         Layout("eagle-1", "", "layers.0.", {"fc.": "fc."}, {"block_input_norm": False}),
-        # DeepSeek-V3 and GLM-4.5: the layer after the target's last one.
-        Layout("deepseek-mtp", f"model.layers.{n}.", f"model.layers.{n}.", deepseek, mtp),
+        # DeepSeek-V3 and GLM-4.5: the layer after the target's last one, built as that
+        # layer (vLLM's deepseek_mtp / glm4_moe_mtp give its decoder layer index N).
+        Layout(
+            "deepseek-mtp",
+            f"model.layers.{n}.",
+            f"model.layers.{n}.",
+            deepseek,
+            {**mtp, "block_layer": n},
+        ),
         Layout(
             "mimo-mtp",
             "model.mtp_layers.0.",
@@ -157,6 +164,19 @@ def _layouts(model: nn.Module) -> list[Layout]:
     ]
 
 
+def _sanitize_marker(model: nn.Module) -> str:
+    """The layer name the block's weights go through the target's `sanitize` under."""
+    return f"model.layers.{last_attention_layer(model.layers)}."
+
+
+def _misfit(err: Exception, model: nn.Module, layout: Layout) -> str:
+    """What does not fit, on one line; a tensor `sanitize` asked for (an expert, say) in
+    the checkpoint's own name rather than the layer name it was passed under."""
+    if isinstance(err, KeyError):
+        return "missing " + str(err.args[0]).replace(_sanitize_marker(model), layout.block)
+    return " ".join(str(err).split())
+
+
 def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
     """The block's weights in the names of mlx-lm's layer class: put through the target's
     own `sanitize` as if they were its last attention layer's. Zero-centred norms get
@@ -168,7 +188,7 @@ def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
     sanitize = getattr(model, "sanitize", None)
     if not block or sanitize is None:
         return rest + [(f"block.{k}", v) for k, v in block.items()]
-    marker = f"model.layers.{last_attention_layer(model.layers)}."
+    marker = _sanitize_marker(model)
     out = sanitize({marker + k: v for k, v in block.items()})
     converted = {k.split(marker, 1)[1]: v for k, v in out.items() if marker in k}
     for key, value in converted.items():
@@ -206,7 +226,7 @@ def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> He
         except (ValueError, KeyError) as err:
             raise HeadError(
                 f"{directory} looks like a {layout.name} head but does not fit this target "
-                f"({type(model.layers[-1]).__name__} layers): {str(err).splitlines()[0]}"
+                f"({type(model.layers[-1]).__name__} layers): {_misfit(err, model, layout)}"
             ) from None
         return head
     raise HeadError(

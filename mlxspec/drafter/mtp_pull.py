@@ -57,16 +57,19 @@ def text_config(config: dict) -> dict:
 
 
 def mtp_keys(names: list[str], config: dict) -> list[str]:
-    """The tensor names among `names` that belong to MTP layers, by the layouts above."""
+    """The tensor names among `names` that belong to MTP layers, by the layouts above.
+    DeepSeek-V3's layer 61 also holds a copy of the target's embedding (vLLM's
+    deepseek_mtp loads it as the shared one; 1.8 GB there): left out, the target's is used."""
     first = text_config(config).get("num_hidden_layers")
     count = text_config(config).get("num_nextn_predict_layers") or 1
     after_last = tuple(f"model.layers.{first + i}." for i in range(count)) if first else ()
+    embedding_copies = tuple(f"{prefix}embed_tokens." for prefix in after_last)
     return sorted(
         name
         for name in names
         if name.startswith(("mtp.", "model.mtp_layers."))
         or ".mtp." in name
-        or (after_last and name.startswith(after_last))
+        or (after_last and name.startswith(after_last) and not name.startswith(embedding_copies))
     )
 
 
