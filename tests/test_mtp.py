@@ -99,9 +99,9 @@ CONFIGS = {
         moe_layer_freq=2,
         q_lora_rank=32,
         kv_lora_rank=32,
-        qk_nope_head_dim=16,
+        qk_nope_head_dim=32,  # MLA's per-head matrices: wide enough for 4-bit groups of 32
         qk_rope_head_dim=8,
-        v_head_dim=16,
+        v_head_dim=32,
     ),
     # GLM-4.5: GQA with qk-norm and partial RoPE; layer 0 dense, layer 1 and MTP MoE.
     "glm4_moe": dict(
@@ -447,10 +447,27 @@ def test_pull_mtp_of_a_moe_target_keeps_the_mtp_layer_only_and_stays_lossless(
     assert spec["record"]["drafted"] > 0 and spec["record"]["accepted"] > 0
     assert spec["token_ids"] == plain["token_ids"]
 
+    # Where quantized matmul is fast (Metal) the layer loads as stored: 4-bit layers,
+    # the experts' stacked; only the router's gate (no quantized twin in mlx) made float.
+    head = convert_published(saved, model, split_decoder(model), dequantize=False)
+    quantized = {k.rsplit(".", 1)[0] for k, _ in tree_flatten(head.parameters()) if "scales" in k}
+    assert {"fc", "lm_head", "block.mlp.switch_mlp.up_proj", "block.self_attn.o_proj"} <= quantized
+    assert "block.mlp.gate" not in quantized and head.block.mlp.gate.weight.dtype == mx.float32
+    if layout == "deepseek-v3":  # kv_b_proj split by mlx-lm's sanitize, re-quantized
+        assert {"block.self_attn.embed_q", "block.self_attn.unembed_out"} <= quantized
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    engine.add_proposer(HeadProposer(head, engine.target))
+    accepted = 0
+    for prompt in prompts(2, seed=3):
+        done = list(engine.stream(prompt, GenerationSettings(max_tokens=20, k=3), "head"))[-1]
+        reference = plain_greedy(model, prompt, 20, {EOS})
+        assert_lossless(model, prompt, reference, list(done.token_ids), layout, done.record)
+        accepted += done.record.accepted
+    assert accepted > 0
+
 
 def quantizable(_path: str, module) -> bool:
-    """The layers mlx-lm would quantize at group size 32 (MLA's per-head matrices are
-    narrower: they stay float)."""
+    """The layers mlx-lm would quantize at group size 32."""
     return hasattr(module, "to_quantized") and module.weight.shape[-1] % 32 == 0
 
 

@@ -22,7 +22,6 @@ splits MLA's kv_b_proj, dequantizes FP8), then load strictly.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,14 +29,24 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxspec.anatomy import Decoder, last_attention_layer
+from mlxspec.device import prefers_dequantized_weights
 from mlxspec.drafter.eagle3 import load_eagle3
 from mlxspec.drafter.head import DraftHead, Head, HeadError, HeadSpec
+from mlxspec.drafter.stored_quantized import (
+    as_loaded,
+    dequantized,
+    fit_quantized,
+    quantized_bases,
+    settings,
+)
 from mlxspec.drafter.torch_bin import TorchCheckpointError, read_torch_bin
 
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
 
-def read_weights(directory: Path) -> dict[str, mx.array]:
+def read_weights(directory: Path, dequantize: bool = True) -> dict[str, mx.array]:
+    """The folder's tensors (safetensors, else PyTorch .bin); those `pull --mtp` stored
+    quantized made float unless `dequantize` is false."""
     weights: dict[str, mx.array] = {}
     for file in sorted(directory.glob("*.safetensors")):
         weights.update(mx.load(str(file)))
@@ -45,32 +54,9 @@ def read_weights(directory: Path) -> dict[str, mx.array]:
         files = sorted(directory.glob("pytorch_model*.bin")) or sorted(directory.glob("*.bin"))
         for file in files:
             weights.update(_torch_bin(file))
-    return _dequantized(weights, directory)
-
-
-def _dequantized(weights: dict[str, mx.array], directory: Path) -> dict[str, mx.array]:
-    """Float weights where `mlxspec pull --mtp` stored them quantized like the target
-    (`X.weight` beside `X.scales`, as mlx does; the settings in its config.json)."""
-    quantized = [k[: -len(".scales")] for k in weights if k.endswith(".scales")]
-    if not quantized:
-        return weights
-    try:
-        settings = json.loads((directory / "config.json").read_text())["quantization"]
-        group_size, bits = int(settings["group_size"]), int(settings["bits"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise HeadError(
-            f"{directory} holds quantized weights but no quantization in its config.json: {err}"
-        ) from None
-    out = dict(weights)
-    for base in quantized:
-        out[f"{base}.weight"] = mx.dequantize(
-            out[f"{base}.weight"],
-            out.pop(f"{base}.scales"),
-            out.pop(f"{base}.biases", None),
-            group_size=group_size,
-            bits=bits,
-        )
-    return out
+    if dequantize and quantized_bases(weights):
+        return dequantized(weights, *settings(directory))
+    return weights
 
 
 def _torch_bin(file: Path) -> dict[str, mx.array]:
@@ -198,14 +184,19 @@ def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
     return rest + [(f"block.{k}", v) for k, v in converted.items()]
 
 
-def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
-    """A `DraftHead` from a published checkpoint folder (see the module docstring)."""
+def convert_published(
+    directory: Path, model: nn.Module, decoder: Decoder, dequantize: bool | None = None
+) -> Head:
+    """A `DraftHead` from a published checkpoint folder (see the module docstring).
+    Layers `pull --mtp` stored quantized stay quantized unless `dequantize` (default: where
+    quantized matmul is slow, as for the target; see `stored_quantized.py`)."""
     if not directory.is_dir():
         raise HeadError(f"no drafter head at {directory}: not a folder")
-    weights = read_weights(directory)
+    keep = not (prefers_dequantized_weights() if dequantize is None else dequantize)
+    weights = read_weights(directory, dequantize=not keep)
     eagle3 = "layers.0.hidden_norm.weight" in weights  # vLLM speculators' names
     if eagle3 or any(key.startswith("midlayer.") for key in weights):
-        return load_eagle3(directory, weights, model, decoder)
+        return load_eagle3(directory, read_weights(directory), model, decoder)
     for layout in _layouts(model):
         if f"{layout.prefix}{next(iter(layout.renames))}weight" not in weights:
             continue
@@ -221,8 +212,11 @@ def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> He
         )
         head = DraftHead(spec, model, mx.arange(vocab_size, dtype=mx.int32))
         try:
-            pairs = _family_names(model, pairs, layout.zero_centred)
-            head.load_weights([(k, v.astype(mx.float32)) for k, v in pairs], strict=True)
+            named = dict(_family_names(model, pairs, layout.zero_centred))
+            named = fit_quantized(head, named, directory, keep)
+            head.load_weights([(k, as_loaded(v)) for k, v in named.items()], strict=True)
+        except HeadError:
+            raise
         except (ValueError, KeyError) as err:
             raise HeadError(
                 f"{directory} looks like a {layout.name} head but does not fit this target "
