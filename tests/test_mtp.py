@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import struct
 from collections import Counter
 
 import mlx.core as mx
@@ -343,31 +344,61 @@ def test_an_mtp_layer_that_does_not_fit_is_refused_in_one_line(layout, removed, 
 
 
 def original_checkpoint(
-    folder, model, layout_name: str = "deepseek-v3-names-on-llama", config=None, **changes
-) -> None:
+    folder,
+    model,
+    layout_name: str = "deepseek-v3-names-on-llama",
+    config=None,
+    fp8: bool = False,
+    **changes,
+) -> dict:
     """An original (HF) checkpoint of `model` with its MTP layer in the layer after the
     last (GLM-4.5 / DeepSeek-V3 names): the target's tensors in one shard, the MTP
     tensors in another, and a third shard that is not a safetensors file at all, so a
-    pull that opened anything but the MTP shard would fail."""
+    pull that opened anything but the MTP shard would fail. `fp8`: the block's matrices
+    as DeepSeek-V3 ships them (float8_e4m3, a weight_scale_inv per 128 x 128 block).
+    Returns the block's weights in mlx-lm's names."""
     folder.mkdir()
-    mtp, _ = layout_tensors(layout_name, model)
+    mtp, intended = layout_tensors(layout_name, model)
     for key, value in changes.items():
         if value is None:
             mtp.pop(key)
         else:
             mtp[key] = value
+    fp8_names = [k for k in mtp if fp8 and k.endswith("_proj.weight") and ".eh_proj" not in k]
+    for name in fp8_names:
+        scale = mtp[name].abs().max() / 448  # float8_e4m3's largest value
+        mtp[name] = mx.to_fp8(mtp[name] / scale)
+        blocks = tuple(-(-side // 128) for side in mtp[name].shape)
+        mtp[f"{name}_scale_inv"] = mx.full(blocks, scale)
     body = {f"model.{k}": v for k, v in tree_flatten(model.model.parameters())}
     mx.save_safetensors(str(folder / "model-00001-of-00003.safetensors"), body)
     mx.save_safetensors(str(folder / "model-00002-of-00003.safetensors"), mtp)
+    label_fp8(folder / "model-00002-of-00003.safetensors", fp8_names)
     (folder / "model-00003-of-00003.safetensors").write_bytes(b"not weights")
     weight_map = {k: "model-00001-of-00003.safetensors" for k in body}
     weight_map.update({k: "model-00002-of-00003.safetensors" for k in mtp})
     weight_map["lm_head.weight"] = "model-00003-of-00003.safetensors"
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     config = config or {"model_type": "glm4_moe", "num_hidden_layers": len(model.layers)}
+    if fp8:
+        fp8_fields = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+        config = {**config, "quantization_config": fp8_fields}
     (folder / "config.json").write_text(
         json.dumps({"hidden_size": D, **config, "num_nextn_predict_layers": 1})
     )
+    return intended
+
+
+def label_fp8(path, names: list[str]) -> None:
+    """mlx writes FP8 bytes as U8; DeepSeek's files say F8_E4M3 (mlx reads both as bytes)."""
+    raw = path.read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + size])
+    for name in names:
+        header[name]["dtype"] = "F8_E4M3"
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + size :])
 
 
 @pytest.fixture
@@ -418,8 +449,9 @@ def test_pull_mtp_fetches_only_the_mtp_shard_quantizes_registers_and_drafts(hub)
 def test_pull_mtp_of_a_moe_target_keeps_the_mtp_layer_only_and_stays_lossless(
     layout, tmp_path, monkeypatch
 ):
-    """DeepSeek-V3 (MLA + MoE) and GLM-4.5 (MoE): the conversion of a 4-bit MLX target
-    has no MTP layer; the pull takes it from the original checkpoint's MTP shard."""
+    """DeepSeek-V3 (MLA + MoE, its block in FP8) and GLM-4.5 (MoE): the conversion of a
+    4-bit MLX target has no MTP layer; the pull takes it from the original checkpoint's
+    MTP shard and quantizes it like the target."""
     family = LAYOUTS[layout]
     model = target(family)
     nn.quantize(model, group_size=32, bits=4, class_predicate=quantizable)
@@ -427,7 +459,10 @@ def test_pull_mtp_of_a_moe_target_keeps_the_mtp_layer_only_and_stays_lossless(
     save_model(tmp_path / "tiny", model)
     save_config(dict(config), tmp_path / "tiny" / "config.json")
     byte_tokenizer()._tokenizer.save_pretrained(tmp_path / "tiny")
-    original_checkpoint(tmp_path / "original", target(family), layout, CONFIGS[family])
+    fp8 = layout == "deepseek-v3"  # as DeepSeek ships it: the block in FP8
+    intended = original_checkpoint(
+        tmp_path / "original", target(family), layout, CONFIGS[family], fp8
+    )
     (tmp_path / "models.toml").write_text(f'[models.tiny]\ntarget = "{tmp_path / "tiny"}"\n')
     monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path / "models.toml"))
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
@@ -438,6 +473,7 @@ def test_pull_mtp_of_a_moe_target_keeps_the_mtp_layer_only_and_stays_lossless(
     stored = mx.load(str(saved / "mtp.safetensors"))
     n = len(model.layers)
     assert all(key.startswith(f"model.layers.{n}.") for key in stored)
+    assert not any(key.endswith("_scale_inv") for key in stored)  # FP8 made 4-bit
     assert f"model.layers.{n}.embed_tokens.weight" not in stored  # the target's own is used
     assert f"model.layers.{n}.mlp.experts.3.down_proj.scales" in stored  # 4-bit, one by one
     if layout == "deepseek-v3":
@@ -446,6 +482,12 @@ def test_pull_mtp_of_a_moe_target_keeps_the_mtp_layer_only_and_stays_lossless(
     spec, plain = generate("mtp"), generate("none")
     assert spec["record"]["drafted"] > 0 and spec["record"]["accepted"] > 0
     assert spec["token_ids"] == plain["token_ids"]
+
+    floats = convert_published(saved, model, split_decoder(model), dequantize=True)
+    loaded = dict(tree_flatten(floats.block.parameters()))
+    for key in ("mlp.switch_mlp.up_proj.weight", "self_attn.o_proj.weight"):  # FP8, 4-bit
+        error = mx.linalg.norm(loaded[key] - intended[key]) / mx.linalg.norm(intended[key])
+        assert error < 0.2, (key, error)
 
     # Where quantized matmul is fast (Metal) the layer loads as stored: 4-bit layers,
     # the experts' stacked; only the router's gate (no quantized twin in mlx) made float.
