@@ -319,6 +319,27 @@ def test_a_hybrid_target_uses_the_snapshot_path_and_samples_the_targets_law(tmp_
     assert statistic < dof + 4.5 * np.sqrt(2 * dof), (statistic, dof)  # ~ alpha 1e-4
 
 
+def test_an_mtp_layer_without_its_own_lm_head_drafts_with_the_targets(tmp_path):
+    """GLM-4.6's checkpoints ship no shared_head.head and no embedding copy (vLLM refuses
+    them: "weights were not initialized from checkpoint: model.embed_tokens.weight,
+    model.layers.92.shared_head.head.weight"): the target's own LM head reads the layer."""
+    model = target("glm4_moe")
+    tensors, _ = layout_tensors("glm-4.5", model)
+    n = len(model.layers)
+    del tensors[f"model.layers.{n}.shared_head.head.weight"]
+    del tensors[f"model.layers.{n}.embed_tokens.weight"]
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), tensors)
+    head = convert_published(tmp_path, model, split_decoder(model))
+    assert not head.spec.own_lm_head and "lm_head" not in head
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    engine.add_proposer(HeadProposer(head, engine.target))
+    prompt = prompts(1, seed=4)[0]
+    done = list(engine.stream(prompt, GenerationSettings(max_tokens=20, k=3), "head"))[-1]
+    reference = plain_greedy(model, prompt, 20, {EOS})
+    assert_lossless(model, prompt, reference, list(done.token_ids), "glm-4.6", done.record)
+    assert done.record.accepted > done.record.drafted / 4, done.record
+
+
 @pytest.mark.parametrize(
     "layout, removed, named",
     [
