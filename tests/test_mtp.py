@@ -320,9 +320,10 @@ def test_a_hybrid_target_uses_the_snapshot_path_and_samples_the_targets_law(tmp_
 
 
 def test_an_mtp_layer_without_its_own_lm_head_drafts_with_the_targets(tmp_path):
-    """GLM-4.6's checkpoints ship no shared_head.head and no embedding copy (vLLM refuses
-    them: "weights were not initialized from checkpoint: model.embed_tokens.weight,
-    model.layers.92.shared_head.head.weight"): the target's own LM head reads the layer."""
+    """GLM-4.6's checkpoints ship no shared_head.head and no embedding copy (vLLM issue
+    #25993: "weights were not initialized from checkpoint: model.embed_tokens.weight,
+    model.layers.92.shared_head.head.weight"; PR #27597 maps both to the target's): the
+    target's own LM head reads the layer."""
     model = target("glm4_moe")
     tensors, _ = layout_tensors("glm-4.5", model)
     n = len(model.layers)
