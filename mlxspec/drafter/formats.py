@@ -5,7 +5,9 @@ files where a folder has none: read without torch, see `torch_bin.py`):
 - EAGLE-1 (SafeAILab): `fc.{weight,bias}` over [embedding, hidden] and one decoder
   layer `layers.0.*` without input norm; the target's LM head reads its output.
 - DeepSeek-V3 style MTP (also GLM-4.5): the layer after the last one in the target's own
-  checkpoint, `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.*}` plus a decoder block.
+  checkpoint, `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.*}` plus a decoder block,
+  built as layer N (vLLM's deepseek_mtp.py / glm4_moe_mtp.py: dense or MoE by that index);
+  without `shared_head.head` (GLM-4.6) the target's LM head reads it.
 - MiMo MTP: `model.mtp_layers.0.{token_layernorm,hidden_layernorm,input_proj,
   final_layernorm}` plus a decoder block; [hidden, embedding] order; its output is
   final-normed and fed back normed.
@@ -14,7 +16,8 @@ files where a folder has none: read without torch, see `torch_bin.py`):
   weight is w - 1); output normed and fed back normed; the target's LM head.
 The MTP layer is the target family's own (dense or MoE): its weights pass through the
 target's mlx-lm `sanitize` under a layer name of the target (which stacks MoE experts,
-splits MLA's kv_b_proj, dequantizes FP8), then load strictly.
+splits MLA's kv_b_proj, dequantizes FP8), then load strictly; quantized by `pull --mtp`,
+they stay quantized where the target does (`stored_quantized.py`).
 - EAGLE-3 (SafeAILab; `fc`, `midlayer.*`, `d2t`; or vLLM speculators' `layers.0.*` with
   `hidden_norm`): three target layers and a wider attention, a module of its own
   (`eagle3.py`).
