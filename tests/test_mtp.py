@@ -76,6 +76,20 @@ CONFIGS = {
             rope_parameters={"type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
         ),
     },
+    # Qwen3.5 MoE (35B-A3B, 122B-A10B): its checkpoints store the experts fused,
+    # mlp.experts.gate_up_proj (E, 2I, d) and mlp.experts.down_proj (E, d, I).
+    "qwen3_5_moe": {
+        "model_type": "qwen3_5_moe",
+        "text_config": dict(
+            HYBRID,
+            model_type="qwen3_5_moe_text",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            rope_parameters={"type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+        ),
+    },
     "qwen3_next": dict(
         HYBRID,
         model_type="qwen3_next",
@@ -161,10 +175,12 @@ def target(family: str, seed: int = 0):
     return model
 
 
-def hf_block(model, prefix: str, zero_centred: bool, index: int | None = None) -> tuple[dict, dict]:
+def hf_block(
+    model, prefix: str, zero_centred: bool, index: int | None = None, fused: bool = False
+) -> tuple[dict, dict]:
     """(checkpoint tensors, what mlxspec must load): a fresh layer of the target's family
-    (built as layer `index`) in HF names: experts one by one, MLA's kv_b_proj whole,
-    zero-centred norms stored as w - 1."""
+    (built as layer `index`) in HF names: experts one by one (`fused`: in two tensors,
+    as Qwen3.5 MoE ships them), MLA's kv_b_proj whole, zero-centred norms stored as w - 1."""
     fresh = dict(tree_flatten(family_block(model, index).parameters()))
     intended = {
         k: (1 + 0.1 * mx.random.normal(v.shape) if k.endswith("norm.weight") else 0.05 * v)
@@ -174,7 +190,14 @@ def hf_block(model, prefix: str, zero_centred: bool, index: int | None = None) -
     for key, value in intended.items():
         if zero_centred and key.endswith("norm.weight"):
             value = value - 1.0
-        if ".switch_mlp." in key:  # mlx-lm stacks the experts; checkpoints list them
+        if fused and key.endswith("switch_mlp.up_proj.weight"):
+            continue  # stored with gate_proj, below
+        if fused and key.endswith("switch_mlp.gate_proj.weight"):
+            up = intended[key.replace("gate_proj", "up_proj")]
+            stored[prefix + "mlp.experts.gate_up_proj"] = mx.concatenate([value, up], axis=-2)
+        elif fused and key.endswith("switch_mlp.down_proj.weight"):
+            stored[prefix + "mlp.experts.down_proj"] = value
+        elif ".switch_mlp." in key:  # mlx-lm stacks the experts; checkpoints list them
             for e in range(value.shape[0]):
                 stored[prefix + key.replace("switch_mlp.", f"experts.{e}.")] = value[e]
         elif key.endswith("self_attn.unembed_out.weight"):
@@ -205,8 +228,9 @@ def layout_tensors(layout: str, model) -> tuple[dict, dict]:
     """A checkpoint's MTP tensors in `layout`'s published names, and the block it holds."""
     n = len(model.layers)
     small = lambda: 0.1 * mx.random.normal((D,))  # noqa: E731
-    if layout in ("qwen3.5", "qwen3-next"):
-        block, intended = hf_block(model, "mtp.layers.0.", zero_centred=True)
+    if layout in ("qwen3.5", "qwen3.5-moe", "qwen3-next"):
+        fused = layout == "qwen3.5-moe"
+        block, intended = hf_block(model, "mtp.layers.0.", zero_centred=True, fused=fused)
         return {
             "mtp.fc.weight": picks(first=True),
             "mtp.pre_fc_norm_embedding.weight": mx.zeros((D,)),  # w - 1: a norm of ones
@@ -240,6 +264,7 @@ def layout_tensors(layout: str, model) -> tuple[dict, dict]:
 # layout -> target family (DeepSeek-V3's names also on a llama target)
 LAYOUTS = {
     "qwen3.5": "qwen3_5",
+    "qwen3.5-moe": "qwen3_5_moe",
     "qwen3-next": "qwen3_next",
     "deepseek-v3": "deepseek_v3",
     "glm-4.5": "glm4_moe",
@@ -278,7 +303,7 @@ def test_mtp_layouts_load_draft_chained_and_stay_lossless(layout, tmp_path):
     # GatedDeltaNet state cannot be cut back: rejected drafts roll back by snapshot.
     hybrid = any(is_recurrent(layer) for layer in model.layers)
     assert engine.target.strategy == ("snapshot" if hybrid else "trim")
-    assert hybrid == (layout in ("qwen3.5", "qwen3-next"))
+    assert hybrid == (layout in ("qwen3.5", "qwen3.5-moe", "qwen3-next"))
     engine.add_proposer(HeadProposer(head, engine.target))
     trees = [False] if engine.target.tree_unsupported else [False, True]
     for tree in trees:
@@ -467,13 +492,13 @@ def test_pull_mtp_fetches_only_the_mtp_shard_quantizes_registers_and_drafts(hub)
     assert spec["token_ids"] == plain["token_ids"]
 
 
-@pytest.mark.parametrize("layout", ["deepseek-v3", "glm-4.5"])
+@pytest.mark.parametrize("layout", ["deepseek-v3", "glm-4.5", "qwen3.5-moe"])
 def test_pull_mtp_of_a_moe_target_keeps_the_mtp_layer_only_and_stays_lossless(
     layout, tmp_path, monkeypatch
 ):
-    """DeepSeek-V3 (MLA + MoE, its block in FP8) and GLM-4.5 (MoE): the conversion of a
-    4-bit MLX target has no MTP layer; the pull takes it from the original checkpoint's
-    MTP shard and quantizes it like the target."""
+    """DeepSeek-V3 (MLA + MoE, its block in FP8), GLM-4.5 (MoE) and Qwen3.5 MoE (hybrid,
+    fused experts): the conversion of a 4-bit MLX target has no MTP layer; the pull takes
+    it from the original checkpoint's MTP shard and quantizes it like the target."""
     family = LAYOUTS[layout]
     model = target(family)
     nn.quantize(model, group_size=32, bits=4, class_predicate=quantizable)
@@ -494,10 +519,14 @@ def test_pull_mtp_of_a_moe_target_keeps_the_mtp_layer_only_and_stays_lossless(
     (saved,) = (tmp_path / "cache" / "mtp").iterdir()
     stored = mx.load(str(saved / "mtp.safetensors"))
     n = len(model.layers)
-    assert all(key.startswith(f"model.layers.{n}.") for key in stored)
+    after_last = layout in AFTER_THE_LAST
+    assert all(key.startswith(f"model.layers.{n}." if after_last else "mtp.") for key in stored)
     assert not any(key.endswith("_scale_inv") for key in stored)  # FP8 made 4-bit
     assert f"model.layers.{n}.embed_tokens.weight" not in stored  # the target's own is used
-    assert f"model.layers.{n}.mlp.experts.3.down_proj.scales" in stored  # 4-bit, one by one
+    if after_last:
+        assert f"model.layers.{n}.mlp.experts.3.down_proj.scales" in stored  # one by one
+    else:  # fused, not in mlx's names: quantized when it loads
+        assert stored["mtp.layers.0.mlp.experts.down_proj"].dtype == mx.float32
     if layout == "deepseek-v3":
         assert f"model.layers.{n}.self_attn.kv_b_proj.scales" in stored  # MLA, split on load
 
@@ -511,12 +540,14 @@ def test_pull_mtp_of_a_moe_target_keeps_the_mtp_layer_only_and_stays_lossless(
         error = mx.linalg.norm(loaded[key] - intended[key]) / mx.linalg.norm(intended[key])
         assert error < 0.2, (key, error)
 
-    # Where quantized matmul is fast (Metal) the layer loads as stored: 4-bit layers,
-    # the experts' stacked; only the router's gate (no quantized twin in mlx) made float.
+    # Where quantized matmul is fast (Metal) the layer loads 4-bit as the target is: as
+    # stored, or (Qwen3.5's fused experts) quantized now; only DeepSeek's and GLM's
+    # router gate (no quantized twin in mlx) made float.
     head = convert_published(saved, model, split_decoder(model), dequantize=False)
     quantized = {k.rsplit(".", 1)[0] for k, _ in tree_flatten(head.parameters()) if "scales" in k}
-    assert {"fc", "lm_head", "block.mlp.switch_mlp.up_proj", "block.self_attn.o_proj"} <= quantized
-    assert "block.mlp.gate" not in quantized and head.block.mlp.gate.weight.dtype == mx.float32
+    assert {"fc", "block.mlp.switch_mlp.up_proj", "block.self_attn.o_proj"} <= quantized
+    if after_last:
+        assert "lm_head" in quantized and "block.mlp.gate" not in quantized
     if layout == "deepseek-v3":  # kv_b_proj split by mlx-lm's sanitize, re-quantized
         assert {"block.self_attn.embed_q", "block.self_attn.unembed_out"} <= quantized
     engine = Engine(model, byte_tokenizer(), "tiny")

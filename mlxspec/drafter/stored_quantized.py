@@ -53,21 +53,53 @@ def dequantized(
     return out
 
 
+def target_settings(directory: Path) -> tuple[int, int] | None:
+    """(group_size, bits) where `pull --mtp` recorded the target's quantization; None for
+    a float target (or a folder it did not write)."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return settings(directory) if isinstance(config, dict) and "quantization" in config else None
+
+
 def fit_quantized(
     module: nn.Module, weights: dict[str, mx.array], directory: Path, keep: bool
 ) -> dict[str, mx.array]:
-    """`weights` (in `module`'s names) ready for `module.load_weights`: where `keep`, the
-    layers stored quantized that mlx can quantize are quantized in `module` (same group
-    size and bits) and their weights kept as stored; the rest are made float."""
+    """`weights` (in `module`'s names) ready for `module.load_weights`. Where `keep` and
+    the target is quantized, every layer of `module` that mlx can quantize is quantized
+    with the target's group size and bits: stored quantized, its weights are kept as
+    they are; stored float (Qwen3.5 MoE's fused experts, which only the target's
+    sanitize splits into mlx's layers), they are quantized now. The rest is made float."""
     bases = quantized_bases(weights)
-    if not bases:
-        return weights
-    group_size, bits = settings(directory)
+    target = target_settings(directory)
+    if target is None:
+        return dequantized(weights, *settings(directory)) if bases else weights
+    group_size, bits = target
+    if not keep:
+        return dequantized(weights, group_size, bits, bases)
     layers = dict(module.named_modules())
-    kept = {b for b in bases if keep and hasattr(layers.get(b), "to_quantized")}
-    if kept:
-        nn.quantize(module, group_size, bits, class_predicate=lambda path, _: path in kept)
-    return dequantized(weights, group_size, bits, bases - kept)
+
+    def quantizable(base: str) -> bool:
+        return hasattr(layers.get(base), "to_quantized")
+
+    kept = {base for base in bases if quantizable(base)}
+    out = dequantized(weights, group_size, bits, bases - kept)
+    late = {
+        name.removesuffix(".weight")
+        for name, value in out.items()
+        if name.endswith(".weight")
+        and value.ndim >= 2
+        and value.shape[-1] % group_size == 0
+        and mx.issubdtype(value.dtype, mx.floating)
+        and quantizable(name.removesuffix(".weight"))
+    }
+    for base in late:
+        weight, scales, biases = mx.quantize(out[f"{base}.weight"], group_size, bits)
+        out.update({f"{base}.weight": weight, f"{base}.scales": scales, f"{base}.biases": biases})
+    if kept | late:
+        nn.quantize(module, group_size, bits, class_predicate=lambda path, _: path in kept | late)
+    return out
 
 
 def as_loaded(value: mx.array) -> mx.array:
