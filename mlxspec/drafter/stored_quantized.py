@@ -3,9 +3,11 @@
 mlx's names (`X.weight` beside `X.scales` and `X.biases`), the group size and bits in the
 folder's config.json. An MoE model's MTP layer is large (GLM-4.5-Air's ~2.2B parameters
 are 8.8 GB in float32, ~1.2 GB at 4 bits), so where quantized matmul is fast (Metal) the
-layer stays quantized: each layer that mlx can quantize becomes its quantized twin, and
-only what it cannot (an MoE router's gate matrix) is made float. On the CPU backend,
-where quantized matmul is slow, everything is made float, as the target is.
+layer stays quantized: each layer that mlx can quantize becomes its quantized twin (one
+the pull had to leave float, as it could not name it the mlx way, is quantized as it
+loads), and only what mlx cannot quantize (DeepSeek's MoE router gate) is made float.
+On the CPU backend, where quantized matmul is slow, everything is made float, as the
+target is.
 """
 
 from __future__ import annotations
