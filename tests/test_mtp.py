@@ -31,6 +31,7 @@ from mlxspec.anatomy import is_recurrent, last_attention_layer, split_decoder
 from mlxspec.cli import main
 from mlxspec.drafter.formats import convert_published
 from mlxspec.drafter.head import HeadError, family_block, lm_rows
+from mlxspec.drafter.mtp_pull import pull_mtp
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.proposers.head import HeadProposer
 from mlxspec.sampling import SamplingSettings
@@ -559,6 +560,34 @@ def test_pull_mtp_of_a_moe_target_keeps_the_mtp_layer_only_and_stays_lossless(
         assert_lossless(model, prompt, reference, list(done.token_ids), layout, done.record)
         accepted += done.record.accepted
     assert accepted > 0
+
+
+@pytest.mark.parametrize("layout", ["qwen3.5", "qwen3-next", "mimo", "glm-4.5"])
+def test_every_pulled_layout_loads_quantized_the_metal_way(layout, tmp_path):
+    """What a Mac loads: the pulled layer of a 4-bit target, kept 4-bit. Each family's
+    sanitize must see its quantized experts (Qwen3-Next's stacks `.weight` only) and
+    every layer must come out quantized, near the checkpoint's weights."""
+    model = target(LAYOUTS[layout])
+    config = CONFIGS[LAYOUTS[layout]]
+    intended = original_checkpoint(tmp_path / "original", model, layout, config)
+    pull_mtp(str(tmp_path / "original"), tmp_path / "pulled", {"group_size": 32, "bits": 4})
+    head = convert_published(tmp_path / "pulled", model, split_decoder(model), dequantize=False)
+    quantized = {k.rsplit(".", 1)[0] for k, _ in tree_flatten(head.parameters()) if "scales" in k}
+    assert {"fc", "block.self_attn.o_proj"} <= quantized, quantized
+    assert ("block.mlp.switch_mlp.up_proj" in quantized) == (
+        "moe" in type(head.block.mlp).__name__.lower()
+    )
+    floats = convert_published(tmp_path / "pulled", model, split_decoder(model), dequantize=True)
+    loaded = dict(tree_flatten(floats.block.parameters()))
+    for key, value in intended.items():
+        error = mx.linalg.norm(loaded[key] - value) / max(float(mx.linalg.norm(value)), 1e-6)
+        assert error < 0.2, (key, error)
+    # The same 4-bit values either way: the kept layer writes what the float one does
+    # into the residual stream (compared on what it writes: it writes little).
+    x = mx.random.normal((1, 6, D))
+    kept, made_float = (h.block(x, "causal") - x for h in (head, floats))
+    error = mx.linalg.norm(kept - made_float) / mx.linalg.norm(made_float)
+    assert error < 1e-3, float(error)
 
 
 def quantizable(_path: str, module) -> bool:

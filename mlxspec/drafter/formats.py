@@ -41,6 +41,7 @@ from mlxspec.drafter.stored_quantized import (
     fit_quantized,
     quantized_bases,
     settings,
+    stacked_experts,
 )
 from mlxspec.drafter.torch_bin import TorchCheckpointError, read_torch_bin
 
@@ -178,7 +179,7 @@ def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
     if not block or sanitize is None:
         return rest + [(f"block.{k}", v) for k, v in block.items()]
     marker = _sanitize_marker(model)
-    out = sanitize({marker + k: v for k, v in block.items()})
+    out = sanitize({marker + k: v for k, v in stacked_experts(block).items()})
     converted = {k.split(marker, 1)[1]: v for k, v in out.items() if marker in k}
     for key, value in converted.items():
         untouched = key in block and block[key] is value

@@ -13,6 +13,7 @@ target is.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ import mlx.nn as nn
 from mlxspec.drafter.head import HeadError
 
 SCALES = ".scales"
+EXPERT = re.compile(r"^(.*\.)?experts\.(\d+)\.(\w+)\.(weight|scales|biases)$")
 
 
 def quantized_bases(names) -> set[str]:
@@ -52,6 +54,26 @@ def dequantized(
             group_size=group_size,
             bits=bits,
         )
+    return out
+
+
+def stacked_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Experts stored one by one and quantized (`mlp.experts.{e}.{proj}.*`), stacked the
+    way mlx-lm's SwitchGLU holds them (`mlp.switch_mlp.{proj}.*`). Every MoE family's
+    sanitize stacks `.weight`; not all stack `.scales` and `.biases` (Qwen3-Next's
+    does not), so quantized experts are stacked before it runs."""
+    groups: dict[tuple[str, str, str], dict[int, str]] = {}
+    for name in weights:
+        match = EXPERT.match(name)
+        if match is None:
+            continue
+        prefix, expert, projection, part = match.groups()
+        if f"{prefix or ''}experts.{expert}.{projection}{SCALES}" in weights:
+            groups.setdefault((prefix or "", projection, part), {})[int(expert)] = name
+    out = dict(weights)
+    for (prefix, projection, part), names in groups.items():
+        parts = [out.pop(names[expert]) for expert in sorted(names)]
+        out[f"{prefix}switch_mlp.{projection}.{part}"] = mx.stack(parts)
     return out
 
 
