@@ -28,6 +28,9 @@ class Decoder:
     layers: list[nn.Module]
     norm: nn.Module
     head: Callable[[mx.array], mx.array]
+    # Attention masks as arrays, never the "causal" shortcut: MLA (DeepSeek-V3) applies
+    # its mask with `mx.where` and asks mlx-lm for an array (`return_array=True`).
+    array_masks: bool = False
 
     @property
     def width(self) -> int:
@@ -48,7 +51,7 @@ class Decoder:
         heads read three layers; `logits` takes the LM head of the last `width` columns."""
         layers = self.layers if n_layers is None else self.layers[:n_layers]
         h = self.embed(inputs)
-        masks = _layer_masks(h, self.layers, cache)
+        masks = _layer_masks(h, self.layers, cache, self.array_masks)
         taken = []
         for index, (layer, layer_cache) in enumerate(zip(layers, cache)):
             if index in capture:
@@ -77,14 +80,17 @@ def last_attention_layer(layers: list[nn.Module]) -> int:
     )
 
 
-def _layer_masks(h: mx.array, layers: list[nn.Module], cache: list[Any]) -> dict[bool, Any]:
+def _layer_masks(
+    h: mx.array, layers: list[nn.Module], cache: list[Any], array: bool = False
+) -> dict[bool, Any]:
     """{recurrent?: mask}, each made from the cache of the first layer of its kind, as
     the hybrid models' own forward does."""
     first = {
         kind: next((c for layer, c in zip(layers, cache) if is_recurrent(layer) == kind), None)
         for kind in (False, True)
     }
-    return {False: create_attention_mask(h, first[False]), True: create_ssm_mask(h, first[True])}
+    attention = create_attention_mask(h, first[False], return_array=array)
+    return {False: attention, True: create_ssm_mask(h, first[True])}
 
 
 def split_decoder(model: nn.Module) -> Decoder:
@@ -99,18 +105,23 @@ def split_decoder(model: nn.Module) -> Decoder:
     # Multimodal wrappers (Qwen3.5) keep the LM head on their text model.
     lm_head = getattr(getattr(model, "language_model", model), "lm_head", None)
     head = lm_head if lm_head is not None else embed.as_linear
-    decoder = Decoder(embed=embed, layers=list(layers), norm=norm, head=head)
-    _check_identity(model, decoder)
-    return decoder
-
-
-def _check_identity(model: nn.Module, decoder: Decoder) -> None:
     probe = mx.array([[1, 2, 3]])
     expected = model(probe)
-    got = decoder.head(decoder.hidden(probe, [None] * len(decoder.layers)))
-    if expected.shape != got.shape or not mx.allclose(expected, got, atol=1e-3, rtol=1e-3):
-        raise UnsupportedModel(
-            f"model type '{getattr(model, 'model_type', '?')}' computes logits in a way mlxspec "
-            "cannot split into layers + head (embedding scaling or logit soft-capping); "
-            "self-speculation and drafter heads are not available for it"
-        )
+    for array_masks in (False, True):  # the "causal" shortcut where the layers take it
+        decoder = Decoder(embed, list(layers), norm, head, array_masks)
+        if _same_logits(decoder, probe, expected):
+            return decoder
+    raise UnsupportedModel(
+        f"model type '{getattr(model, 'model_type', '?')}' computes logits in a way mlxspec "
+        "cannot split into layers + head (embedding scaling or logit soft-capping); "
+        "self-speculation and drafter heads are not available for it"
+    )
+
+
+def _same_logits(decoder: Decoder, probe: mx.array, expected: mx.array) -> bool:
+    """Whether `decoder`'s parts give the model's own logits (`expected`) on `probe`."""
+    try:
+        got = decoder.head(decoder.hidden(probe, [None] * len(decoder.layers)))
+    except ValueError:  # MLA handed the "causal" string where it applies an array
+        return False
+    return expected.shape == got.shape and mx.allclose(expected, got, atol=1e-3, rtol=1e-3).item()

@@ -183,16 +183,19 @@ def rope(x, positions, base=10000.0):
 
 def layer_outputs(model, tokens: list[int], ids: list[int]) -> mx.array:
     """The target's hidden_states[i + 1] (layer i's output; -1: the embedding) for i in
-    `ids`, side by side, as z-lab's `extract_context_feature` takes them (1, L, len * D)."""
+    `ids`, side by side, as z-lab's `extract_context_feature` takes them (1, L, len * D).
+    A hybrid's GatedDeltaNet layers run without a mask (they are causal by recurrence)."""
     h = model.model.embed_tokens(mx.array([tokens]))
     states = [h]
     for layer in model.model.layers:
-        h = layer(h, "causal")
+        h = layer(h, None if getattr(layer, "is_linear", False) else "causal")
         states.append(h)
     return mx.concatenate([states[i + 1] for i in ids], -1)
 
 
-def drafter_layer(w, i: int, x, context, start: int, window: int | None = None):
+def drafter_layer(
+    w, i: int, x, context, start: int, window: int | None = None, theta: float = 10000.0
+):
     """Layer i over the block x (1, B, D) at positions start.., keys and values from
     [context, block] at positions 0..: every query sees everything, or with a `window`
     (a sliding layer, causal by default: z-lab's _attention_mask) the keys less than
@@ -206,8 +209,8 @@ def drafter_layer(w, i: int, x, context, start: int, window: int | None = None):
         y = y.reshape(1, rows.shape[1], count, HEAD_DIM).transpose(0, 2, 1, 3)
         return rms(y, w[f"{p}self_attn.{name}_norm.weight"]) if name in "qk" else y
 
-    q = rope(heads(normed, "q", HEADS), mx.arange(start, start + b))
-    k = rope(heads(both, "k", KV_HEADS), mx.arange(start - c, start + b))
+    q = rope(heads(normed, "q", HEADS), mx.arange(start, start + b), theta)
+    k = rope(heads(both, "k", KV_HEADS), mx.arange(start - c, start + b), theta)
     k, v = (mx.repeat(t, HEADS // KV_HEADS, axis=1) for t in (k, heads(both, "v", KV_HEADS)))
     query, key = mx.arange(start, start + b)[:, None], mx.arange(start - c, start + b)[None]
     hidden = (query - key >= window) | (key > query) if window else mx.zeros((b, c + b), mx.bool_)
@@ -220,7 +223,9 @@ def drafter_layer(w, i: int, x, context, start: int, window: int | None = None):
     return h + (gate * mx.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
 
 
-def reference_logits(fmt: str, w, model, sequence: list[int], windows=(None,) * LAYERS):
+def reference_logits(
+    fmt: str, w, model, sequence: list[int], windows=(None,) * LAYERS, theta: float = 10000.0
+):
     """The block's draft logits after `sequence` (its last token pending) by the reference
     code, before any Markov bias: z-lab's dflash_generate (slots 1.. predict, target's
     embedding and LM head) or DeepSpec's (slots 0.. predict, own embedding and LM head)."""
@@ -233,8 +238,9 @@ def reference_logits(fmt: str, w, model, sequence: list[int], windows=(None,) * 
     embed = model.model.embed_tokens if fmt == "dflash" else lambda t: w["embed_tokens.weight"][t]
     h = embed(block)
     for i in range(LAYERS):
-        h = drafter_layer(w, i, h, context, start, windows[i])
-    lm_head = model.lm_head.weight if fmt == "dflash" else w["lm_head.weight"]
+        h = drafter_layer(w, i, h, context, start, windows[i], theta)
+    text_model = getattr(model, "language_model", model)  # Qwen3.5 wraps its text model
+    lm_head = text_model.lm_head.weight if fmt == "dflash" else w["lm_head.weight"]
     logits = rms(h, w["norm.weight"])[0] @ lm_head.T
     return logits[1:] if fmt == "dflash" else logits
 
@@ -379,8 +385,9 @@ def agreeing(fmt: str, folder, model, reference: list[int]) -> None:
         weights = {k: (v * 0 if k.startswith("layers.") else v) for k, v in weights.items()}
         mask = model.model.embed_tokens.weight[MASK]
         unit = mask * mx.rsqrt((mask * mask).mean() + 1e-6)
-        weights["norm.weight"] = model.lm_head.weight[token] / unit
-        assert int(mx.argmax(model.lm_head(model.lm_head.weight[token]))) == token
+        lm_head = getattr(model, "language_model", model).lm_head  # Qwen3.5: its text model's
+        weights["norm.weight"] = lm_head.weight[token] / unit
+        assert int(mx.argmax(lm_head(lm_head.weight[token]))) == token
     else:
         pairs = Counter(zip(reference, reference[1:]))
         successor = {before: after for (before, after), _ in reversed(pairs.most_common())}
@@ -556,3 +563,69 @@ def test_a_hybrid_target_rolls_back_by_snapshot_and_stays_lossless(tmp_path):
     assert_lossless(model, prompt, reference, list(done.token_ids), "hybrid", done.record)
     assert done.record.accepted >= 0.5 * done.record.drafted > 0, done.record
     assert done.record.accepted < done.record.drafted  # rejections were rolled back too
+
+
+QWEN35_THETA = 1e7  # z-lab's Qwen3.5 drafters' rope_theta (the targets' too)
+
+
+def as_qwen35_release(folder) -> None:
+    """A DFlash checkpoint's config rewritten as z-lab publishes them for Qwen3.5 targets
+    (z-lab/Qwen3.5-*-DFlash config.json): `block_size` inside `dflash_config`,
+    `rope_parameters` in place of `rope_theta`, sliding layers (`use_sliding_window`).
+    The drafter layers stay Qwen3's, with plain norms (not offsets from one as the
+    target's are)."""
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"]["block_size"] = config.pop("block_size")
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": QWEN35_THETA}
+    del config["rope_theta"]
+    kinds = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
+    config |= {"use_sliding_window": True, **kinds}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_qwen35_dflash_drafter_reads_a_hybrid_target_and_stays_lossless(tmp_path):
+    """z-lab's Qwen3.5 layout on a GatedDeltaNet hybrid (test_mtp's tiny Qwen3.5, layers 0
+    and 2 recurrent): the features it reads are those recurrent layers' outputs; it drafts
+    what the reference forward pass drafts, and stays lossless with rejected drafts rolled
+    back by snapshot, from a random drafter and from one made to agree."""
+    from test_mtp import target as hybrid_target
+
+    model = hybrid_target("qwen3_5")
+    assert [layer.is_linear for layer in model.layers] == [True, False, True, False]
+    w = dflash_checkpoint(tmp_path)
+    as_qwen35_release(tmp_path)
+    engine = Engine(model, byte_tokenizer(), "hybrid")
+    assert engine.target.strategy == "snapshot"
+    proposer = block_proposer(engine, tmp_path)
+    assert proposer.k_max == DFLASH_BLOCK - 1
+    sequence = [random.Random(5).randrange(1, 256) for _ in range(10)]
+    ctx = greedy_ctx(engine, sequence, proposer.target_layers)
+    assert proposer.situation(ctx) is not None
+    expected = reference_logits("dflash", w, model, sequence, (4, None), QWEN35_THETA)
+    assert proposer.propose(ctx, 4).tokens == mx.argmax(expected, axis=-1).tolist()
+    sampled = replace(ctx, scorer=TokenScorer(SamplingSettings(temperature=1.0)))
+    rows = mx.array(np.asarray(proposer.propose(sampled, 4).probs))  # the law, not its argmax
+    law = mx.softmax(expected, axis=-1)
+    assert mx.allclose(rows, law, atol=1e-5), float((rows - law).abs().max())
+
+    def run(folder, prompt: list[int], k: int | None):
+        engine = Engine(model, byte_tokenizer(), "hybrid")
+        engine.add_proposer(block_proposer(engine, folder))
+        done = list(engine.stream(prompt, GenerationSettings(max_tokens=30, k=k), "block"))[-1]
+        reference = plain_greedy(model, prompt, 30, {EOS})
+        label = f"qwen3.5 dflash {folder.name} k={k} {prompt[:3]}"
+        assert_lossless(model, prompt, reference, list(done.token_ids), label, done.record)
+        return done.record
+
+    for k in (3, None):  # fixed, and the adaptive policy's
+        for prompt in prompts(7):
+            assert run(tmp_path, prompt, k).drafted > 0
+    # Plain greedy settles on 127 after 18 tokens: a drafter made to draft 127 in every
+    # slot gets those accepted and the earlier ones rejected (kept prefixes replayed).
+    prompt = prompts(6)[1]
+    reference = plain_greedy(model, prompt, 30, {EOS})
+    agreeing("dflash", tmp_path / "agrees", model, prompt + list(reference))
+    as_qwen35_release(tmp_path / "agrees")
+    record = run(tmp_path / "agrees", prompt, 3)
+    assert 0 < record.accepted < record.drafted, (record.accepted, record.drafted)
+    assert min(record.accepted_by_position) > 0  # whole blocks of 3 accepted too

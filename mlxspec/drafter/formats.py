@@ -5,7 +5,9 @@ files where a folder has none: read without torch, see `torch_bin.py`):
 - EAGLE-1 (SafeAILab): `fc.{weight,bias}` over [embedding, hidden] and one decoder
   layer `layers.0.*` without input norm; the target's LM head reads its output.
 - DeepSeek-V3 style MTP (also GLM-4.5): the layer after the last one in the target's own
-  checkpoint, `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.*}` plus a decoder block.
+  checkpoint, `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.*}` plus a decoder block,
+  built as layer N (vLLM's deepseek_mtp.py / glm4_moe_mtp.py: dense or MoE by that index);
+  without `shared_head.head` (GLM-4.6) the target's LM head reads it.
 - MiMo MTP: `model.mtp_layers.0.{token_layernorm,hidden_layernorm,input_proj,
   final_layernorm}` plus a decoder block; [hidden, embedding] order; its output is
   final-normed and fed back normed.
@@ -14,7 +16,8 @@ files where a folder has none: read without torch, see `torch_bin.py`):
   weight is w - 1); output normed and fed back normed; the target's LM head.
 The MTP layer is the target family's own (dense or MoE): its weights pass through the
 target's mlx-lm `sanitize` under a layer name of the target (which stacks MoE experts,
-splits MLA's kv_b_proj, dequantizes FP8), then load strictly.
+splits MLA's kv_b_proj, dequantizes FP8), then load strictly; quantized by `pull --mtp`,
+they stay quantized where the target does (`stored_quantized.py`).
 - EAGLE-3 (SafeAILab; `fc`, `midlayer.*`, `d2t`; or vLLM speculators' `layers.0.*` with
   `hidden_norm`): three target layers and a wider attention, a module of its own
   (`eagle3.py`).
@@ -22,7 +25,6 @@ splits MLA's kv_b_proj, dequantizes FP8), then load strictly.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,14 +32,25 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxspec.anatomy import Decoder, last_attention_layer
+from mlxspec.device import prefers_dequantized_weights
 from mlxspec.drafter.eagle3 import load_eagle3
 from mlxspec.drafter.head import DraftHead, Head, HeadError, HeadSpec
+from mlxspec.drafter.stored_quantized import (
+    as_loaded,
+    dequantized,
+    fit_quantized,
+    quantized_bases,
+    settings,
+    stacked_experts,
+)
 from mlxspec.drafter.torch_bin import TorchCheckpointError, read_torch_bin
 
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
 
-def read_weights(directory: Path) -> dict[str, mx.array]:
+def read_weights(directory: Path, dequantize: bool = True) -> dict[str, mx.array]:
+    """The folder's tensors (safetensors, else PyTorch .bin); those `pull --mtp` stored
+    quantized made float unless `dequantize` is false."""
     weights: dict[str, mx.array] = {}
     for file in sorted(directory.glob("*.safetensors")):
         weights.update(mx.load(str(file)))
@@ -45,32 +58,9 @@ def read_weights(directory: Path) -> dict[str, mx.array]:
         files = sorted(directory.glob("pytorch_model*.bin")) or sorted(directory.glob("*.bin"))
         for file in files:
             weights.update(_torch_bin(file))
-    return _dequantized(weights, directory)
-
-
-def _dequantized(weights: dict[str, mx.array], directory: Path) -> dict[str, mx.array]:
-    """Float weights where `mlxspec pull --mtp` stored them quantized like the target
-    (`X.weight` beside `X.scales`, as mlx does; the settings in its config.json)."""
-    quantized = [k[: -len(".scales")] for k in weights if k.endswith(".scales")]
-    if not quantized:
-        return weights
-    try:
-        settings = json.loads((directory / "config.json").read_text())["quantization"]
-        group_size, bits = int(settings["group_size"]), int(settings["bits"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise HeadError(
-            f"{directory} holds quantized weights but no quantization in its config.json: {err}"
-        ) from None
-    out = dict(weights)
-    for base in quantized:
-        out[f"{base}.weight"] = mx.dequantize(
-            out[f"{base}.weight"],
-            out.pop(f"{base}.scales"),
-            out.pop(f"{base}.biases", None),
-            group_size=group_size,
-            bits=bits,
-        )
-    return out
+    if dequantize and quantized_bases(weights):
+        return dequantized(weights, *settings(directory))
+    return weights
 
 
 def _torch_bin(file: Path) -> dict[str, mx.array]:
@@ -137,8 +127,15 @@ def _layouts(model: nn.Module) -> list[Layout]:
     }
     return [
         Layout("eagle-1", "", "layers.0.", {"fc.": "fc."}, {"block_input_norm": False}),
-        # DeepSeek-V3 and GLM-4.5: the layer after the target's last one.
-        Layout("deepseek-mtp", f"model.layers.{n}.", f"model.layers.{n}.", deepseek, mtp),
+        # DeepSeek-V3 and GLM-4.5: the layer after the target's last one, built as that
+        # layer (vLLM's deepseek_mtp / glm4_moe_mtp give its decoder layer index N).
+        Layout(
+            "deepseek-mtp",
+            f"model.layers.{n}.",
+            f"model.layers.{n}.",
+            deepseek,
+            {**mtp, "block_layer": n},
+        ),
         Layout(
             "mimo-mtp",
             "model.mtp_layers.0.",
@@ -157,6 +154,19 @@ def _layouts(model: nn.Module) -> list[Layout]:
     ]
 
 
+def _sanitize_marker(model: nn.Module) -> str:
+    """The layer name the block's weights go through the target's `sanitize` under."""
+    return f"model.layers.{last_attention_layer(model.layers)}."
+
+
+def _misfit(err: Exception, model: nn.Module, layout: Layout) -> str:
+    """What does not fit, on one line; a tensor `sanitize` asked for (an expert, say) in
+    the checkpoint's own name rather than the layer name it was passed under."""
+    if isinstance(err, KeyError):
+        return "missing " + str(err.args[0]).replace(_sanitize_marker(model), layout.block)
+    return " ".join(str(err).split())
+
+
 def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
     """The block's weights in the names of mlx-lm's layer class: put through the target's
     own `sanitize` as if they were its last attention layer's. Zero-centred norms get
@@ -168,8 +178,8 @@ def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
     sanitize = getattr(model, "sanitize", None)
     if not block or sanitize is None:
         return rest + [(f"block.{k}", v) for k, v in block.items()]
-    marker = f"model.layers.{last_attention_layer(model.layers)}."
-    out = sanitize({marker + k: v for k, v in block.items()})
+    marker = _sanitize_marker(model)
+    out = sanitize({marker + k: v for k, v in stacked_experts(block).items()})
     converted = {k.split(marker, 1)[1]: v for k, v in out.items() if marker in k}
     for key, value in converted.items():
         untouched = key in block and block[key] is value
@@ -178,14 +188,19 @@ def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
     return rest + [(f"block.{k}", v) for k, v in converted.items()]
 
 
-def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
-    """A `DraftHead` from a published checkpoint folder (see the module docstring)."""
+def convert_published(
+    directory: Path, model: nn.Module, decoder: Decoder, dequantize: bool | None = None
+) -> Head:
+    """A `DraftHead` from a published checkpoint folder (see the module docstring).
+    Layers `pull --mtp` stored quantized stay quantized unless `dequantize` (default: where
+    quantized matmul is slow, as for the target; see `stored_quantized.py`)."""
     if not directory.is_dir():
         raise HeadError(f"no drafter head at {directory}: not a folder")
-    weights = read_weights(directory)
+    keep = not (prefers_dequantized_weights() if dequantize is None else dequantize)
+    weights = read_weights(directory, dequantize=not keep)
     eagle3 = "layers.0.hidden_norm.weight" in weights  # vLLM speculators' names
     if eagle3 or any(key.startswith("midlayer.") for key in weights):
-        return load_eagle3(directory, weights, model, decoder)
+        return load_eagle3(directory, read_weights(directory), model, decoder)
     for layout in _layouts(model):
         if f"{layout.prefix}{next(iter(layout.renames))}weight" not in weights:
             continue
@@ -201,12 +216,15 @@ def convert_published(directory: Path, model: nn.Module, decoder: Decoder) -> He
         )
         head = DraftHead(spec, model, mx.arange(vocab_size, dtype=mx.int32))
         try:
-            pairs = _family_names(model, pairs, layout.zero_centred)
-            head.load_weights([(k, v.astype(mx.float32)) for k, v in pairs], strict=True)
+            named = dict(_family_names(model, pairs, layout.zero_centred))
+            named = fit_quantized(head, named, directory, keep)
+            head.load_weights([(k, as_loaded(v)) for k, v in named.items()], strict=True)
+        except HeadError:
+            raise
         except (ValueError, KeyError) as err:
             raise HeadError(
                 f"{directory} looks like a {layout.name} head but does not fit this target "
-                f"({type(model.layers[-1]).__name__} layers): {str(err).splitlines()[0]}"
+                f"({type(model.layers[-1]).__name__} layers): {_misfit(err, model, layout)}"
             ) from None
         return head
     raise HeadError(

@@ -50,6 +50,10 @@ class HeadSpec:
     embedding_first: bool = True  # fc input order: [embedding, hidden] (MiMo: reversed)
     feed_normed: bool = False  # later draft steps read norm(g) instead of g (our heads)
     layers: int = 1  # decoder layers after the fusion (published heads have one)
+    # The target layer index the block is built as (None: its last attention layer).
+    # DeepSeek-V3 / GLM-4.5 MTP layers are layer N of an N-layer target, and their
+    # family picks dense or MoE by that index (first_k_dense_replace, moe_layer_freq).
+    block_layer: int | None = None
     norm_eps: float = 1e-5
     source_format: str = FORMAT
     record: dict[str, Any] = field(default_factory=dict)  # how it was trained
@@ -79,11 +83,13 @@ class Head(Protocol):
     def logits(self, g: mx.array, rows: mx.array | None) -> mx.array: ...
 
 
-def family_block(model: nn.Module) -> nn.Module:
-    """A fresh layer of the target's family, built by mlx-lm's own class: like its last
-    attention layer (a head keeps a KV cache, so never a hybrid model's recurrent one)."""
-    index = last_attention_layer(model.layers)
-    last = model.layers[index]
+def family_block(model: nn.Module, index: int | None = None) -> nn.Module:
+    """A fresh layer of the target's family, built by mlx-lm's own class as layer
+    `index`; by default like its last attention layer (a head keeps a KV cache, so never
+    a hybrid model's recurrent one)."""
+    attention_index = last_attention_layer(model.layers)
+    last = model.layers[attention_index]
+    index = attention_index if index is None else index
     # Multimodal wrappers (Qwen3.5) keep the text model's args on their language model.
     args = getattr(getattr(model, "language_model", model), "args", None)
     if args is None:
@@ -163,8 +169,8 @@ class DraftHead(nn.Module):
             self.enorm = nn.RMSNorm(d, eps=spec.norm_eps)
             self.hnorm = nn.RMSNorm(d, eps=spec.norm_eps)
         # The first layer keeps the name `block`: heads saved with one layer load as ever.
-        self.block = family_block(model)
-        self.more_blocks = [family_block(model) for _ in range(spec.layers - 1)]
+        self.block = family_block(model, spec.block_layer)
+        self.more_blocks = [family_block(model, spec.block_layer) for _ in range(spec.layers - 1)]
         if not spec.block_input_norm:
             self.block.input_layernorm = nn.Identity()
         if spec.final_norm:

@@ -57,16 +57,19 @@ def text_config(config: dict) -> dict:
 
 
 def mtp_keys(names: list[str], config: dict) -> list[str]:
-    """The tensor names among `names` that belong to MTP layers, by the layouts above."""
+    """The tensor names among `names` that belong to MTP layers, by the layouts above.
+    DeepSeek-V3's layer 61 also holds a copy of the target's embedding (vLLM's
+    deepseek_mtp loads it as the shared one; 1.8 GB there): left out, the target's is used."""
     first = text_config(config).get("num_hidden_layers")
     count = text_config(config).get("num_nextn_predict_layers") or 1
     after_last = tuple(f"model.layers.{first + i}." for i in range(count)) if first else ()
+    embedding_copies = tuple(f"{prefix}embed_tokens." for prefix in after_last)
     return sorted(
         name
         for name in names
         if name.startswith(("mtp.", "model.mtp_layers."))
         or ".mtp." in name
-        or (after_last and name.startswith(after_last))
+        or (after_last and name.startswith(after_last) and not name.startswith(embedding_copies))
     )
 
 
@@ -113,9 +116,26 @@ def _fetch(source: str, filename: str, required: bool = True) -> Path | None:
         ) from None
 
 
+def _from_fp8(tensors: dict[str, mx.array], config: dict) -> dict[str, mx.array]:
+    """FP8 matrices made bfloat16, so that they quantize like the target's (or stay
+    float as a float target's do). DeepSeek-V3 ships its layers as float8_e4m3 (read as
+    bytes) with one `weight_scale_inv` per block of `weight_block_size` (128 x 128, in
+    its config's quantization_config): the weight is the FP8 value times that scale."""
+    block_rows, block_cols = (config.get("quantization_config") or {}).get(
+        "weight_block_size", (128, 128)
+    )
+    out = dict(tensors)
+    for scale_name in [name for name in tensors if name.endswith(".weight_scale_inv")]:
+        name = scale_name.removesuffix("_scale_inv")
+        weight = mx.from_fp8(out[name], dtype=mx.float32)
+        scales = mx.repeat(mx.repeat(out.pop(scale_name), block_rows, 0), block_cols, 1)
+        out[name] = (weight * scales[: weight.shape[0], : weight.shape[1]]).astype(mx.bfloat16)
+    return out
+
+
 def _quantized(tensors: dict[str, mx.array], quantization: dict) -> dict[str, mx.array]:
     """Matrices quantized as the target's are (mlx's `X.weight`, `X.scales`, `X.biases`);
-    norms, vectors, FP8 blocks and matrices the group size does not divide stay."""
+    norms, vectors and matrices the group size does not divide stay."""
     group_size, bits = int(quantization["group_size"]), int(quantization["bits"])
     out: dict[str, mx.array] = {}
     for name, value in tensors.items():
@@ -125,7 +145,6 @@ def _quantized(tensors: dict[str, mx.array], quantization: dict) -> dict[str, mx
             and value.ndim == 2
             and mx.issubdtype(value.dtype, mx.floating)
             and value.shape[-1] % group_size == 0
-            and f"{name}_scale_inv" not in tensors
         )
         if quantizable:
             weight, scales, biases = mx.quantize(value, group_size=group_size, bits=bits)
@@ -164,6 +183,7 @@ def pull_mtp(
         raise PullError(f"{source}'s index lists {missing[0]} but its shard does not hold it")
     # A multimodal wrapper's prefix (model.language_model.mtp.*) goes: formats reads mtp.*
     tensors = {key[key.index("mtp.") :] if ".mtp." in key else key: v for key, v in tensors.items()}
+    tensors = _from_fp8(tensors, config)
     kept = {k: text_config(config)[k] for k in KEPT_CONFIG if k in text_config(config)}
     if quantization:
         tensors = _quantized(tensors, quantization)

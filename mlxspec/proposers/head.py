@@ -112,7 +112,7 @@ class HeadProposer:
             hidden = self._rows_from(self.entries)[None]
             first = self.base + self.entries + 1
             embeds = self.decoder.embed(mx.array([self.tokens[first : first + todo]]))
-            mask = create_attention_mask(hidden, self.cache)
+            mask = create_attention_mask(hidden, self.cache, return_array=self.decoder.array_masks)
             self._g = self.head(self.head.from_target(hidden), embeds, mask, self.cache)[:, -1:]
             self.entries += todo
         return self._g
