@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import openai
 import pytest
 from lossless import assert_lossless, plain_greedy
 from mlx.utils import tree_flatten
+from terminal import Terminal, needs_tmux
 from tiny_models import FAMILIES, byte_tokenizer, tiny_model
 
 from mlxspec.distributed.launch import (
@@ -478,8 +480,8 @@ def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny):
 
 
 def test_chat_sharded_answers_every_turn_as_one_process(tiny):
-    """`chat --ranks 2` (the line chat: rank 0 has pipes, not a terminal) over two turns,
-    then /quit ends every rank with exit 0. The model (24 layers, which outweigh the
+    """`chat --ranks 2` on pipes (the line chat; rank 0 is the process started) over two
+    turns, then /quit ends every rank with exit 0. The model (24 layers, which outweigh the
     embeddings) is split before its weights are read: each rank's peak memory while
     loading is about half of them."""
     seed_flat_calibration(tiny, "deep", 2)
@@ -501,3 +503,93 @@ def test_chat_sharded_answers_every_turn_as_one_process(tiny):
     said = re.search(r"peak MiB while loading, per rank: ([\d.]+), ([\d.]+)\)", answers[1].stderr)
     peaks = [float(mib) for mib in said.groups()]
     assert all(0.3 * full_mib < mib < 0.7 * full_mib for mib in peaks), (peaks, full_mib)
+
+
+# --- chat --ranks in a real terminal: the Textual chat on rank 0 ---------------------------------
+
+STATS = re.compile(r"\d+ tokens, [\d.]+ tok/s")
+LOADED = "speed: from the first answer"  # the status bar's, once the model is loaded
+
+
+def chat_in_terminal(root: Path, data: Path, *args: str, fault: str = "") -> str:
+    """The shell line that runs `mlxspec chat ARGS` in a tmux pane, then shows its exit
+    code and keeps the pane (and so the screen) open."""
+    env = {
+        "MLXSPEC_MODELS": str(root / "models.toml"),
+        "MLXSPEC_CACHE": str(root / "cache"),
+        "MLXSPEC_DATA": str(data),
+        "OPENBLAS_NUM_THREADS": "1",
+        "TERM": "xterm-256color",
+    }
+    if fault:
+        env["MLXSPEC_FAULT"] = fault
+    command = ["env", "-u", "MLXSPEC_FAULT", *(f"{k}={v}" for k, v in env.items())]
+    command += [sys.executable, "-m", "mlxspec", "chat", *args]
+    return f"{shlex.join(command)}; echo EXIT=$?; sleep 120"
+
+
+def descendants(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    children = [int(p) for p in found.stdout.split()]
+    return children + [d for child in children for d in descendants(child)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@needs_tmux
+def test_chat_tui_sharded_answers_as_one_process_and_quits_every_rank(tiny, tmp_path, monkeypatch):
+    """`chat --ranks 2` on a terminal: rank 0 runs the Textual chat there (not the line
+    chat), its answer equals one process's, and ctrl+q ends every rank with exit 0."""
+    from mlxspec.engine import Engine
+    from mlxspec.loading import load_model
+    from mlxspec.registry import load_registry
+    from tui.worker import generation_settings
+
+    monkeypatch.setenv("MLXSPEC_MODELS", str(tiny / "models.toml"))
+    entry = load_registry().get("tiny")
+    loaded = load_model(str(tiny / "llama"), progress=False)
+    turn = [{"role": "user", "content": PROMPT}]
+    events = Engine(loaded.model, loaded.tokenizer, "tiny").stream(turn, generation_settings(entry))
+    expected = list(events)[-1].text
+    seed_flat_calibration(tiny, "tiny", 2)
+
+    data = tmp_path / "data"
+    with Terminal(chat_in_terminal(tiny, data, "--ranks", "2", "-p", "prompt-lookup")) as term:
+        screen = term.wait_for(lambda s: LOADED in s, 60)
+        assert LOADED in screen and "accepted draft" in screen, screen  # the Textual chat
+        ranks = descendants(term.pane_pid())
+        assert len(ranks) >= 2, ranks  # rank 0 (this terminal's) and rank 1, its child
+        term.send(PROMPT, "Enter")
+        screen = term.wait_for(lambda s: STATS.search(s), 60)
+        assert STATS.search(screen) and "prompt-lookup" in screen, screen
+        term.send("C-q")
+        screen = term.wait_for(lambda s: "EXIT=" in s, 30)
+        assert "EXIT=0" in screen, screen
+    assert not [pid for pid in ranks if alive(pid)], "a rank outlived the chat"
+    (saved,) = (data / "conversations").glob("*.json")
+    answer = json.loads(saved.read_text())["messages"][-1]
+    assert answer["role"] == "assistant" and answer["record"]["ranks"] == 2
+    assert answer["content"] == expected
+
+
+@needs_tmux
+def test_chat_tui_sharded_a_killed_rank_ends_the_chat_with_one_line(tiny, tmp_path):
+    """Rank 1 dies mid-answer: the chat leaves the screen, says which rank, exits 1."""
+    seed_flat_calibration(tiny, "tiny", 2)
+    args = ("--ranks", "2", "-p", "prompt-lookup")
+    command = chat_in_terminal(tiny, tmp_path, *args, fault="die:1:3")
+    with Terminal(command) as term:
+        assert LOADED in term.wait_for(lambda s: LOADED in s, 60)
+        term.send(PROMPT, "Enter")
+        start = time.monotonic()
+        screen = term.wait_for(lambda s: "EXIT=" in s, 30)
+        assert "EXIT=1" in screen, screen
+        assert time.monotonic() - start < 15
+    errors = [line for line in screen.splitlines() if line.startswith("Error: ")]
+    assert errors == ["Error: rank 1 was killed before the answer was complete; every rank stopped"]
