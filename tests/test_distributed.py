@@ -79,7 +79,7 @@ def tiny(tmp_path_factory):
     return root
 
 
-def mlxspec(root: Path, *args: str, fault: str = "", timeout: float = 90):
+def mlxspec(root: Path, *args: str, fault: str = "", timeout: float = 90, stdin: str = ""):
     env = {
         **os.environ,
         "MLXSPEC_MODELS": str(root / "models.toml"),
@@ -92,6 +92,7 @@ def mlxspec(root: Path, *args: str, fault: str = "", timeout: float = 90):
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "mlxspec", *args],
+        input=stdin,
         capture_output=True,
         text=True,
         env=env,
@@ -122,6 +123,24 @@ def test_rank_command_line_drops_only_the_launch_options():
     assert command[command.index("-n") + 1] == "3"
     assert "MLXSPEC_DISTRIBUTED=ring:tensor:30" in command
     assert command[-4:] == ["-m", "mlxspec", "generate", "hi"]
+
+
+def test_rank_zero_in_this_process_drops_mlx_socket_chatter_from_its_stderr():
+    """`chat --ranks` keeps rank 0 in the launching process, so the lines MLX's C++ writes
+    to descriptor 2 when a peer goes away are dropped there, as run_launched drops them
+    from mlx.launch's ranks; other native lines and Python's own go through."""
+    script = (
+        "import os, sys, time\n"
+        "from mlxspec.distributed.followers import hide_collective_noise\n"
+        "hide_collective_noise()\n"
+        "os.write(2, b'[ring] Socket 5 was closed by the peer\\n')\n"
+        "os.write(2, b'a native warning\\n')\n"
+        "time.sleep(2)\n"  # the copying thread's turn, on a loaded machine too
+        "sys.stderr.write('Error: rank 1 was killed\\n')\n"
+    )
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert done.stderr == "a native warning\nError: rank 1 was killed\n"
 
 
 def test_outcome_names_the_rank_that_died_not_those_stopped_after_it():
@@ -503,6 +522,19 @@ def test_chat_sharded_answers_every_turn_as_one_process(tiny):
     said = re.search(r"peak MiB while loading, per rank: ([\d.]+), ([\d.]+)\)", answers[1].stderr)
     peaks = [float(mib) for mib in said.groups()]
     assert all(0.3 * full_mib < mib < 0.7 * full_mib for mib in peaks), (peaks, full_mib)
+
+
+def test_chat_sharded_line_chat_a_killed_rank_gives_one_line(tiny):
+    """The line chat's rank 0 is the process started, not an mlx.launch child: MLX's own
+    socket chatter on its stderr is dropped as mlx.launch's relay drops it."""
+    seed_flat_calibration(tiny, "tiny", 2)
+    args = ("chat", "--ranks", "2", "--plain", "-p", "prompt-lookup")
+    done, _ = mlxspec(tiny, *args, fault="die:1:3", stdin=f"{PROMPT}\n/quit\n", timeout=60)
+    assert done.returncode == 1
+    assert error_line(done) == (
+        "Error: rank 1 was killed before the answer was complete; every rank stopped"
+    )
+    assert "[ring]" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 # --- chat --ranks in a real terminal: the Textual chat on rank 0 ---------------------------------

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 
 from mlxspec.distributed.config import CHILD_ENV, RankConfig
-from mlxspec.distributed.launch import LaunchRequest, Outcome, free_port_base
+from mlxspec.distributed.launch import NOISE, LaunchRequest, Outcome, free_port_base
 
 STOP_SECONDS = 5.0  # a child asked to stop (SIGTERM) gets this long before SIGKILL
 
@@ -134,7 +134,8 @@ class Followers:
             if error:
                 self.outcome.errors.append(error)
             for reader in self._readers:
-                reader.join(STOP_SECONDS)  # their last lines hold the exit markers
+                if reader is not threading.current_thread():  # (a reader may call abort)
+                    reader.join(STOP_SECONDS)  # their last lines hold the exit markers
             self._code = self.outcome.exit_code()
             if self._code:
                 sys.stderr.write(f"Error: {self.outcome.message(self.request.hosts)}\n")
@@ -142,6 +143,31 @@ class Followers:
             if self._hostfile:
                 os.unlink(self._hostfile)
             return self._code
+
+
+def hide_collective_noise() -> None:
+    """MLX's ring backend reports every failed socket operation on file descriptor 2,
+    from C++ (a dozen lines when a peer dies); `run_launched` drops them from what the
+    ranks write, and rank 0 in this process must too. Descriptor 2 becomes a pipe that a
+    thread copies to the terminal without them, while Python's own stderr (our lines, the
+    Textual screen) writes to the terminal directly, so no last line waits in the pipe
+    when the process ends."""
+    terminal = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    sys.stderr.flush()
+    sys.stderr = sys.__stderr__ = open(  # for the life of the process
+        terminal, "w", buffering=1, encoding="utf-8", errors="backslashreplace"
+    )
+
+    def copy() -> None:
+        with open(read_end, "rb") as native:
+            for raw in native:
+                if not NOISE.match(raw.decode(errors="replace")):
+                    os.write(terminal, raw)
+
+    threading.Thread(target=copy, name="mlxspec-stderr", daemon=True).start()
 
 
 def _signal(child: subprocess.Popen, signum: int) -> None:

@@ -146,12 +146,13 @@ def _run_rank(config, func, args, kwargs) -> None:
 def _run_front(request, rank_argv: list[str], func, args, kwargs) -> NoReturn:
     """`chat --ranks N`: the command body as rank 0 in this process, on the user's
     terminal, with the other ranks as its children (see `followers`)."""
-    from mlxspec.distributed.followers import Followers
+    from mlxspec.distributed.followers import Followers, hide_collective_noise
     from mlxspec.distributed.rank import start_session
 
     followers = Followers(request, rank_argv)
     code, error = 1, None
     try:
+        hide_collective_noise()
         followers.start()
         session = start_session(followers.config)
         session.watchdog.on_timeout = followers.fail
