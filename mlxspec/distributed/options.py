@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import click
 
+from mlxspec.console import say
 from mlxspec.distributed.config import BACKENDS, PARALLEL_MODES, RankConfig
 from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.launch import LOST
@@ -92,6 +93,9 @@ def distributed_options(func):
         elif func.__name__ == "chat":
             if not hostfile and request.backend == "ring":  # rank 0 keeps the terminal
                 _run_front(request, _rank_argv(argv), func, args, kwargs)
+            if sys.stdin.isatty() and not kwargs.get("plain"):
+                how = "--hostfile" if hostfile else f"--backend {request.backend}"
+                say(f"{how}: the line chat (mlx.launch gives rank 0 pipes; the TUI needs --ranks)")
             stdin = sys.stdin  # rank 0 reads the turns (mlx.launch relays stdin)
         sys.exit(run_launched(request, _rank_argv(argv), stdin))
 
