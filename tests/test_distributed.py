@@ -40,6 +40,14 @@ from mlxspec.distributed.launch import (
 PROMPT = "abc abc abc abc abc abc"
 QWEN2 = dict(FAMILIES["qwen3"], model_type="qwen2", num_hidden_layers=4, tie_word_embeddings=False)
 DEEP = dict(FAMILIES["llama"], num_hidden_layers=24)
+# 6 query heads, 3 KV heads, MLP width 192: a llama that 3 ranks split (tensor parallel).
+TRIO = dict(
+    FAMILIES["llama"],
+    hidden_size=96,
+    num_attention_heads=6,
+    num_key_value_heads=3,
+    intermediate_size=192,
+)
 
 
 def save_model(model, config: dict, folder: Path) -> Path:
@@ -52,10 +60,12 @@ def save_model(model, config: dict, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A models.toml with a tiny llama (4 query, 2 KV heads) and a tiny qwen2."""
+    """A models.toml with a tiny llama (4 query, 2 KV heads), a tiny qwen2, a deep
+    llama (24 layers) and a llama 3 ranks can split."""
     root = tmp_path_factory.mktemp("distributed")
     llama = tiny_model("llama", seed=3)
     save_model(llama, FAMILIES["llama"], root / "llama")
+    save_model(tiny_model("llama", seed=6, config=TRIO), TRIO, root / "trio")
     from mlx_lm.models import llama, qwen2
 
     mx.random.seed(4)
@@ -74,6 +84,9 @@ def tiny(tmp_path_factory):
         "[models.tiny.proposers.self-spec]\nlayers = 1\nk_max = 4\n"
         '[models.tinyq]\ntarget = "./qwen2"\n'
         '[models.deep]\ntarget = "./deep"\n'
+        '[models.trio]\ntarget = "./trio"\n'
+        "[models.trio.defaults]\nmax_tokens = 32\n"
+        "[models.trio.proposers.prompt-lookup]\nk_max = 8\n"
         "[models.deep.defaults]\nmax_tokens = 32\n"
     )
     return root
@@ -576,7 +589,7 @@ def alive(pid: int) -> bool:
 
 @needs_tmux
 def test_chat_tui_sharded_answers_as_one_process_and_quits_every_rank(tiny, tmp_path, monkeypatch):
-    """`chat --ranks 2` on a terminal: rank 0 runs the Textual chat there (not the line
+    """`chat --ranks 3` on a terminal: rank 0 runs the Textual chat there (not the line
     chat), its answer equals one process's, and ctrl+q ends every rank with exit 0."""
     from mlxspec.engine import Engine
     from mlxspec.loading import load_model
@@ -584,19 +597,21 @@ def test_chat_tui_sharded_answers_as_one_process_and_quits_every_rank(tiny, tmp_
     from tui.worker import generation_settings
 
     monkeypatch.setenv("MLXSPEC_MODELS", str(tiny / "models.toml"))
-    entry = load_registry().get("tiny")
-    loaded = load_model(str(tiny / "llama"), progress=False)
+    entry = load_registry().get("trio")
+    loaded = load_model(str(tiny / "trio"), progress=False)
     turn = [{"role": "user", "content": PROMPT}]
-    events = Engine(loaded.model, loaded.tokenizer, "tiny").stream(turn, generation_settings(entry))
+    events = Engine(loaded.model, loaded.tokenizer, "trio").stream(turn, generation_settings(entry))
     expected = list(events)[-1].text
-    seed_flat_calibration(tiny, "tiny", 2)
+    assert len(expected) >= 16
+    seed_flat_calibration(tiny, "trio", 3)
 
     data = tmp_path / "data"
-    with Terminal(chat_in_terminal(tiny, data, "--ranks", "2", "-p", "prompt-lookup")) as term:
+    args = ("--model", "trio", "--ranks", "3", "-p", "prompt-lookup")
+    with Terminal(chat_in_terminal(tiny, data, *args)) as term:
         screen = term.wait_for(lambda s: LOADED in s, 60)
         assert LOADED in screen and "accepted draft" in screen, screen  # the Textual chat
         ranks = descendants(term.pane_pid())
-        assert len(ranks) >= 2, ranks  # rank 0 (this terminal's) and rank 1, its child
+        assert len(ranks) >= 3, ranks  # rank 0 (this terminal's) and ranks 1, 2, its children
         term.send(PROMPT, "Enter")
         screen = term.wait_for(lambda s: STATS.search(s), 60)
         assert STATS.search(screen) and "prompt-lookup" in screen, screen
@@ -606,7 +621,7 @@ def test_chat_tui_sharded_answers_as_one_process_and_quits_every_rank(tiny, tmp_
     assert not [pid for pid in ranks if alive(pid)], "a rank outlived the chat"
     (saved,) = (data / "conversations").glob("*.json")
     answer = json.loads(saved.read_text())["messages"][-1]
-    assert answer["role"] == "assistant" and answer["record"]["ranks"] == 2
+    assert answer["role"] == "assistant" and answer["record"]["ranks"] == 3
     assert answer["content"] == expected
 
 
