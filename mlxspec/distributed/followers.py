@@ -31,6 +31,10 @@ STOP_SECONDS = 5.0  # a child asked to stop (SIGTERM) gets this long before SIGK
 
 
 class Followers:
+    """Ranks 1..N-1 as children of this process. Their stderr is read for exit markers
+    and `Error:` lines only (what else they say, rank 0 says too; MLXSPEC_VERBOSE shows
+    it), and `finish` turns it and rank 0's own outcome into one exit code and line."""
+
     def __init__(self, request: LaunchRequest, rank_argv: list[str]):
         self.request, self.rank_argv = request, rank_argv
         self.config = RankConfig(request.backend, request.parallel, request.timeout)
