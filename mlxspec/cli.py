@@ -17,6 +17,7 @@ import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec import device
 from mlxspec.bench.suites import SUITES
 from mlxspec.console import COLOURS, echo_text, say, warn_if_slow_blas
+from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.options import distributed_options
 from mlxspec.drafter.prompts import DEFAULT_PROMPTS, TRAINING_PROMPTS
 from mlxspec.events import Done
@@ -205,7 +206,7 @@ def chat(model, proposer, plain, color, tree, no_history):
       mlxspec chat
       mlxspec chat --model qwen3-8b --proposer draft-model
       printf 'Name three primes\\n/quit\\n' | mlxspec chat --plain
-      mlxspec chat --ranks 3     # sharded: rank 0 has no terminal, so the line chat
+      mlxspec chat --ranks 3     # the target sharded over 3 local ranks, same chat
     """
     from mlxspec.distributed.rank import current_rank
 
@@ -217,29 +218,44 @@ def chat(model, proposer, plain, color, tree, no_history):
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
     warn_if_slow_blas()
-    rank = current_rank()  # None unless launched with --ranks/--hostfile
-    if rank is not None:  # mlx.launch gives rank 0 pipes, not a terminal: the line chat
-        from tui.plain import run_plain
-
-        runtime = rank.open_runtime(entry, say)
-        if not rank.front:
-            rank.follow(runtime)
-            return
-        stream = partial(rank.stream, runtime)
-        run_plain(runtime, proposer, sys.stdin, bool(color), prompt=False, stream=stream)
-        rank.end_following()
+    rank = current_rank()  # None unless run with --ranks/--hostfile
+    if rank is not None and not rank.front:  # the other ranks run what rank 0 announces
+        rank.follow(rank.open_runtime(entry, say, calibrate=True))
         return
+    # (With --hostfile, mlx.launch gives rank 0 pipes, not a terminal: the line chat.)
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from mlxspec.runtime import open_runtime
         from tui.plain import run_plain
 
-        runtime = open_runtime(entry, notify=say)
+        if rank is None:
+            runtime, stream = open_runtime(entry, notify=say), None
+        else:
+            runtime = rank.open_runtime(entry, say, calibrate=True)
+            stream = partial(rank.stream, runtime)
         colour = sys.stdout.isatty() if color is None else color
-        run_plain(runtime, proposer, sys.stdin, colour, prompt=sys.stdin.isatty())
+        run_plain(runtime, proposer, sys.stdin, colour, sys.stdin.isatty(), stream)
+        if rank is not None:
+            rank.end_following()
         return
     from tui.app import ChatApp
 
-    ChatApp(registry, entry.name, proposer).run()
+    if rank is None:
+        ChatApp(registry, entry.name, proposer).run()
+        return
+    app = ChatApp(
+        registry,
+        entry.name,
+        proposer,
+        lambda entry, notify: rank.open_runtime(entry, notify, calibrate=True),
+        ranks=rank,
+    )
+    rank.on_lost = app.lose_ranks  # a dead or stuck rank: leave the screen, then say why
+    try:
+        app.run()
+    finally:
+        rank.on_lost = None
+    if app.failure:
+        raise DistributedError(app.failure)
 
 
 @main.command()

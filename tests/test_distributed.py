@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import openai
 import pytest
 from lossless import assert_lossless, plain_greedy
 from mlx.utils import tree_flatten
+from terminal import Terminal, needs_tmux
 from tiny_models import FAMILIES, byte_tokenizer, tiny_model
 
 from mlxspec.distributed.launch import (
@@ -38,6 +40,14 @@ from mlxspec.distributed.launch import (
 PROMPT = "abc abc abc abc abc abc"
 QWEN2 = dict(FAMILIES["qwen3"], model_type="qwen2", num_hidden_layers=4, tie_word_embeddings=False)
 DEEP = dict(FAMILIES["llama"], num_hidden_layers=24)
+# 6 query heads, 3 KV heads, MLP width 192: a llama that 3 ranks split (tensor parallel).
+TRIO = dict(
+    FAMILIES["llama"],
+    hidden_size=96,
+    num_attention_heads=6,
+    num_key_value_heads=3,
+    intermediate_size=192,
+)
 
 
 def save_model(model, config: dict, folder: Path) -> Path:
@@ -50,10 +60,12 @@ def save_model(model, config: dict, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A models.toml with a tiny llama (4 query, 2 KV heads) and a tiny qwen2."""
+    """A models.toml with a tiny llama (4 query, 2 KV heads), a tiny qwen2, a deep
+    llama (24 layers) and a llama 3 ranks can split."""
     root = tmp_path_factory.mktemp("distributed")
     llama = tiny_model("llama", seed=3)
     save_model(llama, FAMILIES["llama"], root / "llama")
+    save_model(tiny_model("llama", seed=6, config=TRIO), TRIO, root / "trio")
     from mlx_lm.models import llama, qwen2
 
     mx.random.seed(4)
@@ -72,12 +84,15 @@ def tiny(tmp_path_factory):
         "[models.tiny.proposers.self-spec]\nlayers = 1\nk_max = 4\n"
         '[models.tinyq]\ntarget = "./qwen2"\n'
         '[models.deep]\ntarget = "./deep"\n'
+        '[models.trio]\ntarget = "./trio"\n'
+        "[models.trio.defaults]\nmax_tokens = 32\n"
+        "[models.trio.proposers.prompt-lookup]\nk_max = 8\n"
         "[models.deep.defaults]\nmax_tokens = 32\n"
     )
     return root
 
 
-def mlxspec(root: Path, *args: str, fault: str = "", timeout: float = 90):
+def mlxspec(root: Path, *args: str, fault: str = "", timeout: float = 90, stdin: str = ""):
     env = {
         **os.environ,
         "MLXSPEC_MODELS": str(root / "models.toml"),
@@ -90,6 +105,7 @@ def mlxspec(root: Path, *args: str, fault: str = "", timeout: float = 90):
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "mlxspec", *args],
+        input=stdin,
         capture_output=True,
         text=True,
         env=env,
@@ -120,6 +136,24 @@ def test_rank_command_line_drops_only_the_launch_options():
     assert command[command.index("-n") + 1] == "3"
     assert "MLXSPEC_DISTRIBUTED=ring:tensor:30" in command
     assert command[-4:] == ["-m", "mlxspec", "generate", "hi"]
+
+
+def test_rank_zero_in_this_process_drops_mlx_socket_chatter_from_its_stderr():
+    """`chat --ranks` keeps rank 0 in the launching process, so the lines MLX's C++ writes
+    to descriptor 2 when a peer goes away are dropped there, as run_launched drops them
+    from mlx.launch's ranks; other native lines and Python's own go through."""
+    script = (
+        "import os, sys, time\n"
+        "from mlxspec.distributed.followers import hide_collective_noise\n"
+        "hide_collective_noise()\n"
+        "os.write(2, b'[ring] Socket 5 was closed by the peer\\n')\n"
+        "os.write(2, b'a native warning\\n')\n"
+        "time.sleep(2)\n"  # the copying thread's turn, on a loaded machine too
+        "sys.stderr.write('Error: rank 1 was killed\\n')\n"
+    )
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert done.stderr == "a native warning\nError: rank 1 was killed\n"
 
 
 def test_outcome_names_the_rank_that_died_not_those_stopped_after_it():
@@ -478,8 +512,8 @@ def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny):
 
 
 def test_chat_sharded_answers_every_turn_as_one_process(tiny):
-    """`chat --ranks 2` (the line chat: rank 0 has pipes, not a terminal) over two turns,
-    then /quit ends every rank with exit 0. The model (24 layers, which outweigh the
+    """`chat --ranks 2` on pipes (the line chat; rank 0 is the process started) over two
+    turns, then /quit ends every rank with exit 0. The model (24 layers, which outweigh the
     embeddings) is split before its weights are read: each rank's peak memory while
     loading is about half of them."""
     seed_flat_calibration(tiny, "deep", 2)
@@ -501,3 +535,108 @@ def test_chat_sharded_answers_every_turn_as_one_process(tiny):
     said = re.search(r"peak MiB while loading, per rank: ([\d.]+), ([\d.]+)\)", answers[1].stderr)
     peaks = [float(mib) for mib in said.groups()]
     assert all(0.3 * full_mib < mib < 0.7 * full_mib for mib in peaks), (peaks, full_mib)
+
+
+def test_chat_sharded_line_chat_a_killed_rank_gives_one_line(tiny):
+    """The line chat's rank 0 is the process started, not an mlx.launch child: MLX's own
+    socket chatter on its stderr is dropped as mlx.launch's relay drops it."""
+    seed_flat_calibration(tiny, "tiny", 2)
+    args = ("chat", "--ranks", "2", "--plain", "-p", "prompt-lookup")
+    done, _ = mlxspec(tiny, *args, fault="die:1:3", stdin=f"{PROMPT}\n/quit\n", timeout=60)
+    assert done.returncode == 1
+    assert error_line(done) == (
+        "Error: rank 1 was killed before the answer was complete; every rank stopped"
+    )
+    assert "[ring]" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+# --- chat --ranks in a real terminal: the Textual chat on rank 0 ---------------------------------
+
+STATS = re.compile(r"\d+ tokens, [\d.]+ tok/s")
+LOADED = "speed: from the first answer"  # the status bar's, once the model is loaded
+
+
+def chat_in_terminal(root: Path, data: Path, *args: str, fault: str = "") -> str:
+    """The shell line that runs `mlxspec chat ARGS` in a tmux pane, then shows its exit
+    code and keeps the pane (and so the screen) open."""
+    env = {
+        "MLXSPEC_MODELS": str(root / "models.toml"),
+        "MLXSPEC_CACHE": str(root / "cache"),
+        "MLXSPEC_DATA": str(data),
+        "OPENBLAS_NUM_THREADS": "1",
+        "TERM": "xterm-256color",
+    }
+    if fault:
+        env["MLXSPEC_FAULT"] = fault
+    command = ["env", "-u", "MLXSPEC_FAULT", *(f"{k}={v}" for k, v in env.items())]
+    command += [sys.executable, "-m", "mlxspec", "chat", *args]
+    return f"{shlex.join(command)}; echo EXIT=$?; sleep 120"
+
+
+def descendants(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    children = [int(p) for p in found.stdout.split()]
+    return children + [d for child in children for d in descendants(child)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@needs_tmux
+def test_chat_tui_sharded_answers_as_one_process_and_quits_every_rank(tiny, tmp_path, monkeypatch):
+    """`chat --ranks 3` on a terminal: rank 0 runs the Textual chat there (not the line
+    chat), its answer equals one process's, and ctrl+q ends every rank with exit 0."""
+    from mlxspec.engine import Engine
+    from mlxspec.loading import load_model
+    from mlxspec.registry import load_registry
+    from tui.worker import generation_settings
+
+    monkeypatch.setenv("MLXSPEC_MODELS", str(tiny / "models.toml"))
+    entry = load_registry().get("trio")
+    loaded = load_model(str(tiny / "trio"), progress=False)
+    turn = [{"role": "user", "content": PROMPT}]
+    events = Engine(loaded.model, loaded.tokenizer, "trio").stream(turn, generation_settings(entry))
+    expected = list(events)[-1].text
+    assert len(expected) >= 16
+    seed_flat_calibration(tiny, "trio", 3)
+
+    data = tmp_path / "data"
+    args = ("--model", "trio", "--ranks", "3", "-p", "prompt-lookup")
+    with Terminal(chat_in_terminal(tiny, data, *args)) as term:
+        screen = term.wait_for(lambda s: LOADED in s, 60)
+        assert LOADED in screen and "accepted draft" in screen, screen  # the Textual chat
+        ranks = descendants(term.pane_pid())
+        assert len(ranks) >= 3, ranks  # rank 0 (this terminal's) and ranks 1, 2, its children
+        term.send(PROMPT, "Enter")
+        screen = term.wait_for(lambda s: STATS.search(s), 60)
+        assert STATS.search(screen) and "prompt-lookup" in screen, screen
+        term.send("C-q")
+        screen = term.wait_for(lambda s: "EXIT=" in s, 30)
+        assert "EXIT=0" in screen, screen
+    assert not [pid for pid in ranks if alive(pid)], "a rank outlived the chat"
+    (saved,) = (data / "conversations").glob("*.json")
+    answer = json.loads(saved.read_text())["messages"][-1]
+    assert answer["role"] == "assistant" and answer["record"]["ranks"] == 3
+    assert answer["content"] == expected
+
+
+@needs_tmux
+def test_chat_tui_sharded_a_killed_rank_ends_the_chat_with_one_line(tiny, tmp_path):
+    """Rank 1 dies mid-answer: the chat leaves the screen, says which rank, exits 1."""
+    seed_flat_calibration(tiny, "tiny", 2)
+    args = ("--ranks", "2", "-p", "prompt-lookup")
+    command = chat_in_terminal(tiny, tmp_path, *args, fault="die:1:3")
+    with Terminal(command) as term:
+        assert LOADED in term.wait_for(lambda s: LOADED in s, 60)
+        term.send(PROMPT, "Enter")
+        start = time.monotonic()
+        screen = term.wait_for(lambda s: "EXIT=" in s, 30)
+        assert "EXIT=1" in screen, screen
+        assert time.monotonic() - start < 15
+    errors = [line for line in screen.splitlines() if line.startswith("Error: ")]
+    assert errors == ["Error: rank 1 was killed before the answer was complete; every rank stopped"]

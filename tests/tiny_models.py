@@ -88,11 +88,16 @@ FAMILIES = {
 
 
 def tiny_model(
-    family: str = "llama", seed: int = 0, sharpness: float = 8.0, layers: int | None = None
+    family: str = "llama",
+    seed: int = 0,
+    sharpness: float = 8.0,
+    layers: int | None = None,
+    config: dict | None = None,
 ):
-    """A random model of `family`; `sharpness` scales the output logits."""
+    """A random model of `family`; `sharpness` scales the output logits. `config`: the
+    family's own, changed (e.g. head counts that 3 ranks divide)."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
-    config = dict(FAMILIES[family])
+    config = dict(config or FAMILIES[family])
     if layers is not None:
         config["num_hidden_layers"] = layers
     mx.random.seed(seed)

@@ -3,6 +3,10 @@
 The app owns what the screen shows; one thread worker (tui.worker.EngineThread) owns the
 model. Answers arrive as the engine's events, posted back as messages, so the screen
 never waits on the model and escape can stop an answer between two rounds.
+
+Sharded (`chat --ranks`), the app is rank 0's front end: answers go through the rank
+session (the other ranks follow), the model is the one every rank loaded at start, and
+a lost rank ends the chat (`lose_ranks`) instead of leaving it waiting.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
+from typing import TYPE_CHECKING
 
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
@@ -18,6 +23,9 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, LoadingIndicator, Sparkline
+
+if TYPE_CHECKING:
+    from mlxspec.distributed.rank import RankSession
 
 from mlxspec import blas, device
 from mlxspec.events import Rejected
@@ -73,14 +81,24 @@ class ChatApp(App):
         model: str | None = None,
         proposer: str | None = None,
         open_runtime: Callable = default_open_runtime,
+        ranks: RankSession | None = None,
     ):
+        """`ranks`: this process is rank 0 of a sharded target; `open_runtime` then
+        loads this process's shard (every rank loads in step)."""
         super().__init__()
+        self.ranks = ranks
+        self.failure: str | None = None  # why a sharded chat had to end
         self.registry = registry
         self.entry = registry.get(model)
         self.entry.proposer(proposer)  # an unknown name fails here, before any loading
         self.set_reactive(ChatApp.proposer, proposer or self.entry.default_proposer)
         self.set_reactive(ChatApp.temperature, self.entry.defaults.temperature)
-        self.engine_thread = EngineThread(self.post_message, open_runtime)
+        if ranks is None:
+            self.engine_thread = EngineThread(self.post_message, open_runtime)
+        else:
+            self.engine_thread = EngineThread(
+                self.post_message, open_runtime, ranks.stream, self._end_following
+            )
         self.conversation = Conversation()
         self.current: AnswerView | None = None  # the answer streaming (or the last one)
         self.job: AnswerJob | None = None
@@ -141,6 +159,10 @@ class ChatApp(App):
         self.status.note = ""
 
     def on_load_failed(self, message: LoadFailed) -> None:
+        if self.ranks is not None:  # the other ranks cannot be asked to load another
+            self.failure = f"cannot load {message.entry.name}: {message.error}"
+            self.exit(return_code=1)
+            return
         self.notify(
             f"cannot load {message.entry.name}: {message.error}",
             severity="error",
@@ -153,11 +175,18 @@ class ChatApp(App):
     def switch_model(self, name: str, proposer: str | None = None, temperature=None) -> None:
         if self._refuse_while_busy():
             return
+        if self.ranks is not None and name != self.entry.name:
+            self.notify(
+                f"a sharded chat keeps {self.entry.name}: every rank loaded it at start",
+                severity="warning",
+                markup=False,
+            )
+            return
         entry = self.registry.get(name)
         self.proposer = proposer or entry.default_proposer
         self.temperature = entry.defaults.temperature if temperature is None else temperature
-        if name != self.entry.name or not self.model_ready:
-            self.load(entry)
+        if self.ranks is None and (name != self.entry.name or not self.model_ready):
+            self.load(entry)  # sharded: loaded once, in step with the other ranks
 
     def set_proposer(self, name: str) -> None:
         self.proposer = name
@@ -242,6 +271,21 @@ class ChatApp(App):
     def action_cancel(self) -> None:
         if self.busy and self.job is not None:
             self.job.cancel.set()
+
+    def _end_following(self) -> None:
+        """Sharded, on the engine thread as it stops: the other ranks may return (not once
+        they are lost: a collective with them would wait for ever)."""
+        if self.failure is None:
+            self.ranks.end_following()
+
+    def lose_ranks(self, reason: str) -> None:
+        """Sharded: another rank died or is stuck (called from a watching thread). The
+        chat cannot go on, so it leaves the screen; the command says why, non-zero."""
+        self.failure = reason
+        try:
+            self.call_from_thread(self.exit, return_code=1)
+        except RuntimeError:
+            pass  # the app has ended already (the command reports the failure)
 
     def _refuse_while_busy(self) -> bool:
         if self.busy:

@@ -3,7 +3,9 @@
 MLX streams (and arrays still waiting to be computed) belong to the thread that made
 them on Metal, so loading, calibration and generation all run on a single long-lived
 thread rather than a fresh thread per job. The thread owns the runtime and only posts
-messages; the app owns everything the screen shows.
+messages; the app owns everything the screen shows. On a sharded target (`chat --ranks`)
+this thread is rank 0's: it announces every answer to the other ranks (`stream`) and,
+when it stops, tells them there will be no more (`on_stop`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import gc
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -87,9 +89,31 @@ class AnswerJob:
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
+def local_stream(runtime, messages, settings, proposer: str, stop: Callable[[], bool]):
+    """The engine's own stream, left between two events once `stop()` says so."""
+    events = runtime.engine.stream(messages, settings, proposer)
+    try:
+        for event in events:
+            if stop():
+                return
+            yield event
+    finally:
+        events.close()
+
+
 class EngineThread:
-    def __init__(self, post: Callable[[Message], object], open_runtime: Callable):
+    def __init__(
+        self,
+        post: Callable[[Message], object],
+        open_runtime: Callable,
+        stream: Callable[..., Iterator[Event]] = local_stream,
+        on_stop: Callable[[], None] | None = None,
+    ):
+        """`stream(runtime, messages, settings, proposer, stop)`: an answer's events,
+        ending early once `stop()` is true; `on_stop`: run last, on this thread, while a
+        model is loaded."""
         self.post, self.open_runtime = post, open_runtime
+        self.stream, self.on_stop = stream, on_stop
         self.runtime = None
         self._jobs: queue.SimpleQueue[LoadJob | AnswerJob | None] = queue.SimpleQueue()
         # Events go through an outbox with one wake-up message at a time, not a message
@@ -125,6 +149,11 @@ class EngineThread:
                 self._load(job.entry)
             else:
                 self._answer(job)
+        if self.runtime is not None and self.on_stop is not None:
+            try:
+                self.on_stop()
+            except RuntimeError:
+                pass  # the other ranks are gone already; the app has heard (on_lost)
         # MLX aborts the process at exit now and then unless a thread that ran it
         # destroys its own streams before it ends.
         self.runtime = None
@@ -157,14 +186,13 @@ class EngineThread:
             return
         try:
             proposer = self.runtime.proposer(job.proposer)
-            events = self.runtime.engine.stream(job.messages, job.settings, proposer)
+            stop = job.cancel.is_set  # a cancelled answer stops between two rounds
+            events = self.stream(self.runtime, job.messages, job.settings, proposer, stop)
             try:
                 for event in events:
-                    if job.cancel.is_set():
-                        break
                     self._deliver(event)
             finally:
-                events.close()  # a cancelled answer stops here, between two rounds
+                events.close()
         except Exception as err:
             self.post(Ended(cancelled=False, error=_one_line(err)))
             return

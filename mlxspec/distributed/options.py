@@ -3,20 +3,27 @@
 Without them a command runs as before. With them, the command re-runs itself under
 mlx.launch (see `launch`); inside a launched rank, the command body runs with a rank
 session started (see `rank.current_rank`), and every way out reports an exit marker.
+`chat --ranks N` is the exception: rank 0 stays in this process, on the user's terminal,
+and starts the other ranks itself (see `followers`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import threading
+from typing import NoReturn
 
 import click
 
+from mlxspec.console import say
 from mlxspec.distributed.config import BACKENDS, PARALLEL_MODES, RankConfig
 from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.launch import LOST
 
 DEFAULT_TIMEOUT = 120.0
+LEAVE_SECONDS = 5.0  # a front end told the ranks are lost has this long to end the process
 
 OPTIONS = [
     click.option(
@@ -84,6 +91,11 @@ def distributed_options(func):
         if kwargs.get("prompt") == "-":  # read here: the ranks get it on their command line
             argv = [sys.stdin.read() if a == "-" else a for a in argv]
         elif func.__name__ == "chat":
+            if not hostfile and request.backend == "ring":  # rank 0 keeps the terminal
+                _run_front(request, _rank_argv(argv), func, args, kwargs)
+            if sys.stdin.isatty() and not kwargs.get("plain"):
+                how = "--hostfile" if hostfile else f"--backend {request.backend}"
+                say(f"{how}: the line chat (mlx.launch gives rank 0 pipes; the TUI needs --ranks)")
             stdin = sys.stdin  # rank 0 reads the turns (mlx.launch relays stdin)
         sys.exit(run_launched(request, _rank_argv(argv), stdin))
 
@@ -133,6 +145,49 @@ def _run_rank(config, func, args, kwargs) -> None:
     finally:
         report_exit(code)
     sys.exit(code)
+
+
+def _run_front(request, rank_argv: list[str], func, args, kwargs) -> NoReturn:
+    """`chat --ranks N`: the command body as rank 0 in this process, on the user's
+    terminal, with the other ranks as its children (see `followers`)."""
+    from mlxspec.distributed.followers import Followers, hide_collective_noise
+    from mlxspec.distributed.rank import start_session
+
+    followers = Followers(request, rank_argv)
+    code, error = 1, None
+    try:
+        hide_collective_noise()
+        followers.start()
+        session = start_session(followers.config)
+        session.watchdog.on_timeout = followers.fail
+        followers.on_lost = functools.partial(_lost, session, followers)
+        func(*args, **kwargs)
+        code = 0
+    except click.exceptions.Exit as stop:
+        code = stop.exit_code
+    except click.ClickException as err:
+        code, error = err.exit_code, err.format_message()
+    except (DistributedError, RuntimeError, ValueError, OSError) as err:
+        error = _explain(err)
+    except KeyboardInterrupt:
+        error = "interrupted"
+    code = followers.finish(code, error)
+    if code:
+        sys.stdout.flush()
+        os._exit(code)  # not sys.exit: a thread may still wait in a collective
+    sys.exit(0)
+
+
+def _lost(session, followers, reason: str) -> None:
+    """The ranks `_run_front` started are lost: the front end leaves first if it has a
+    way to (the TUI restores the terminal), but a thread of this process still waiting in
+    a collective must not keep it alive."""
+    if session.on_lost is None:
+        followers.abort(reason)
+    session.on_lost(reason)
+    timer = threading.Timer(LEAVE_SECONDS, followers.abort, (reason,))
+    timer.daemon = True
+    timer.start()
 
 
 def _explain(err: Exception) -> str:

@@ -123,6 +123,9 @@ class RankSession:
         self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""), self.rank)
         self.processes: list[tuple[int, int]] = []  # (host id, pid) per rank, once loaded
         self.load_peak_kb: list[int] = []  # MLX's peak memory while loading, per rank
+        # What rank 0's front end does when the ranks this process started are lost or
+        # stuck (`chat --ranks`: the TUI leaves the screen first); None: end at once.
+        self.on_lost: Callable[[str], None] | None = None
 
     @property
     def front(self) -> bool:
@@ -140,9 +143,10 @@ class RankSession:
     def notify(self, say: Callable[[str], None]) -> Callable[[str], None]:
         return say if self.front else (lambda _: None)
 
-    def open_runtime(self, entry, say: Callable[[str], None]):
+    def open_runtime(self, entry, say: Callable[[str], None], calibrate: bool = False):
         """Load the target on every rank, check the files agree, shard it, and return a
-        Runtime whose engine keeps every rank in step."""
+        Runtime whose engine keeps every rank in step. `calibrate`: agree on the verify
+        cost now, on every rank (the chat does it while "loading" shows)."""
         from mlxspec.loading import load_model
         from mlxspec.runtime import Runtime
 
@@ -191,6 +195,8 @@ class RankSession:
         # Tree shapes are pruned by each rank's own cost estimates, which may differ.
         engine.target.refuse_trees("a sharded target verifies lines only, for now")
         runtime.engine = engine
+        if calibrate:
+            engine.verify_cost  # noqa: B018  (a collective: every rank runs it here)
         return runtime
 
     def agree(self, request, settings: GenerationSettings | None, proposer, idle: bool = False):
