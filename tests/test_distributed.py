@@ -138,6 +138,20 @@ def test_rank_command_line_drops_only_the_launch_options():
     assert command[-4:] == ["-m", "mlxspec", "generate", "hi"]
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_one_rank_is_refused_in_one_line(command):
+    """One rank is no sharding, and MLX's ring cannot even start it (an empty hostfile
+    failed to parse; a one-entry ring hung)."""
+    from click.testing import CliRunner
+
+    from mlxspec.cli import main
+
+    args = [command, *(["hi"] if command == "generate" else []), "--ranks", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert "Invalid value for '--ranks': 1 is not in the range x>=2" in result.output
+
+
 def test_rank_zero_in_this_process_drops_mlx_socket_chatter_from_its_stderr():
     """`chat --ranks` keeps rank 0 in the launching process, so the lines MLX's C++ writes
     to descriptor 2 when a peer goes away are dropped there, as run_launched drops them

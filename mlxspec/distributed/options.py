@@ -28,8 +28,8 @@ LEAVE_SECONDS = 5.0  # a front end told the ranks are lost has this long to end 
 OPTIONS = [
     click.option(
         "--ranks",
-        type=click.IntRange(min=1),
-        help="Shard the target over N local processes (ring backend over loopback; tests).",
+        type=click.IntRange(min=2),  # one rank is no sharding (and MLX's ring cannot run it)
+        help="Shard the target over N >= 2 local processes (ring backend over loopback).",
     ),
     click.option(
         "--hostfile",
