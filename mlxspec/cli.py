@@ -397,6 +397,7 @@ def pull(name, mtp, mtp_source):
 
 # `serve`: requests that share a target pass by default (docs/batching.md, measured).
 DEFAULT_MAX_BATCH = 8
+SHARDED_MAX_BATCH = 8
 
 
 @main.command()
@@ -464,13 +465,10 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     if rank is None:
         provider = RegistryProvider(registry, default=model, notify=say)
     else:
-        if (max_batch or 1) > 1:
-            raise click.UsageError(
-                "--max-batch above 1 does not run sharded yet; drop --max-batch or --ranks"
-            )
+        max_batch = max_batch or SHARDED_MAX_BATCH  # every rank must know rank 0's batch
         entry = registry.get(model)
         if not rank.front:  # the other ranks run what rank 0's server announces
-            rank.follow(rank.open_runtime(entry, say))
+            rank.follow(rank.open_runtime(entry, say), max_batch)
             return
         from mlxspec.server.sharded import RankProvider
 
@@ -481,7 +479,7 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
         raise click.ClickException(str(err)) from None
     warn_if_slow_blas()
     if max_batch is None:  # measured: docs/batching.md (8 clients: ~3x one at a time)
-        max_batch = 1 if rank is not None else DEFAULT_MAX_BATCH
+        max_batch = DEFAULT_MAX_BATCH
     limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting, max_batch=max_batch)
     app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default, ranks=rank)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

@@ -399,13 +399,12 @@ def rank_processes(port: int) -> list[str]:
     return [line for line in found.stdout.splitlines() if "mlxspec serve" in line]
 
 
-def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
-    """Four concurrent openai clients, streaming and not, a client that leaves mid-stream,
-    and Ctrl-C: through `serve --ranks 2` as in one process."""
+def one_process_answers(root: Path) -> dict[str, str]:
+    """Each of SERVE_PROMPTS answered by plain greedy decoding in one process (24 tokens)."""
     from mlxspec.engine import Engine, GenerationSettings
     from mlxspec.loading import load_model
 
-    loaded = load_model(str(tiny / "llama"), progress=False)
+    loaded = load_model(str(root / "llama"), progress=False)
     one_process = Engine(loaded.model, loaded.tokenizer, "tiny")
     expected = {}
     for prompt in SERVE_PROMPTS:  # plain decoding in one process: text and tokens
@@ -414,6 +413,13 @@ def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
         reference = plain_greedy(loaded.model, tokens, 24, {256})
         assert_lossless(loaded.model, tokens, reference, list(done.token_ids), prompt)
         expected[prompt] = done.text
+    return expected
+
+
+def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
+    """Four concurrent openai clients, streaming and not, a client that leaves mid-stream,
+    and Ctrl-C: through `serve --ranks 2` as in one process."""
+    expected = one_process_answers(tiny)
     seed_flat_calibration(tiny, "tiny", 2)
 
     def complete(prompt: str, stream: bool = False) -> str:
@@ -422,7 +428,7 @@ def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
             return client.completions.create(**asked).choices[0].text
         return "".join(chunk.choices[0].text for chunk in client.completions.create(**asked))
 
-    with serving_ranks(tiny) as (launcher, client, url):
+    with serving_ranks(tiny, "--max-batch", "1") as (launcher, client, url):
         with ThreadPoolExecutor(4) as pool:
             together = list(pool.map(complete, SERVE_PROMPTS))
         assert together == list(expected.values())
@@ -448,12 +454,52 @@ def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
             time.sleep(0.2)
 
 
-def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny):
-    """The request in flight and the one queued behind it both hear which rank is gone;
-    the server exits non-zero within the collective timeout. (A hung rank takes the same
-    way out, through the watchdog; `test_a_stuck_rank_is_caught_by_the_watchdog`.)"""
+def test_serve_sharded_batch_gives_each_client_its_one_process_answer(tiny):
+    """`serve --ranks 2 --max-batch 4`: three staggered openai clients join a running
+    batch (one sharded pass a round for all rows) and each gets its one-process answer;
+    a client that leaves mid-stream frees its row on every rank at once (the others
+    finish in step, and the batch serves on)."""
+    expected = one_process_answers(tiny)
     seed_flat_calibration(tiny, "tiny", 2)
-    args = ("--collective-timeout", "4")
+
+    def complete(delay: float, prompt: str):
+        time.sleep(delay)  # staggered: each joins a batch that is already running
+        asked = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+        return client.completions.create(**asked)
+
+    with serving_ranks(tiny, "--max-batch", "4") as (launcher, client, url):
+        leaving = client.completions.create(
+            model="tiny", prompt="ab ab", max_tokens=2000, temperature=0, stream=True
+        )
+        chunks = iter(leaving)
+        next(chunks)  # it holds a row, generating
+        prompts = SERVE_PROMPTS[:3]
+        with ThreadPoolExecutor(3) as pool:
+            answers = [pool.submit(complete, 0.4 * i, p) for i, p in enumerate(prompts)]
+            time.sleep(0.6)
+            next(chunks)
+            leaving.close()  # while the others generate
+            answers = [answer.result() for answer in answers]
+        assert [a.choices[0].text for a in answers] == [expected[p] for p in prompts]
+        records = [answer.model_extra["x_mlxspec"] for answer in answers]
+        assert all(record["ranks"] == 2 for record in records)
+        assert any(sum(record["batch_sizes"][2:]) for record in records)  # rows shared passes
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(f"{url}/health").json())["active"]:
+            assert time.monotonic() < deadline, f"the row of the client that left: {health}"
+            time.sleep(0.1)
+        last = complete(0, SERVE_PROMPTS[3])  # every rank still holds the same rows
+        assert last.choices[0].text == expected[SERVE_PROMPTS[3]]
+
+
+@pytest.mark.parametrize("max_batch", ["1", "4"])
+def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny, max_batch):
+    """The request in flight and the one queued behind it (one at a time), or both rows
+    of the batch, hear which rank is gone; the server exits non-zero within the
+    collective timeout. (A hung rank takes the same way out, through the watchdog;
+    `test_a_stuck_rank_is_caught_by_the_watchdog`.)"""
+    seed_flat_calibration(tiny, "tiny", 2)
+    args = ("--collective-timeout", "4", "--max-batch", max_batch)
     with serving_ranks(tiny, *args, fault="die:1:4") as (launcher, client, url):
         start = time.monotonic()
 
@@ -471,7 +517,8 @@ def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny):
         for answer in answers:
             assert "rank 1 ended while serving" in answer, answers
             assert "server is stopping" in answer, answers
-        assert any(answer.startswith("503") for answer in answers)  # the queued one
+        if max_batch == "1":
+            assert any(answer.startswith("503") for answer in answers)  # the queued one
         assert launcher.wait(30) != 0
         assert "Error: " in launcher.stderr.read()
         assert time.monotonic() - start < 25
