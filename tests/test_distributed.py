@@ -204,6 +204,61 @@ def test_a_stuck_rank_while_serving_answers_every_request_with_a_503(monkeypatch
     loop.close()
 
 
+def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass():
+    """The sharded batch without processes: rank 0's scheduler runs on PlannedCaches
+    whose broadcast hands each plan straight to a follower (as `follow` does), through
+    JSON as on the wire. Before every verify the follower's rows hold exactly rank 0's
+    keys; staggered joins over several prefill chunks, a cancel, finished rows kept and
+    reused, and an emptied batch included. At the end both hold nothing and the same
+    kept prefixes."""
+    from types import SimpleNamespace
+
+    from test_batch import collect, sample_prompts, scheduler_for
+
+    from mlxspec.batch.scheduler import Scheduler
+    from mlxspec.distributed.batch import BatchFollower, PlannedCaches
+    from mlxspec.engine import GenerationSettings
+    from mlxspec.events import Done
+
+    engine = scheduler_for("llama", seed=2).engine
+    model = engine.target.model
+    follower = BatchFollower(model, 3, rank=1)
+    passes = []
+
+    def same_rows_as_rank_0(rows, round_: int) -> None:
+        leader = scheduler.target
+        assert rows.lengths() == leader.lengths()
+        for mine, theirs in zip(rows.cache, leader.cache):
+            filled = mine._idx
+            assert filled == theirs._idx
+            assert mx.array_equal(mine.keys[..., :filled, :], theirs.keys[..., :filled, :])
+            assert mine.left_padding.tolist() == theirs.left_padding.tolist()
+        passes.append(round_)
+
+    class Loopback:  # rank 0's broadcast, replayed by rank 1 at once
+        watchdog = SimpleNamespace(disarm=lambda: None)
+
+        def broadcast_json(self, plan, what: str) -> None:
+            follower.replay(json.loads(json.dumps(plan)), same_rows_as_rank_0)
+
+    scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()))
+    scheduler.prefill_chunk = 4  # long prompts join over several rounds, beside the others
+    prompts = sample_prompts(11)
+    settings = GenerationSettings(max_tokens=14)
+    first = scheduler.submit(prompts[0], settings, "lookup")
+    scheduler.submit(prompts[1], settings, "lookup")
+    late = [(prompts[3], settings, "lookup"), (prompts[4], settings, "lookup")]
+    done = collect(scheduler, late=late, cancel={5: first})
+    assert not any(isinstance(e, Done) for e in done[first])  # cancelled while generating
+    again = prompts[1] + list(done[1][-1].token_ids) + [7, 8]  # reuses a kept row
+    scheduler.submit(again, settings, "lookup")
+    assert collect(scheduler)[4][-1].record.reused_prompt_tokens > len(prompts[1])
+    assert len(passes) > 10 and follower.rounds == len(passes)
+    assert follower.caches.empty and scheduler.caches.empty
+    kept = [k.tokens for k in scheduler.prefixes.kept]
+    assert [k.tokens for k in follower.caches.prefixes.kept] == kept
+
+
 # --- Real ranks on tiny models ------------------------------------------------------------------
 
 
