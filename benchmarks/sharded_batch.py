@@ -2,7 +2,9 @@
 (`--max-batch N`, one sharded pass a round for all rows) vs one request at a time
 (`--max-batch 1`), both plain greedy decoding (proposer none), on the bench's prompts.
 
-    python benchmarks/sharded_batch.py --ranks 3 --clients 4 --max-batch 1 4 -n 16
+    python benchmarks/sharded_batch.py --clients 4 --rows 3x1 3x4 1x1 -n 16
+
+A row RxB is `serve --ranks R --max-batch B` (R = 1: one process, no --ranks).
 
 `bench --concurrency` serves in its own process and refuses `--ranks`; this script starts
 the real sharded server (`mlxspec serve --ranks R`) once per row and replays the prompts
@@ -36,8 +38,9 @@ def free_port() -> int:
 def serve(model: str, ranks: int, max_batch: int, clients: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "mlxspec", "serve", "--model", model, "--port", str(port)]
-    command += ["--ranks", str(ranks), "--max-batch", str(max_batch)]
-    command += ["--max-waiting", str(4 * clients), "--collective-timeout", "600"]
+    command += ["--max-batch", str(max_batch), "--max-waiting", str(4 * clients)]
+    if ranks > 1:
+        command += ["--ranks", str(ranks), "--collective-timeout", "600"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, env=os.environ)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -64,20 +67,20 @@ def stop(server: subprocess.Popen) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--max-batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--rows", nargs="+", default=["3x1", "3x4", "1x1"], help="RANKSxBATCH")
     parser.add_argument("--suite", default="quick")
     parser.add_argument("-n", "--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     prompts = load_suite(args.suite)[: args.clients]
-    best: dict[int, float] = {}
-    texts: dict[int, list[str]] = {}
-    tokens: dict[int, int] = {}
+    best: dict[str, float] = {}
+    texts: dict[str, list[str]] = {}
+    tokens: dict[str, int] = {}
     for turn in range(args.repeats):
-        for max_batch in args.max_batch:
-            server, url = serve(args.model, args.ranks, max_batch, args.clients)
+        for row in args.rows:
+            ranks, max_batch = map(int, row.split("x"))
+            server, url = serve(args.model, ranks, max_batch, args.clients)
             try:
                 replay(url, args.model, prompts[:1], 1, 2, "none")  # warm-up
                 wall, answers = replay(
@@ -87,20 +90,18 @@ def main() -> None:
                 stop(server)
             made = sum(answer.tokens for answer in answers)
             rate = made / wall
-            print(f"turn {turn + 1} --max-batch {max_batch}: {made} tokens in {wall:.1f} s")
-            best[max_batch] = max(best.get(max_batch, 0.0), rate)
-            texts[max_batch] = [answer.text for answer in answers]
-            tokens[max_batch] = made
-    base = best[args.max_batch[0]]
-    print(f"\n{args.clients} clients, {args.ranks} ranks, {args.model}, -n {args.max_tokens}")
-    print("| --max-batch | tokens | aggregate tok/s | vs first row | answers equal first row |")
+            print(f"turn {turn + 1} row {row}: {made} tokens in {wall:.1f} s", flush=True)
+            best[row] = max(best.get(row, 0.0), rate)
+            texts[row] = [answer.text for answer in answers]
+            tokens[row] = made
+    first = args.rows[0]
+    print(f"\n{args.clients} clients, {args.model}, -n {args.max_tokens}")
+    print("| ranks x max-batch | tokens | aggregate tok/s | vs first row | answers equal first |")
     print("|---|---|---|---|---|")
-    first = texts[args.max_batch[0]]
-    for max_batch in args.max_batch:
-        same = "yes" if texts[max_batch] == first else "no"
+    for row in args.rows:
+        same = "yes" if texts[row] == texts[first] else "no"
         print(
-            f"| {max_batch} | {tokens[max_batch]} | {best[max_batch]:.3f} "
-            f"| {best[max_batch] / base:.2f}x | {same} |"
+            f"| {row} | {tokens[row]} | {best[row]:.3f} | {best[row] / best[first]:.2f}x | {same} |"
         )
 
 

@@ -7,6 +7,9 @@ pass. Two things could still make ranks disagree and are pinned to rank 0's choi
 adaptive draft length (it depends on each rank's own timings) and the verify-cost
 calibration. A per-round all_gather of [cache offset, cached tokens, drafted, accepted,
 hash of the last tokens] catches any rank that drifts anyway.
+
+A server's batch (`serve --max-batch`) runs differently: the other ranks run no engine
+loop, they replay the cache work of rank 0's batch (`mlxspec.distributed.batch`).
 """
 
 from __future__ import annotations
