@@ -4,7 +4,8 @@
 
     python benchmarks/sharded_batch.py --clients 4 --rows 3x1 3x4 1x1 -n 16
 
-A row RxB is `serve --ranks R --max-batch B` (R = 1: one process, no --ranks).
+A row RxB is `serve --ranks R --max-batch B` (R = 1: one process, no --ranks); RxB:P
+asks for proposer P (default: none, plain decoding).
 
 `bench --concurrency` serves in its own process and refuses `--ranks`; this script starts
 the real sharded server (`mlxspec serve --ranks R`) once per row and replays the prompts
@@ -79,12 +80,13 @@ def main() -> None:
     tokens: dict[str, int] = {}
     for turn in range(args.repeats):
         for row in args.rows:
-            ranks, max_batch = map(int, row.split("x"))
+            shape, _, proposer = row.partition(":")
+            ranks, max_batch = map(int, shape.split("x"))
             server, url = serve(args.model, ranks, max_batch, args.clients)
             try:
-                replay(url, args.model, prompts[:1], 1, 2, "none")  # warm-up
+                replay(url, args.model, prompts[:1], 1, 2, proposer or "none")  # warm-up
                 wall, answers = replay(
-                    url, args.model, prompts, args.clients, args.max_tokens, "none"
+                    url, args.model, prompts, args.clients, args.max_tokens, proposer or "none"
                 )
             finally:
                 stop(server)
@@ -94,6 +96,9 @@ def main() -> None:
             best[row] = max(best.get(row, 0.0), rate)
             texts[row] = [answer.text for answer in answers]
             tokens[row] = made
+            drafted = sum(answer.record.get("drafted", 0) for answer in answers)
+            accepted = sum(answer.record.get("accepted", 0) for answer in answers)
+            print(f"  drafted {drafted}, accepted {accepted}", flush=True)
     first = args.rows[0]
     print(f"\n{args.clients} clients, {args.model}, -n {args.max_tokens}")
     print("| ranks x max-batch | tokens | aggregate tok/s | vs first row | answers equal first |")
