@@ -412,6 +412,8 @@ def pull(name, mtp, mtp_source):
 
 
 # `serve`: requests that share a target pass by default (docs/batching.md, measured).
+# Measured: docs/batching.md (8 clients: ~3x one at a time), and sharded over 3 ranks
+# docs/distributed.md (4 clients: 3.1x one at a time; 8 clients: --max-batch 8 >= 4).
 DEFAULT_MAX_BATCH = 8
 
 
@@ -444,7 +446,7 @@ DEFAULT_MAX_BATCH = 8
     "--max-batch",
     type=click.IntRange(min=1),
     help="Requests that generate together, sharing each target pass (1: one at a time; "
-    "default: 8, or 1 when sharded).",
+    "default: 8, sharded too).",
 )
 @TREE_OPTION
 @distributed_options
@@ -452,7 +454,7 @@ DEFAULT_MAX_BATCH = 8
 def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, tree):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
-    Up to --max-batch requests (default 8; 1 when sharded) share each target pass; the
+    Up to --max-batch requests (default 8, sharded too) share each target pass; the
     others wait in line (bounded by --max-waiting; beyond it, 429). Requests may name any
     registry model (one is in memory at a time) and pass {"mlxspec": {"proposer": ...,
     "k": ..., "tree": ..., "history": false, "provenance": true}}; answers carry the run
@@ -476,17 +478,14 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     )
 
     registry = load_registry().including(model).with_defaults(tree=tree)
+    max_batch = max_batch or DEFAULT_MAX_BATCH
     rank = current_rank()  # None unless launched with --ranks/--hostfile
     if rank is None:
         provider = RegistryProvider(registry, default=model, notify=say)
     else:
-        if (max_batch or 1) > 1:
-            raise click.UsageError(
-                "--max-batch above 1 does not run sharded yet; drop --max-batch or --ranks"
-            )
         entry = registry.get(model)
         if not rank.front:  # the other ranks run what rank 0's server announces
-            rank.follow(rank.open_runtime(entry, say))
+            rank.follow(rank.open_runtime(entry, say), max_batch)  # they replay its batch
             return
         from mlxspec.server.sharded import RankProvider
 
@@ -496,8 +495,6 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     except ListenError as err:
         raise click.ClickException(str(err)) from None
     warn_if_slow_blas()
-    if max_batch is None:  # measured: docs/batching.md (8 clients: ~3x one at a time)
-        max_batch = 1 if rank is not None else DEFAULT_MAX_BATCH
     limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting, max_batch=max_batch)
     app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default, ranks=rank)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

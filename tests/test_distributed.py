@@ -252,6 +252,108 @@ def test_a_stuck_rank_while_serving_answers_every_request_with_a_503(monkeypatch
     loop.close()
 
 
+def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass():
+    """The sharded batch without processes: rank 0's scheduler runs on PlannedCaches
+    whose broadcast hands each plan straight to a follower (as `follow` does), through
+    JSON as on the wire. Before every verify the follower's rows hold exactly rank 0's
+    keys; staggered joins over several prefill chunks, a cancel, finished rows kept and
+    reused, and an emptied batch included. At the end both hold nothing and the same
+    kept prefixes."""
+    from types import SimpleNamespace
+
+    from test_batch import collect, sample_prompts, scheduler_for
+
+    from mlxspec.batch.scheduler import Scheduler
+    from mlxspec.distributed.batch import BatchFollower, PlannedCaches
+    from mlxspec.engine import GenerationSettings
+    from mlxspec.events import Done
+
+    engine = scheduler_for("llama", seed=2).engine
+    model = engine.target.model
+    follower = BatchFollower(model, 3, rank=1)
+    passes = []
+
+    def same_rows_as_rank_0(rows, round_: int) -> None:
+        leader = scheduler.target
+        assert rows.lengths() == leader.lengths()
+        for mine, theirs in zip(rows.cache, leader.cache):
+            filled = mine._idx
+            assert filled == theirs._idx
+            assert mx.array_equal(mine.keys[..., :filled, :], theirs.keys[..., :filled, :])
+            assert mine.left_padding.tolist() == theirs.left_padding.tolist()
+        passes.append(round_)
+
+    class Loopback:  # rank 0's broadcast, replayed by rank 1 at once
+        watchdog = SimpleNamespace(disarm=lambda: None)
+
+        def broadcast_json(self, plan, what: str) -> None:
+            follower.replay(json.loads(json.dumps(plan)), same_rows_as_rank_0)
+
+    scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()))
+    scheduler.prefill_chunk = 4  # long prompts join over several rounds, beside the others
+    prompts = sample_prompts(11)
+    settings = GenerationSettings(max_tokens=14)
+    first = scheduler.submit(prompts[0], settings, "lookup")
+    scheduler.submit(prompts[1], settings, "lookup")
+    late = [(prompts[3], settings, "lookup"), (prompts[4], settings, "lookup")]
+    done = collect(scheduler, late=late, cancel={5: first})
+    assert not any(isinstance(e, Done) for e in done[first])  # cancelled while generating
+    again = prompts[1] + list(done[1][-1].token_ids) + [7, 8]  # reuses a kept row
+    scheduler.submit(again, settings, "lookup")
+    assert collect(scheduler)[4][-1].record.reused_prompt_tokens > len(prompts[1])
+    assert len(passes) > 10 and follower.rounds == len(passes)
+    assert follower.caches.empty and scheduler.caches.empty
+    kept = [k.tokens for k in scheduler.prefixes.kept]
+    assert [k.tokens for k in follower.caches.prefixes.kept] == kept
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, monkeypatch):
+    """A sharded forward is a collective: a pass rank 0 runs without having sent the plan
+    that ends with it leaves the other ranks outside it (a hang on real ranks). lfm2's
+    recurrent rows replay inside `keep`, a forward the plain families never run there."""
+    from types import SimpleNamespace
+
+    from test_batch import collect, sample_prompts, scheduler_for
+
+    from mlxspec.batch.scheduler import Scheduler
+    from mlxspec.distributed.batch import BatchFollower, PlannedCaches
+    from mlxspec.engine import GenerationSettings
+
+    engine = scheduler_for(family, seed=2).engine
+    model = engine.target.model
+    follower = BatchFollower(model, 3, rank=1)
+    # announced[0]: the last plan sent ends with a forward no rank-0 pass has used yet
+    announced, rank_0_forwards, following = [False], [], [False]
+
+    class Loopback:
+        watchdog = SimpleNamespace(disarm=lambda: None)
+
+        def broadcast_json(self, plan, what: str) -> None:
+            calls = plan["plan"]
+            announced[0] = bool(calls) and follower.caches.runs_model(calls[-1])
+            following[0] = True
+            follower.replay(json.loads(json.dumps(plan)), lambda rows, round_: None)
+            following[0] = False
+
+    forward = type(model).__call__
+
+    def counted(self, *args, **kwargs):
+        if not following[0]:
+            rank_0_forwards.append(announced[0])
+            announced[0] = False
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", counted)
+    scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()))
+    settings = GenerationSettings(max_tokens=14)
+    for prompt in sample_prompts(11)[:3]:
+        scheduler.submit(prompt, settings, "lookup")
+    collect(scheduler)
+    assert len(rank_0_forwards) > 10
+    assert all(rank_0_forwards), rank_0_forwards  # each one announced just before it
+
+
 # --- Real ranks on tiny models ------------------------------------------------------------------
 
 
@@ -447,13 +549,12 @@ def rank_processes(port: int) -> list[str]:
     return [line for line in found.stdout.splitlines() if "mlxspec serve" in line]
 
 
-def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
-    """Four concurrent openai clients, streaming and not, a client that leaves mid-stream,
-    and Ctrl-C: through `serve --ranks 2` as in one process."""
+def one_process_answers(root: Path) -> dict[str, str]:
+    """Each of SERVE_PROMPTS answered by plain greedy decoding in one process (24 tokens)."""
     from mlxspec.engine import Engine, GenerationSettings
     from mlxspec.loading import load_model
 
-    loaded = load_model(str(tiny / "llama"), progress=False)
+    loaded = load_model(str(root / "llama"), progress=False)
     one_process = Engine(loaded.model, loaded.tokenizer, "tiny")
     expected = {}
     for prompt in SERVE_PROMPTS:  # plain decoding in one process: text and tokens
@@ -462,6 +563,13 @@ def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
         reference = plain_greedy(loaded.model, tokens, 24, {256})
         assert_lossless(loaded.model, tokens, reference, list(done.token_ids), prompt)
         expected[prompt] = done.text
+    return expected
+
+
+def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
+    """Four concurrent openai clients, streaming and not, a client that leaves mid-stream,
+    and Ctrl-C: through `serve --ranks 2` as in one process."""
+    expected = one_process_answers(tiny)
     seed_flat_calibration(tiny, "tiny", 2)
 
     def complete(prompt: str, stream: bool = False) -> str:
@@ -470,7 +578,7 @@ def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
             return client.completions.create(**asked).choices[0].text
         return "".join(chunk.choices[0].text for chunk in client.completions.create(**asked))
 
-    with serving_ranks(tiny) as (launcher, client, url):
+    with serving_ranks(tiny, "--max-batch", "1") as (launcher, client, url):
         with ThreadPoolExecutor(4) as pool:
             together = list(pool.map(complete, SERVE_PROMPTS))
         assert together == list(expected.values())
@@ -496,12 +604,53 @@ def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
             time.sleep(0.2)
 
 
-def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny):
-    """The request in flight and the one queued behind it both hear which rank is gone;
-    the server exits non-zero within the collective timeout. (A hung rank takes the same
-    way out, through the watchdog; `test_a_stuck_rank_is_caught_by_the_watchdog`.)"""
+def test_serve_sharded_batch_gives_each_client_its_one_process_answer(tiny):
+    """`serve --ranks 2 --max-batch 4`: three staggered openai clients join a running
+    batch (one sharded pass a round for all rows) and each gets its one-process answer;
+    a client that leaves mid-stream frees its row on every rank at once (the others
+    finish in step, and the batch serves on)."""
+    expected = one_process_answers(tiny)
     seed_flat_calibration(tiny, "tiny", 2)
-    args = ("--collective-timeout", "4")
+
+    def complete(delay: float, prompt: str):
+        time.sleep(delay)  # staggered: each joins a batch that is already running
+        asked = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+        return client.completions.create(**asked)
+
+    with serving_ranks(tiny, "--max-batch", "4") as (launcher, client, url):
+        leaving = client.completions.create(
+            model="tiny", prompt="ab ab", max_tokens=2000, temperature=0, stream=True
+        )
+        chunks = iter(leaving)
+        next(chunks)  # it holds a row, generating
+        prompts = SERVE_PROMPTS[:3]
+        with ThreadPoolExecutor(3) as pool:
+            answers = [pool.submit(complete, 0.4 * i, p) for i, p in enumerate(prompts)]
+            time.sleep(0.6)
+            next(chunks)
+            leaving.close()  # while the others generate
+            answers = [answer.result() for answer in answers]
+        assert [a.choices[0].text for a in answers] == [expected[p] for p in prompts]
+        records = [answer.model_extra["x_mlxspec"] for answer in answers]
+        assert all(record["ranks"] == 2 for record in records)
+        assert any(sum(record["batch_sizes"][2:]) for record in records)  # rows shared passes
+        assert sum(record["accepted"] for record in records) > 0  # speculation inside it
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(f"{url}/health").json())["active"]:
+            assert time.monotonic() < deadline, f"the row of the client that left: {health}"
+            time.sleep(0.1)
+        last = complete(0, SERVE_PROMPTS[3])  # every rank still holds the same rows
+        assert last.choices[0].text == expected[SERVE_PROMPTS[3]]
+
+
+@pytest.mark.parametrize("max_batch", ["1", "4"])
+def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny, max_batch):
+    """The request in flight and the one queued behind it (one at a time), or both rows
+    of the batch, hear which rank is gone; the server exits non-zero within the
+    collective timeout. (A hung rank takes the same way out, through the watchdog;
+    `test_a_stuck_rank_is_caught_by_the_watchdog`.)"""
+    seed_flat_calibration(tiny, "tiny", 2)
+    args = ("--collective-timeout", "4", "--max-batch", max_batch)
     with serving_ranks(tiny, *args, fault="die:1:4") as (launcher, client, url):
         start = time.monotonic()
 
@@ -519,7 +668,8 @@ def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny):
         for answer in answers:
             assert "rank 1 ended while serving" in answer, answers
             assert "server is stopping" in answer, answers
-        assert any(answer.startswith("503") for answer in answers)  # the queued one
+        if max_batch == "1":
+            assert any(answer.startswith("503") for answer in answers)  # the queued one
         assert launcher.wait(30) != 0
         assert "Error: " in launcher.stderr.read()
         assert time.monotonic() - start < 25

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxspec.batch.prefix import PrefixPool
-from mlxspec.batch.target import BatchTarget, Prefill
+from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.width import PassCost, choose_width, pass_grid_for
 from mlxspec.engine import Engine, GenerationError, GenerationSettings, candidates
 from mlxspec.events import Event
@@ -70,7 +69,6 @@ class Slot:
     request_id: int
     run: RequestRun
     proposer: Proposer | None
-    prefill: Prefill | None = None
     admitted_at: float = 0.0  # when its prefill began (time to first token counts from submit)
     cancelled: bool = False
     error: Exception | None = None  # what ended it, if its own drafting or accepting failed
@@ -89,16 +87,18 @@ class Round:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_batch: int = 8):
+    def __init__(self, engine: Engine, max_batch: int = 8, caches: BatchCaches | None = None):
+        """`caches`: where the batch's cache work goes (by default its own; a sharded
+        rank 0 passes one that the other ranks replay)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine, self.max_batch = engine, max_batch
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens a joining request feeds per round
-        self.target = BatchTarget(engine.target.model)
+        # Finished rows' caches are kept for the next prompts (one per slot).
+        self.caches = caches or BatchCaches(engine.target.model, prefix_capacity=max_batch)
+        self.target, self.prefixes = self.caches.target, self.caches.prefixes
         # A pass's cost over (rows, columns): measured, corrected by the passes run.
         self.pass_cost = PassCost(engine.verify_cost, grid=pass_grid_for(engine))
-        # Finished rows' caches, for the next prompts that share their beginning.
-        self.prefixes = PrefixPool(max_batch if self.target.reuses_prefixes else 0)
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
         self.active: list[Slot] = []  # in the order of the target's rows
@@ -150,16 +150,13 @@ class Scheduler:
         self._drop_cancelled()
         while self.waiting and len(self.joining) + len(self.active) < self.max_batch:
             slot = self.waiting.popleft()
-            tokens = slot.run.sequence[:-1]
-            slot.prefill = Prefill(self.target.model, tokens, self.prefixes.take(tokens))
-            slot.run.record.reused_prompt_tokens = slot.prefill.reused
+            reused = self.caches.start(slot.request_id, slot.run.sequence[:-1])
+            slot.run.record.reused_prompt_tokens = reused
             slot.admitted_at = time.perf_counter()
             self.joining.append(slot)
         for slot in list(self.joining):
-            slot.prefill.advance(self.prefill_chunk)
-            if slot.prefill.done:
-                self.target.join(slot.prefill)
-                slot.prefill = None
+            if self.caches.advance(slot.request_id, self.prefill_chunk):
+                self.caches.join(slot.request_id)
                 slot.run.record.prefill_seconds = time.perf_counter() - slot.admitted_at
                 self.joining.remove(slot)
                 self.active.append(slot)
@@ -179,20 +176,23 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         self.waiting = deque(s for s in self.waiting if not s.cancelled)
-        self.joining = [s for s in self.joining if not s.cancelled]
+        for slot in [s for s in self.joining if s.cancelled]:
+            self.caches.drop(slot.request_id)
+            self.joining.remove(slot)
         self._leave([s for s in self.active if s.cancelled])
 
     def _leave(self, leaving: list[Slot]) -> None:
         if not leaving:
             return
-        lengths = self.target.lengths()
+        lengths = self.caches.lengths()
+        kept = []
         for i, slot in enumerate(self.active):
             held = slot.run.sequence[:-1]  # the row's cache holds all but the pending token
             reusable = self.prefixes.capacity and not slot.error and lengths[i] == len(held)
             if slot in leaving and reusable:
-                self.prefixes.add(held, self.target.extract(i))
+                kept.append((i, held))
         keep = [i for i, slot in enumerate(self.active) if slot not in leaving]
-        self.target.leave(keep)
+        self.caches.leave(keep, kept)
         self.active = [self.active[i] for i in keep]
 
     def _draft(self, slot: Slot) -> Round:
@@ -212,7 +212,7 @@ class Scheduler:
         rounds = self._truncate([drafted[slot.request_id] for slot in self.active])
         rows = [[slot.run.sequence[-1], *r.tree.tokens] for slot, r in zip(self.active, rounds)]
         round_start = time.perf_counter()
-        logits = self.target.verify(rows)
+        logits = self.caches.verify(rows)
         processed = [
             slot.run.scorer.process_tree(logits[i, : len(row)], slot.run.sequence, r.tree)
             for i, (slot, r, row) in enumerate(zip(self.active, rounds, rows))
@@ -222,10 +222,9 @@ class Scheduler:
             self._guarded(slot, self._accept, slot, r, rows_processed) or ([], -1)
             for slot, r, rows_processed in zip(self.active, rounds, processed)
         ]
-        self.target.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
         # The price of a width includes the rows' roll after a ragged acceptance (about a
-        # tenth of a pass over 8 rows here), which only wide rounds pay.
-        self.target.settle()
+        # tenth of a pass over 8 rows here), which only wide rounds pay: `keep` evaluates it.
+        self.caches.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
         self.pass_cost.observe(len(rows), max(map(len, rows)), time.perf_counter() - round_start)
         batch = len(self.active)
         for slot, r, (path, own_token) in zip(self.active, rounds, accepted):

@@ -7,6 +7,9 @@ pass. Two things could still make ranks disagree and are pinned to rank 0's choi
 adaptive draft length (it depends on each rank's own timings) and the verify-cost
 calibration. A per-round all_gather of [cache offset, cached tokens, drafted, accepted,
 hash of the last tokens] catches any rank that drifts anyway.
+
+A server's batch (`serve --max-batch`) runs differently: the other ranks run no engine
+loop, they replay the cache work of rank 0's batch (`mlxspec.distributed.batch`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from functools import partial
 
 import mlx.core as mx
 
+from mlxspec.distributed.batch import PLAN, BatchFollower, batches
 from mlxspec.distributed.collectives import Collectives
 from mlxspec.distributed.config import FAULT_ENV, RankConfig
 from mlxspec.distributed.errors import DistributedError
@@ -189,6 +193,9 @@ class RankSession:
         # while every rank must verify the same tokens.
         engine = RankEngine(loaded.model, loaded.tokenizer, entry.name, notify=notify)
         engine.collectives = self.collectives
+        # Costs are measured by all ranks together (`verify_cost`); a batch's pass grid is
+        # not (it would be rank 0's passes alone): its passes are priced from that curve.
+        engine.measures_costs = False
         engine.cost_key = calibration_key(
             entry.name, rank_setup(self.config.parallel, self.size, self.config.backend)
         )
@@ -199,17 +206,10 @@ class RankSession:
             engine.verify_cost  # noqa: B018  (a collective: every rank runs it here)
         return runtime
 
-    def agree(self, request, settings: GenerationSettings | None, proposer, idle: bool = False):
-        """Rank 0's request on every rank (a random seed is drawn once, on rank 0), or None
-        once rank 0 has said there are no more (`end_following`). `idle`: the other ranks
-        wait for it without a deadline (a server waits for its clients)."""
+    def agree(self, request, settings: GenerationSettings | None, proposer):
+        """Rank 0's request on every rank (a random seed is drawn once, on rank 0)."""
         message = self._request_message(request, settings, proposer) if self.front else None
-        message = self.collectives.broadcast_json(message, "receiving the request", idle)
-        if message is None:
-            return None
-        fields = message["settings"]
-        fields["sampling"] = SamplingSettings(**fields["sampling"])
-        return message["request"], GenerationSettings(**fields), message["proposer"]
+        return _agreed(self.collectives.broadcast_json(message, "receiving the request"))
 
     def _request_message(self, request, settings: GenerationSettings, proposer) -> dict:
         sampling = settings.sampling
@@ -225,11 +225,24 @@ class RankSession:
         """Rank 0: tell the ranks in `follow` that no request will come (they return)."""
         self.collectives.broadcast_json(None, "stopping the other ranks")
 
-    def follow(self, runtime) -> None:
+    def follow(self, runtime, max_batch: int = 1) -> None:
         """Ranks other than 0 under serve and chat: run every request rank 0 announces,
-        in step with it and printing nothing, until it announces the end."""
-        while (agreed := self.agree(None, None, None, idle=True)) is not None:
-            request, settings, proposer = agreed
+        and replay every plan of its batch (`distributed.batch`), in step with it and
+        printing nothing, until it announces the end. `max_batch`: the server's."""
+        model = runtime.engine.target.model
+        batch = None
+        if batches(model, max_batch):
+            _ = runtime.engine.verify_cost  # rank 0's scheduler calibrates with us at start
+            batch = BatchFollower(model, max_batch, self.rank)
+        idle = True  # between requests, rank 0 waits for its clients: no deadline
+        while (
+            message := self.collectives.broadcast_json(None, "receiving work", idle)
+        ) is not None:
+            if PLAN in message:
+                idle = batch.replay(message, self._maybe_fault)
+                continue
+            idle = True
+            request, settings, proposer = _agreed(message)
             runtime.proposer(proposer)  # built on rank 0 before it announced the request
             try:
                 for _ in self.run(runtime, request, settings, proposer):
@@ -260,24 +273,28 @@ class RankSession:
                 self.watchdog.arm("generating")
                 if isinstance(event, Step):
                     rounds += 1
-                    self._maybe_fault(engine, rounds)
+                    self._maybe_fault(engine.target, rounds)
                     stopping = self.front and stop is not None and stop()
                     if self.check(engine, event, rounds, stopping):
                         return  # closing the engine's stream leaves its cache consistent
                 if isinstance(event, Done):
                     record = event.record
-                    record.ranks, record.backend = self.size, self.config.backend
-                    record.parallel = self.config.parallel
+                    self.describe(record)
                     record.collective_seconds = round(self.collectives.seconds - start_seconds, 6)
                     record.collective_rounds = rounds
-                    record.allreduce_seconds = round(self.allreduce_seconds, 7)
-                    record.allreduces_per_forward = self.allreduces
-                    record.load_peak_kb = self.load_peak_kb
                 if self.front or isinstance(event, Done):
                     yield event
         finally:
             events.close()
             self.watchdog.disarm()
+
+    def describe(self, record) -> None:
+        """Stamp a run record with how the target is sharded."""
+        record.ranks, record.backend = self.size, self.config.backend
+        record.parallel = self.config.parallel
+        record.allreduce_seconds = round(self.allreduce_seconds, 7)
+        record.allreduces_per_forward = self.allreduces
+        record.load_peak_kb = self.load_peak_kb
 
     def gone_ranks(self) -> list[int]:
         """Ranks on this host whose process has ended (others cannot be seen from here)."""
@@ -312,15 +329,23 @@ class RankSession:
                 )
         return bool(rows[0][-1])
 
-    def _maybe_fault(self, engine: Engine, round_: int) -> None:
-        """Test hook (MLXSPEC_FAULT): break this rank on purpose at a given round."""
+    def _maybe_fault(self, target, round_: int) -> None:
+        """Test hook (MLXSPEC_FAULT): break this rank on purpose at a given round (of
+        `target`: a Target or a BatchTarget)."""
         if self._fault.get("trim") == round_:
-            for c in engine.target.cache:
+            for c in target.cache:
                 c.trim(1)
         if self._fault.get("die") == round_:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._fault.get("hang") == round_:
             time.sleep(10_000)
+
+
+def _agreed(message: dict) -> tuple:
+    """(request, settings, proposer) from rank 0's announcement."""
+    fields = message["settings"]
+    fields["sampling"] = SamplingSettings(**fields["sampling"])
+    return message["request"], GenerationSettings(**fields), message["proposer"]
 
 
 def rank_setup(parallel: str, ranks: int, backend: str) -> str:

@@ -95,9 +95,15 @@ def create_app(
     """An app serving `provider`'s models; `preload` loads one before the first request.
     `ranks`: this is rank 0 of a sharded target (the other ranks follow its requests)."""
     if ranks is not None:
-        from mlxspec.server.sharded import ShardedWorker
+        from mlxspec.server.sharded import ShardedBatchedWorker, ShardedWorker
 
-        worker = ShardedWorker(provider, limits.max_waiting, ranks, preload or provider.default)
+        preload = preload or provider.default
+        if limits.max_batch > 1:
+            worker = ShardedBatchedWorker(
+                provider, limits.max_waiting, ranks, preload, limits.max_batch
+            )
+        else:
+            worker = ShardedWorker(provider, limits.max_waiting, ranks, preload)
     elif limits.max_batch > 1:
         worker = BatchedWorker(provider, limits.max_waiting, limits.max_batch, preload)
     else:

@@ -57,6 +57,11 @@ class BatchedWorker(Worker):
             return self.max_waiting
         return self.max_waiting + max(0, self.max_batch - self._rows())
 
+    def in_flight(self) -> list[Job]:
+        """The batch's requests, the one running alone, and the one waiting to."""
+        held = [self._held] if self._held is not None else []
+        return [*super().in_flight(), *held, *list(self._jobs.values())]
+
     def _open(self, name: str):
         """Let the old model's batch (its engine, rows and kept prefixes) go before the
         next model loads, as the one-at-a-time worker lets the old weights go."""
@@ -163,9 +168,8 @@ class BatchedWorker(Worker):
                 job.end()
         try:
             out = scheduler.step()
-        except Exception:
-            log.exception("batched generation failed")
-            self._fail_all()
+        except Exception as err:
+            self._fail_all(err)
             return
         for request_id, error in scheduler.failed.items():
             log.error("request %d failed: %r", request_id, error)
@@ -181,8 +185,9 @@ class BatchedWorker(Worker):
                     del self._jobs[request_id]
                     job.end()
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, err: Exception) -> None:
         """A round failed: end every request in it with an error and start afresh."""
+        log.error("batched generation failed", exc_info=err)
         for job in self._jobs.values():
             job.post(_internal_error())
             job.end()

@@ -1,6 +1,8 @@
 """`serve --ranks/--hostfile` on rank 0: the generation thread announces every request to
 the other ranks (they `follow` it, see distributed.rank) and stops a request whose client
-left only after a round every rank has finished.
+left only after a round every rank has finished. With `--max-batch` above 1 it runs the
+batch, whose cache work every rank replays (distributed.batch); a request the batch
+cannot take runs alone, announced as above.
 
 A lost rank cannot be worked around: MLX's collectives block in C++ and cannot be
 interrupted, and the model is split. So the failure path answers every client first (a
@@ -16,10 +18,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 
+from mlxspec.batch.scheduler import Scheduler
+from mlxspec.distributed.batch import PlannedCaches, batches
 from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.rank import RankSession, report_exit
-from mlxspec.events import Event
+from mlxspec.events import Done, Event
 from mlxspec.registry import ModelEntry
+from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelInfo, ModelProvider, OpenModel
 from mlxspec.server.worker import Job, Worker
@@ -57,6 +62,9 @@ class ShardedWorker(Worker):
         self, provider: ModelProvider, max_waiting: int, session: RankSession, preload: str
     ):
         super().__init__(provider, max_waiting, preload)
+        self._attach(session)
+
+    def _attach(self, session: RankSession) -> None:
         self.session = session
         self.failure: ApiError | None = None
         self._fail_lock = threading.Lock()
@@ -114,13 +122,52 @@ class ShardedWorker(Worker):
             message = f"{reason}; the sharded model cannot go on and the server is stopping"
             self.failure = ApiError(503, message, code="rank_failed", type="server_error")
             self._stopping.set()
-            jobs = [self._running, *_drain(self._waiting)]
+            jobs = [*self.in_flight(), *_drain(self._waiting)]
             self._waiting.put(None)  # the generation thread, if it is free, ends
         for job in filter(None, jobs):
             job.post(self.failure)
         _say_error(message)
         threading.Thread(target=_exit_after_grace, name="mlxspec-exit", daemon=True).start()
         return self.failure
+
+
+class ShardedBatchedWorker(ShardedWorker, BatchedWorker):
+    """`serve --ranks N --max-batch B`: the batch on rank 0, one sharded pass a round for
+    all its rows. The failure path, the requests that run alone and the end of following
+    are `ShardedWorker`'s; the batch is `BatchedWorker`'s, with caches the other ranks
+    replay."""
+
+    def __init__(
+        self,
+        provider: ModelProvider,
+        max_waiting: int,
+        session: RankSession,
+        preload: str,
+        max_batch: int,
+    ):
+        BatchedWorker.__init__(self, provider, max_waiting, max_batch, preload)
+        self._attach(session)
+
+    def _scheduler_for(self, engine) -> Scheduler | None:
+        """One batch for the one model a sharded server holds; the other ranks decide
+        the same way whether there is one (`batches`), and calibrate with it."""
+        if self._scheduler is None and batches(engine.target.model, self.max_batch):
+            caches = PlannedCaches(engine.target.model, self.max_batch, self.session.collectives)
+            self._scheduler = Scheduler(engine, self.max_batch, caches)
+        return self._scheduler
+
+    def _fail_all(self, err: Exception) -> None:
+        """A round that failed half-way leaves the ranks' caches apart (or a rank is
+        gone): nothing can go on, so every request hears why and the server stops."""
+        log.error("batched generation failed", exc_info=err)
+        self.fail(_first_line(err))
+        self._jobs.clear()
+        self._scheduler = None
+
+    def _relay(self, job: Job, event: object) -> None:
+        if isinstance(event, Done):
+            self.session.describe(event.record)
+        super()._relay(job, event)
 
 
 def _drain(waiting: queue.Queue) -> list[Job]:

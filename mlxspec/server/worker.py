@@ -113,6 +113,10 @@ class Worker:
         """Requests generating now."""
         return int(self.busy)
 
+    def in_flight(self) -> list[Job]:
+        """Requests the generation thread has taken from the queue and not ended."""
+        return [self._running] if self._running is not None else []
+
     @property
     def waiting(self) -> int:
         return self._waiting.qsize()

@@ -1,0 +1,116 @@
+"""The batch on a sharded target: rank 0 schedules, every rank runs the same passes.
+
+A sharded forward is a collective (all-reduces inside the layers), so every rank must
+call the model with inputs of the same shape, in the same order: each prefill chunk,
+each round's verify, and between them the same joins, leaves, trims and rolls.
+
+The other ranks run no scheduler, proposer or policy (whose choices hang on rank 0's
+timings and clients). Rank 0's `PlannedCaches` records every call the scheduler makes
+on its `BatchCaches` and, before each forward pass, broadcasts the calls since the last
+one as a plan; the other ranks replay them on their own `BatchCaches` (`BatchFollower`)
+and so hold caches of the same shape, in which the same forward runs. A plan also
+carries rank 0's row lengths, which each rank checks before the pass: a rank that
+drifts anyway stops with a line naming it instead of computing on.
+
+When the batch empties (last request done or cancelled), the plan goes out at once
+and says so, so the other ranks let their rows go too and wait for the next request
+without a deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxspec.batch.caches import BatchCaches
+from mlxspec.batch.target import BatchTarget, unsupported_reason
+from mlxspec.distributed.collectives import Collectives
+from mlxspec.distributed.errors import DistributedError
+
+PLAN = "plan"  # the key that tells a plan from a request announcement
+
+
+def batches(model: nn.Module, max_batch: int) -> bool:
+    """Whether rank 0's server runs a batch (every rank must know: the batch's cost
+    calibration and its passes are collectives)."""
+    return max_batch > 1 and unsupported_reason(model) is None
+
+
+class PlannedCaches(BatchCaches):
+    """Rank 0's batch caches: each call is also recorded for the other ranks."""
+
+    def __init__(self, model: nn.Module, prefix_capacity: int, collectives: Collectives):
+        super().__init__(model, prefix_capacity)
+        self.collectives = collectives
+        self.pending: list[list] = []  # calls not yet sent
+
+    def start(self, request_id: int, tokens: list[int]) -> int:
+        return self._call("start", request_id, tokens)
+
+    def advance(self, request_id: int, chunk: int) -> bool:
+        return self._call("advance", request_id, chunk)
+
+    def join(self, request_id: int) -> None:
+        self._call("join", request_id)
+
+    def drop(self, request_id: int) -> None:
+        self._call("drop", request_id)
+
+    def leave(self, keep_rows: list[int], kept: list[tuple[int, list[int]]]) -> None:
+        self._call("leave", keep_rows, kept)
+
+    def verify(self, rows: list[list[int]]) -> mx.array:
+        return self._call("verify", rows)
+
+    def keep(self, n_keep: list[int], width: int) -> None:
+        self._call("keep", n_keep, width)
+
+    def _call(self, name: str, *args):
+        self.pending.append([name, *args])
+        if self.runs_model(self.pending[-1]):  # the other ranks must be in this pass with us
+            self._send(idle=False)
+        result = getattr(BatchCaches, name)(self, *args)
+        if self.empty and self.pending:
+            self._send(idle=True)
+        return result
+
+    def _send(self, idle: bool) -> None:
+        plan = {PLAN: self.pending, "lengths": self.lengths(), "idle": idle}
+        self.pending = []
+        self.collectives.broadcast_json(plan, "sending the batch's plan")
+        if idle:  # no deadline until the next request
+            self.collectives.watchdog.disarm()
+
+
+class BatchFollower:
+    """Another rank's copy of the batch caches, moved only by rank 0's plans."""
+
+    def __init__(self, model: nn.Module, prefix_capacity: int, rank: int):
+        self.caches = BatchCaches(model, prefix_capacity)
+        self.rank = rank
+        self.rounds = 0  # verify passes run (the fault hook counts them)
+
+    def replay(self, plan: dict, on_round: Callable[[BatchTarget, int], None]) -> bool:
+        """Run one plan's calls; returns whether rank 0 went idle after it.
+        `on_round(rows, round)` runs before each verify (the test fault hook)."""
+        calls = plan[PLAN]
+        forward = calls.pop() if calls and self.caches.runs_model(calls[-1]) else None
+        for name, *args in calls:
+            getattr(self.caches, name)(*args)
+        mine = self.caches.lengths()
+        if mine != plan["lengths"]:
+            raise DistributedError(
+                f"rank {self.rank} diverged from rank 0 in the batch: row lengths "
+                f"{mine} vs {plan['lengths']}; stopping (no output past this point is trusted)"
+            )
+        if forward is not None:
+            name, *args = forward
+            if name == "verify":
+                self.rounds += 1
+                on_round(self.caches.target, self.rounds)
+            result = getattr(self.caches, name)(*args)
+            if name == "verify":
+                mx.eval(result)  # the pass's own all-reduces run when it is evaluated
+        return plan["idle"]
