@@ -1,6 +1,7 @@
 """Where suffix decoding gains and loses tokens against prompt lookup, round by round.
 
     python benchmarks/suffix_rounds.py --suite agent [-n 128] [--rounds ID,ID] [--seed] [--oracle-k]
+        [--requests]
     python benchmarks/suffix_rounds.py --prompts benchmarks/agent-heldout.jsonl  # replayed
 
 A teacher-forced replay of a suite's plain greedy answers (recorded once with the
@@ -184,6 +185,7 @@ def main() -> None:
     parser.add_argument("--rounds", default="", help="print every suffix round of these ids")
     parser.add_argument("--oracle-k", action="store_true")
     parser.add_argument("--seed", action="store_true")
+    parser.add_argument("--requests", action="store_true", help="a row per request too")
     args = parser.parse_args()
     if args.prompts:
         name, prompts, replayed = args.prompts.stem, read_prompts(args.prompts), True
@@ -205,6 +207,11 @@ def main() -> None:
         )
         log += rounds
     summary(results, log, answers)
+    if args.requests:
+        print("\n| request | class | prompt-lookup est. | suffix est. |\n|---|---|---|---|")
+        for prompt_id, item in answers.items():
+            lookup, suffix = (results[kind][prompt_id]["est"] for kind in results)
+            print(f"| {prompt_id} | {item['class']} | {lookup:.3f}x | {suffix:.3f}x |")
     for prompt_id in filter(None, args.rounds.split(",")):
         print(f"\n{prompt_id}:")
         for entry in (e for e in log if e["id"] == prompt_id and e["origin"]):
