@@ -62,6 +62,22 @@ def record_answers(name: str, prompts: list[BenchPrompt], max_tokens: int) -> di
     return answers
 
 
+def lookup_as_configured() -> PromptLookup:
+    """Prompt lookup with the model entry's options (k_max included), as bench runs it."""
+    options = load_registry().get(MODEL).proposer("prompt-lookup").options
+    return PromptLookup(
+        "prompt-lookup", options["ngram_max"], options["ngram_min"], options["k_max"]
+    )
+
+
+def suffix_as_configured(store: HistoryStore | None = None, seed=None) -> SuffixProposer:
+    """Suffix with the model entry's options, reading `store` and `seed` as its history."""
+    options = load_registry().get(MODEL).proposer("suffix").options
+    return SuffixProposer(
+        "suffix", store, options["k_max"], options["spec_factor"], options["min_match"], seed=seed
+    )
+
+
 def kept(draft: list[int], truth: list[int]) -> int:
     n = 0
     while n < len(draft) and n < len(truth) and draft[n] == truth[n]:
@@ -77,8 +93,8 @@ def replay(
     with tempfile.TemporaryDirectory() as folder:
         store = HistoryStore(Path(folder))
         make = {
-            "prompt-lookup": lambda: PromptLookup(),
-            "suffix": lambda: SuffixProposer(store=store, seed=seed),
+            "prompt-lookup": lambda: lookup_as_configured(),
+            "suffix": lambda: suffix_as_configured(store, seed),
         }
         proposer, results, log = make[kind](), {}, []
         for prompt_id, item in answers.items():
@@ -125,7 +141,7 @@ def _round(prompt_id, position, k, proposer, ctx, draft, n, truth) -> dict:
     """One suffix round, with what lookup and the request's own line would have kept."""
     length = max(k, 1)
     others = {}
-    for name, other in (("lookup", PromptLookup()), ("request", SuffixProposer())):
+    for name, other in (("lookup", lookup_as_configured()), ("request", suffix_as_configured())):
         alone = ProposalContext(ctx.tokens, None, None, None, history=False)
         found = other.situation(alone) is not None
         others[name] = kept(other.propose(alone, length).tokens[:length], truth) if found else None

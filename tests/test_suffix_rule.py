@@ -100,3 +100,15 @@ def test_the_loops_tell_proposers_where_the_prompt_ends(batched, tmp_path):
     # The first round drafts the answer's first token: no answer yet.
     assert spy.seen[0] == (len(prompt), len(prompt))
     assert len(spy.seen) > 1 and all(length == len(prompt) for _, length in spy.seen)
+
+
+def test_every_shipped_entry_lets_suffix_draft_as_deep_as_prompt_lookup(monkeypatch, tmp_path):
+    """A long verbatim copy (code edited in place) is drafted from the request as prompt
+    lookup drafts it; a shallower cap alone cost suffix 3 % on the code-edit prompts."""
+    from mlxspec.registry import load_registry
+
+    monkeypatch.delenv("MLXSPEC_MODELS", raising=False)  # the shipped file only
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    for name, entry in load_registry().entries.items():
+        lookup, suffix = entry.proposer("prompt-lookup"), entry.proposer("suffix")
+        assert suffix.options["k_max"] >= lookup.options["k_max"], name
