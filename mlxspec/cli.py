@@ -520,6 +520,13 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     help='Your own JSONL instead of a suite: {"prompt": ..., "class": ...} a line.',
 )
 @click.option(
+    "--replay",
+    is_flag=True,
+    help="Run the --prompts file in order, each method with its own history building up "
+    "from one request to the next (as the agent suite); default methods: plain, "
+    "prompt-lookup, suffix.",
+)
+@click.option(
     "--proposers",
     help="Comma-separated methods, e.g. 'core,prompt-lookup@k=8' ('core': plain-mlx-lm, "
     "mlx-lm-speculative, none, the default proposer, draft-model@k=3; 'all': core plus every "
@@ -577,6 +584,7 @@ def bench(
     model,
     suite,
     prompts_file,
+    replay,
     proposers,
     max_tokens,
     repeats,
@@ -598,6 +606,7 @@ def bench(
       mlxspec bench --suite quick
       mlxspec bench --suite all --json bench.json --markdown bench.md --plot bench.png
       mlxspec bench --prompts mine.jsonl --proposers prompt-lookup,prompt-lookup@k=8
+      mlxspec bench --prompts my-stream.jsonl --replay   # history builds up, as for an agent
       mlxspec bench --suite chat --proposers head,medusa,lookahead --tree   # line vs tree
       mlxspec bench --from-history --json history.json
       mlxspec bench --concurrency 4 --concurrency 8 --proposers prompt-lookup
@@ -623,10 +632,10 @@ def bench(
     entry = load_registry().including(model).get(model)
     warn_if_slow_blas()
     if concurrency:
-        if history or tree or plot_path:
+        if history or tree or plot_path or replay:
             raise click.UsageError(
                 "--concurrency draws no plot and runs lines only; leave out "
-                "--from-history, --tree and --plot"
+                "--from-history, --tree, --plot and --replay"
             )
         levels = list(concurrency)
         outputs = (json_path, markdown_path)
@@ -651,7 +660,16 @@ def bench(
         # Everything checkable is checked before the weights load.
         plot = plot_path is not None and (rank is None or rank.front)
         request = plan(
-            entry, suite, prompts_file, proposers, max_tokens, repeats, plot, tree, rank is not None
+            entry,
+            suite,
+            prompts_file,
+            proposers,
+            max_tokens,
+            repeats,
+            plot,
+            tree,
+            rank is not None,
+            replay,
         )
         if request.left_out:
             notify(f"left out {', '.join(request.left_out)}: a sharded target verifies lines only")

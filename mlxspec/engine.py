@@ -245,7 +245,15 @@ class Engine:
         sequence = run.sequence  # ends with the pending token
         while run.finished is None:
             # 1. Draft: a line of k tokens, or a tree at most k deep.
-            ctx = ProposalContext(sequence, scorer, rng, self.target, hidden, history=run.history)
+            ctx = ProposalContext(
+                sequence,
+                scorer,
+                rng,
+                self.target,
+                hidden,
+                history=run.history,
+                prompt_length=len(run.prompt_tokens),
+            )
             situation, k = policy.choose_among(candidates(proposer, ctx), run.left)
             draft_start = time.perf_counter()
             if k and (use_tree or (can_tree and getattr(situation.source, "always_tree", False))):

@@ -565,3 +565,15 @@ def test_other_suites_start_every_run_from_an_empty_history_and_read_the_seed(ti
     seeded = {(r.prompt.id, r.method.name): r.measurement for r in bench.runs()}
     assert seeded[("first", "mlxspec:suffix")].accepted >= len(answer) - 4 > unseeded.accepted
     assert not store_dir(tiny_runtime.entry.name).exists()
+
+
+def test_a_prompts_file_replays_on_request(tiny_entry, tmp_path):
+    """--replay: the user's own stream of similar requests, run as the agent suite is."""
+    stream = tmp_path / "stream.jsonl"
+    stream.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    replayed = plan(tiny_entry, "quick", stream, None, 16, None, replay=True)
+    assert replayed.replay and replayed.repeats == 1
+    assert [m.name for m in replayed.methods] == [PLAIN, "mlxspec:prompt-lookup", "mlxspec:suffix"]
+    assert not plan(tiny_entry, "quick", stream, None, 16, None).replay
+    with pytest.raises(BenchError, match="--prompts"):
+        plan(tiny_entry, "agent", None, None, 16, None, replay=True)

@@ -274,24 +274,28 @@ def test_a_long_journal_is_folded_into_the_index(tmp_path, monkeypatch):
     assert 77 in store.index.tokens.tolist() and 9 in store.index.tokens.tolist()
 
 
+def generate(engine, prompt, settings, proposer: str, batched: bool) -> None:
+    """One request through the single loop, or through the batch (serve --max-batch)."""
+    from mlxspec.batch.scheduler import Scheduler
+
+    if batched:
+        scheduler = Scheduler(engine, max_batch=2)
+        scheduler.submit(prompt, settings, proposer)
+        list(scheduler.drain())
+    else:
+        list(engine.stream(prompt, settings, proposer))
+
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_history_hits_are_counted_in_either_loop(batched, tmp_path):
     """`mlxspec history`'s hit rate counts the drafts from history the target kept, in the
     single loop and in the batch (serve --max-batch) alike."""
-    from mlxspec.batch.scheduler import Scheduler
-
     store = HistoryStore(tmp_path)
     model, tokenizer, engine = history_engine("llama", 0, store)
     prompt = list(range(40, 52))
     reference = plain_greedy(model, prompt, 30, set(tokenizer.eos_token_ids))
     store.add([*prompt, *reference])  # helpful: what the model really says next
-    settings = GenerationSettings(max_tokens=30)
-    if batched:
-        scheduler = Scheduler(engine, max_batch=2)
-        scheduler.submit(prompt, settings, "suffix")
-        list(scheduler.drain())
-    else:
-        list(engine.stream(prompt, settings, "suffix"))
+    generate(engine, prompt, GenerationSettings(max_tokens=30), "suffix", batched)
     stats = store.stats()
     assert stats["drafted"] > 0 and stats["accepted"] > 0, stats
 

@@ -197,7 +197,14 @@ class Scheduler:
 
     def _draft(self, slot: Slot) -> Round:
         run = slot.run
-        ctx = ProposalContext(run.sequence, run.scorer, run.rng, self.target, history=run.history)
+        ctx = ProposalContext(
+            run.sequence,
+            run.scorer,
+            run.rng,
+            self.target,
+            history=run.history,
+            prompt_length=len(run.prompt_tokens),
+        )
         situation, k = run.policy.choose_among(candidates(slot.proposer, ctx), run.left)
         start = time.perf_counter()
         draft = situation.source.propose(ctx, k) if k else None

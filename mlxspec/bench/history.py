@@ -72,7 +72,9 @@ def replay(runtime: Runtime, proposer: str, turns: list[tuple[list, list]]) -> d
     for prompt, answer in turns:
         position = 0
         while position < len(answer):
-            ctx = ProposalContext(prompt + answer[:position], scorer, rng, engine.target)
+            ctx = ProposalContext(
+                prompt + answer[:position], scorer, rng, engine.target, prompt_length=len(prompt)
+            )
             situation, k = policy.choose_among(
                 candidates(source, ctx), len(answer) - position - 1
             )  # as the engine chooses: a chain's best member

@@ -54,9 +54,14 @@ def plan(
     plot: bool = False,
     tree: bool | None = None,
     sharded: bool = False,
+    replay: bool = False,
 ) -> BenchRequest:
     """Check everything that can be checked before loading weights. `sharded`: a sharded
-    target verifies lines only, so tree rows are left out (an explicit --tree fails)."""
+    target verifies lines only, so tree rows are left out (an explicit --tree fails).
+    `replay`: the prompts file in order, each method's history building up, as the
+    agent suite is run (a stream of the user's own similar requests)."""
+    if replay and prompts_file is None:
+        raise BenchError("--replay replays a --prompts file (the agent suite is replayed anyway)")
     if sharded and tree:
         raise BenchError("--tree: a sharded target verifies lines only, for now; drop --tree")
     if plot:
@@ -66,7 +71,7 @@ def plan(
     else:
         source, prompts = f"suite {suite}", load_suite(suite)
     quick = prompts_file is None and suite == "quick"
-    replay = prompts_file is None and suite in REPLAYED
+    replay = replay or (prompts_file is None and suite in REPLAYED)
     # quick stays a few minutes on a laptop CPU: the headline methods, one repeat.
     default = "core" if quick else REPLAY_METHODS if replay else "all"
     methods = with_trees(parse_methods(proposers or default, entry), tree)

@@ -33,6 +33,9 @@ class ProposalContext:
     # (`hidden_capture`). None for proposers that do not need them.
     hidden: mx.array | None = None
     history: bool = True  # may proposers read the model's history of earlier requests?
+    # How many of `tokens` are the prompt (the rest is this request's answer so far); 0:
+    # not known, all of it counts as answer.
+    prompt_length: int = 0
 
 
 @dataclass(frozen=True)

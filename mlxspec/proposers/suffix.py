@@ -3,20 +3,27 @@ this request and in everything the model said before (its persistent history).
 
 Two prefix indexes answer the same question: the request's own tokens (rebuilt when
 the conversation changes, extended each round) and the model's history store (loaded
-lazily, shared across requests and processes). The longer match wins (the request's on
-a tie, and both are used when equal). Its occurrences' continuations form a tree in
-which a node's score is the share of occurrences that continued that way
-(SuffixDecoding's frequency scores), so the engine's verify-cost pruning keeps only the
-branches that pay. A history match drafts at most `spec_factor` x its length: a long
-match has earned a long draft, a two-token match has not.
+lazily, shared across requests and processes). In the request the match is treated as
+prompt lookup treats it: the draft line is what followed the latest occurrence, as deep
+as the policy asks (an answer copying its prompt matches it by a few tokens where a
+copied phrase starts, then goes on verbatim), and a continuation that runs into the
+present is extended periodically (copy with overlap), so "Beta Beta Beta" drafts as far
+as the policy allows instead of one period. In the history, the occurrences'
+continuations form a tree in which a node's score is the share of occurrences that
+continued that way (SuffixDecoding's frequency scores), and a history match drafts at
+most `spec_factor` x its length. With history on, a shipped seed history
+(`suffix/seed.py`) counts as history too.
 
-In the request itself the match is treated as prompt lookup treats it: the draft line
-is what followed the latest occurrence, as deep as the policy asks (an answer copying
-its prompt matches it by a few tokens where a copied phrase starts, then goes on
-verbatim), and a continuation that runs into the present is extended periodically
-(copy with overlap), so "Beta Beta Beta" drafts as far as the policy allows instead of
-one period. With history on, a shipped seed history (`suffix/seed.py`) counts as
-history too.
+Which one drafts: the request's line, unless the history matches longer *inside this
+request's answer*. A history match that reaches back into the prompt is long because
+requests of one kind end alike (the same instruction, the chat template's assistant
+header) and begin their answers alike; that says the request is of the same kind, not
+that its answer goes on as an earlier one did. Measured on the agent suite
+(benchmarks/suffix_rounds.py): on the first meeting-notes request, an 8-token history
+match, seven of them the prompt's end and the chat template, drafted 8 tokens of which
+none was kept, where the request's own 2-token match would have kept 15. Only a match of
+MAX_MATCH tokens (a repeated prompt) counts whole. The other source rides along in the
+draft tree.
 """
 
 from __future__ import annotations
@@ -24,18 +31,45 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from mlxspec.proposers.base import Draft, ProposalContext, Situation
 from mlxspec.proposers.lookup import PRIORS, bucket
-from mlxspec.suffix.index import SENTINEL, PrefixIndex
+from mlxspec.suffix.index import MAX_MATCH, SENTINEL, PrefixIndex
 from mlxspec.suffix.store import HistoryStore
 from mlxspec.tree import DraftTree, from_paths, greedy_walk, keep_best
 
 OCCURRENCES = 32  # continuations counted per match (an even sample of a bigger range)
 MIN_SHARE = 0.1  # branches fewer occurrences took are not drafted (SuffixDecoding's min prob)
 REQUEST, HISTORY = "request", "history"
+
+
+@dataclass
+class Match:
+    """This round's matches: the request's (its range in the request index, or None if
+    shorter than min_match) and the history's (the ranges of its longest match, over the
+    user's store and the seed); `origin` says which one drafts the line."""
+
+    origin: str
+    request_length: int = 0
+    request: tuple[int, int] | None = None
+    history_length: int = 0
+    history: list[tuple[PrefixIndex, int, int]] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.request_length if self.origin == REQUEST else self.history_length
+
+
+def counted_length(history_length: int, answer_length: int) -> int:
+    """The part of a history match that speaks for this answer: the tokens inside it (the
+    prompt's tail is the same in every request of a kind), all of it when it is
+    MAX_MATCH long (the prompt itself repeats one seen before)."""
+    if history_length >= MAX_MATCH:
+        return history_length
+    return min(history_length, answer_length)
 
 
 class SuffixProposer:
@@ -64,8 +98,7 @@ class SuffixProposer:
     def reset(self) -> None:
         self._seen: list[int] = []
         self._request = PrefixIndex()
-        # This round's match: (length, origin, [(index, lo, hi, is the request's)]).
-        self._match: tuple[int, str, list[tuple[PrefixIndex, int, int, bool]]] | None = None
+        self._match: Match | None = None
         self._last_origin = REQUEST
         self.drafted = {REQUEST: 0, HISTORY: 0}
         self.history_accepted = 0
@@ -85,17 +118,28 @@ class SuffixProposer:
         tokens = ctx.tokens
         self._sync(tokens)
         self._match = None
-        found = [(self._request, *self._request.longest_match(tokens), True)]
-        if ctx.history:
-            for index in self._histories():
-                found.append((index, *index.longest_match(tokens), False))
-        length = max(match[1] for match in found)
-        if length < self.min_match:
+        request_length, lo, hi = self._request.longest_match(tokens)
+        history_length, history = self._history_match(tokens) if ctx.history else (0, [])
+        if history_length < self.min_match:
+            history_length, history = 0, []
+        request = (lo, hi) if request_length >= self.min_match else None
+        if request is None and not history:
             return None
-        ranges = [(index, lo, hi, own) for index, n, lo, hi, own in found if n == length]
-        origin = REQUEST if ranges[0][3] else HISTORY
-        self._match = (length, origin, ranges)
+        answer_length = len(tokens) - ctx.prompt_length
+        if request is not None and request_length >= counted_length(history_length, answer_length):
+            origin = REQUEST
+        else:
+            origin = HISTORY
+        self._match = Match(origin, request_length, request, history_length, history)
+        length = self._match.length
         return Situation(self, f"{origin}>={bucket(length)}", PRIORS[bucket(length)])
+
+    def _history_match(self, tokens: list[int]) -> tuple[int, list[tuple[PrefixIndex, int, int]]]:
+        """The longest match over the history indexes, and its ranges (all of them on a
+        tie: the user's history and the seed count alike)."""
+        found = [(index, *index.longest_match(tokens)) for index in self._histories()]
+        length = max((n for _, n, _, _ in found), default=0)
+        return length, [(index, lo, hi) for index, n, lo, hi in found if n == length]
 
     def _histories(self) -> list[PrefixIndex]:
         """The user's history and the seed (where one ships): both count as history."""
@@ -103,34 +147,28 @@ class SuffixProposer:
         stored = self.store.index if self.store is not None else None
         return [index for index in (stored, seed) if index is not None]
 
-    def _depth(self, asked: int) -> int:
-        """A history match drafts at most `spec_factor` x its length; a match in the
-        request drafts as deep as the policy asks. An answer that copies its prompt
-        matches it by only a few tokens where a copied phrase starts (the answer's own
-        words before it differ from the prompt's), yet goes on verbatim: the policy,
-        which learns acceptance per `request>=N`, sizes those drafts as it does prompt
-        lookup's."""
-        if self._match is None:
-            return 0
-        length, origin, _ = self._match
-        if origin == REQUEST:
-            return asked
-        return min(asked, math.ceil(self.spec_factor * length))
+    def _history_depth(self, asked: int) -> int:
+        """A history match drafts at most `spec_factor` x its length: a long match has
+        earned a long draft, a two-token one has not (SuffixDecoding's max_spec). A match
+        in the request drafts as deep as the policy asks: an answer copying its prompt
+        matches it by a few tokens where a copied phrase starts, yet goes on verbatim,
+        and the policy learns acceptance per `request>=N` as it does for prompt lookup."""
+        return min(asked, math.ceil(self.spec_factor * self._match.history_length))
 
     def _latest(self, depth: int) -> list[int]:
         """What followed the request's latest occurrence of the match (prompt lookup's
         choice: in a copied passage the nearest earlier occurrence is the one being
         copied; a majority of older, shorter occurrences is not)."""
-        index, lo, hi, _ = next(r for r in self._match[2] if r[3])
-        latest = int(index.order[lo:hi].max())
-        return _follow(index.tokens, latest, depth, periodic=True)
+        lo, hi = self._match.request
+        latest = int(self._request.order[lo:hi].max())
+        return _follow(self._request.tokens, latest, depth, periodic=True)
 
     def _continuations(self, depth: int) -> Counter[tuple[int, ...]]:
-        """How often each continuation (up to `depth` tokens) followed the match."""
+        """How often each continuation (up to `depth` tokens) followed the history match."""
         seen: Counter[tuple[int, ...]] = Counter()
-        for index, lo, hi, own in self._match[2]:
+        for index, lo, hi in self._match.history:
             for position in index.occurrences(lo, hi, OCCURRENCES).tolist():
-                path = _follow(index.tokens, position, depth, periodic=own)
+                path = _follow(index.tokens, position, depth, periodic=False)
                 if self.vocab_size is not None:  # a store written for another vocabulary
                     path = path[
                         : next((i for i, t in enumerate(path) if t >= self.vocab_size), len(path))
@@ -140,13 +178,14 @@ class SuffixProposer:
         return seen
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
-        """The line most occurrences took (a model without draft trees drafts this)."""
+        """The request's latest line, or the line most history occurrences took (a model
+        without draft trees drafts this)."""
         if self._match is None or k <= 0:
             return Draft([])
-        if self._match[1] == REQUEST:
-            line = self._latest(self._depth(k))
+        if self._match.origin == REQUEST:
+            line = self._latest(k)
         else:
-            children = _children(self._continuations(self._depth(k)))
+            children = _children(self._continuations(self._history_depth(k)))
             line = []
             while children.get(tuple(line)):
                 line.append(children[tuple(line)].most_common(1)[0][0])
@@ -154,30 +193,40 @@ class SuffixProposer:
         return Draft(line)
 
     def propose_tree(self, ctx: ProposalContext, depth: int, budget: int) -> DraftTree:
-        """Every continuation seen, each node scored by the share of occurrences that
-        went through it; branches below MIN_SHARE are left out."""
+        """Both sources in one tree: the request's latest line and every continuation
+        seen in history, each history node scored by the share of occurrences that went
+        through it (branches below MIN_SHARE left out). The drafting source's scores
+        stand as they are (its line, the one `propose` drafts, is kept whole); the other
+        source's are discounted by its match length's prior acceptance per token, so its
+        nodes are kept only where they pay."""
         if self._match is None:
             return from_paths([], [])
-        seen = self._continuations(self._depth(depth))
-        total = sum(seen.values())
-        children = _children(seen)
-        paths, scores = [], []
-        if self._match[1] == REQUEST:  # the line `propose` drafts, kept whole (score 1)
-            latest = self._latest(self._depth(depth))
-            paths.append(latest)
-            scores.append([1.0] * len(latest))
-        for path in seen:
-            shares = [children[path[:j]][path[j]] / total for j in range(len(path))]
-            kept = next((j for j, share in enumerate(shares) if share < MIN_SHARE), len(path))
-            if kept:
-                paths.append(path[:kept])
-                scores.append(shares[:kept])
+        match, paths, scores = self._match, [], []
+
+        def weight(origin: str, length: int, j: int) -> float:
+            return 1.0 if origin == match.origin else PRIORS[bucket(length)] ** (j + 1)
+
+        if match.request is not None:
+            line = self._latest(depth)
+            paths.append(line)
+            scores.append([weight(REQUEST, match.request_length, j) for j in range(len(line))])
+        if match.history:
+            seen = self._continuations(self._history_depth(depth))
+            total, children = sum(seen.values()), _children(seen)
+            for path in seen:
+                shares = [children[path[:j]][path[j]] / total for j in range(len(path))]
+                kept = next((j for j, share in enumerate(shares) if share < MIN_SHARE), len(path))
+                if kept:
+                    paths.append(path[:kept])
+                    scores.append(
+                        [shares[j] * weight(HISTORY, match.history_length, j) for j in range(kept)]
+                    )
         tree = keep_best(from_paths(paths, scores), budget)
         self._count(max(tree.depths))
         return tree
 
     def _count(self, drafted: int) -> None:
-        self._last_origin = self._match[1]
+        self._last_origin = self._match.origin
         self.drafted[self._last_origin] += drafted
 
     def verified(self, tree: DraftTree, choices: Sequence[int]) -> None:
