@@ -594,3 +594,21 @@ def test_a_scheduler_measures_its_grid_unless_the_engine_was_handed_its_costs(mo
     engine = handed.engine
     engine.measures_costs = True
     assert Scheduler(engine, max_batch=2).pass_cost.grid is fake and measured == [1]
+
+
+def test_a_row_that_joined_with_no_recurrent_state_is_replayed_from_none():
+    """A one-token prompt joins with its recurrent state still None (nothing fed): a
+    refused draft must replay from that empty state, not from the verify's."""
+    model = tiny_model("lfm2", seed=2)
+    target = BatchTarget(model)
+    target.join(Prefill(model, []))
+    line = [65, 1, 2, 3]
+    choice = mx.argmax(target.verify([line]), axis=-1).tolist()[0]
+    n = 1 + int(line[1] == choice[0])
+    assert n < len(line)  # a draft refused: the row is replayed
+    target.keep([n], len(line))
+    solo = make_prompt_cache(model)
+    model(mx.array([line[:n]]), cache=solo)
+    for layer in target.recurrent:
+        for batched, alone in zip(target.cache[layer].cache, solo[layer].cache):
+            assert mx.allclose(batched[0], alone[0], atol=1e-4), f"layer {layer}"

@@ -163,9 +163,12 @@ class BatchTarget:
         for i, before in zip(self.recurrent, copied):
             layer = self.cache[i]
             for j, (now, then) in enumerate(zip(layer.cache, before)):
-                if now is not None and then is not None:
-                    mask = chosen.reshape(-1, *([1] * (now.ndim - 1)))
-                    layer.cache[j] = mx.where(mask, then, now)
+                if now is None:
+                    continue
+                if then is None:  # no token fed before the verify: mlx-lm starts from zeros
+                    then = mx.zeros_like(now)
+                mask = chosen.reshape(-1, *([1] * (now.ndim - 1)))
+                layer.cache[j] = mx.where(mask, then, now)
 
     def _replay(self, tokens: list[list[int]]) -> None:
         """Feed each row its own tokens (some none) in one right-padded pass."""
