@@ -34,11 +34,34 @@ def unsupported_reason(model: nn.Module) -> str | None:
     caches = make_prompt_cache(model)
     attention = any(type(c) is KVCache for c in caches)  # where the rows' lengths are kept
     if attention and all(type(c) is KVCache or isinstance(c, ArraysCache) for c in caches):
+        if any(isinstance(c, ArraysCache) for c in caches) and not _honours_lengths(model):
+            return (
+                f"its recurrent layers ({type(model).__module__.rsplit('.', 1)[-1]}) ignore "
+                "the per-row lengths a ragged replay needs, so rows would absorb padding"
+            )
         return None
     kinds = {type(c).__name__ for c in caches}
     return (
         f"batching needs attention KV caches, beside any recurrent ones; this model uses "
         f"{', '.join(sorted(kinds))} (a rotating window cannot be trimmed per row yet)"
+    )
+
+
+def _honours_lengths(model: nn.Module) -> bool:
+    """Whether the recurrent layers stop each row at `ArraysCache.prepare(lengths=...)`
+    (lfm2, qwen3_next do; jamba's Mamba layers do not): a token fed past a row's length
+    must leave its state as feeding only the tokens within it does."""
+    padded, alone = make_prompt_cache(model), make_prompt_cache(model)
+    recurrent = [i for i, c in enumerate(padded) if isinstance(c, ArraysCache)]
+    for i in recurrent:
+        padded[i].prepare(lengths=[1])
+    model(mx.array([[1, 2]]), cache=padded)
+    model(mx.array([[1]]), cache=alone)
+    return all(  # relative: bfloat16 states of a real model differ in their last bits
+        (mx.abs(a - b).max() <= 0.01 * mx.abs(b).max()).item()
+        for i in recurrent
+        for a, b in zip(padded[i].cache, alone[i].cache)
+        if a is not None and b is not None
     )
 
 
