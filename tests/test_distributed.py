@@ -827,3 +827,33 @@ def test_chat_tui_sharded_a_killed_rank_ends_the_chat_with_one_line(tiny, tmp_pa
         assert time.monotonic() - start < 15
     errors = [line for line in screen.splitlines() if line.startswith("Error: ")]
     assert errors == ["Error: rank 1 was killed before the answer was complete; every rank stopped"]
+
+
+def test_chat_sharded_waits_for_its_first_turn_past_the_collective_timeout(tiny):
+    """Loaded, the ranks wait for the user's first turn however long it takes: the
+    watchdog that the loading collectives armed must not call that wait a stuck rank."""
+    seed_flat_calibration(tiny, "tiny", 2)
+    env = {
+        **os.environ,
+        "MLXSPEC_MODELS": str(tiny / "models.toml"),
+        "MLXSPEC_CACHE": str(tiny / "cache"),
+        "OPENBLAS_NUM_THREADS": "1",
+    }
+    env.pop("MLXSPEC_FAULT", None)
+    args = ["chat", "--ranks", "2", "--plain", "--collective-timeout", "2"]
+    chat = subprocess.Popen(
+        [sys.executable, "-m", "mlxspec", *args],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    said = []
+    for line in chat.stderr:  # up to the line chat's greeting: every rank has loaded
+        said.append(line)
+        if "chatting with" in line:
+            break
+    time.sleep(5)  # the user thinks, longer than the collective timeout
+    _, rest = chat.communicate("/quit\n", timeout=60)
+    assert chat.returncode == 0, "".join(said) + rest

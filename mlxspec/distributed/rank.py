@@ -204,6 +204,9 @@ class RankSession:
         runtime.engine = engine
         if calibrate:
             engine.verify_cost  # noqa: B018  (a collective: every rank runs it here)
+        # Every collective leaves the watchdog armed; what comes next (the user's first
+        # turn, a client's first request) may take as long as it takes.
+        self.watchdog.disarm()
         return runtime
 
     def agree(self, request, settings: GenerationSettings | None, proposer):
