@@ -264,6 +264,8 @@ class Scheduler:
             for s, r in zip(self.active, rounds)
         ]
         width = choose_width(estimates, floor, self.pass_cost)
+        if floor == 0 and self.pass_cost.wants_plain(len(rounds)):
+            width = 0  # re-time a plain pass over these rows (see PassCost)
         return [
             dataclasses.replace(
                 r,

@@ -172,8 +172,15 @@ class PassCost:
     keeps its own observed cost; a pass not run yet scales the modelled extra columns by
     what the run ones showed, and costs at least the nearest narrower pass run with its
     cost per column carried on.
-    Each plain pass relaxes what was learned towards the model, so a cost learned in a
-    bad moment cannot keep speculation off for good.
+    A pass's learned cost is forgotten once `explore_every` passes went by without it,
+    so a cost learned in a bad moment cannot keep speculation off for good (the model
+    prices that pass again, and the batch tries it once more if the model says it
+    pays: exploration at most once per `explore_every` passes). The other way round, a
+    batch that has not run a plain pass over its rows for `explore_every` passes runs
+    one (`wants_plain`), so a plain pass timed in a bad moment cannot keep it
+    speculating at a loss for good. Load only ever slows a pass: a plain pass faster
+    than the one remembered replaces it at once, a slower one moves it by the decay,
+    and no pass is learned as cheaper than a plain one over the same rows.
 
     (One global scale alone could not learn from a model that priced extra columns at
     nothing: a grid timed while the machine was quiet read 8 rows x 2 columns as cheap
@@ -186,11 +193,20 @@ class PassCost:
         decay: float = 0.9,
         relax: float = 0.05,
         grid: PassGrid | None = None,
+        explore_every: int = 32,
     ):
         self.curve, self.decay, self.relax, self.grid = curve, decay, relax, grid
+        self.explore_every = explore_every
         self.extra_scale = 1.0  # observed / modelled cost of the columns beyond the first
         self.plain_seconds: dict[int, float] = {}  # recent plain-pass time per row count
         self.seen: dict[tuple[int, int], float] = {}  # observed cost / plain, per pass
+        self.seen_at: dict[tuple[int, int], int] = {}  # the pass that last observed it
+        self.passes = 0  # passes observed
+        self.since_plain: dict[int, int] = {}  # wide passes since the last plain one
+
+    def wants_plain(self, rows: int) -> bool:
+        """Whether the next pass over `rows` rows should be plain, to re-time it."""
+        return self.since_plain.get(rows, 0) >= self.explore_every
 
     def modelled(self, rows: int, columns: int) -> float:
         """The cost before online correction: measured grid, else the single-row curve."""
@@ -198,14 +214,20 @@ class PassCost:
             return self.grid(rows, columns)
         return self.curve(rows * columns)
 
+    def _learned(self) -> dict[tuple[int, int], float]:
+        """The observed costs not yet forgotten."""
+        recent = self.passes - self.explore_every
+        return {cell: v for cell, v in self.seen.items() if self.seen_at[cell] > recent}
+
     def __call__(self, rows: int, columns: int) -> float:
         plain = self.modelled(rows, 1)
         if columns == 1:
             return plain
-        if (rows, columns) in self.seen:
-            return plain * self.seen[(rows, columns)]
+        learned = self._learned()
+        if (rows, columns) in learned:
+            return plain * learned[(rows, columns)]
         scaled = plain + self.extra_scale * (self.modelled(rows, columns) - plain)
-        narrower = [(c, ratio) for (r, c), ratio in self.seen.items() if r == rows and c < columns]
+        narrower = [(c, ratio) for (r, c), ratio in learned.items() if r == rows and c < columns]
         if not narrower:
             return scaled
         # The nearest narrower pass run, its cost per extra column carried on: linear,
@@ -219,20 +241,24 @@ class PassCost:
         if columns == 1:
             known = self.plain_seconds.get(rows)
             self.plain_seconds[rows] = (
-                seconds if known is None else self.decay * known + (1 - self.decay) * seconds
+                seconds
+                if known is None or seconds < known
+                else self.decay * known + (1 - self.decay) * seconds
             )
+            self.since_plain[rows] = 0
+            self.passes += 1
             self.extra_scale += self.relax * (1.0 - self.extra_scale)
-            for (r, c), ratio in self.seen.items():
-                model = self.modelled(r, c) / self.modelled(r, 1)
-                self.seen[(r, c)] = ratio + self.relax * (model - ratio)
             return
+        self.since_plain[rows] = self.since_plain.get(rows, 0) + 1
+        self.passes += 1
         if rows not in self.plain_seconds:
             return
-        observed = seconds / self.plain_seconds[rows]  # in plain passes over these rows
-        known = self.seen.get((rows, columns))
+        observed = max(seconds / self.plain_seconds[rows], 1.0)  # in plain passes, these rows
+        known = self._learned().get((rows, columns))
         self.seen[(rows, columns)] = (
             observed if known is None else self.decay * known + (1 - self.decay) * observed
         )
+        self.seen_at[(rows, columns)] = self.passes
         plain = self.modelled(rows, 1)
         modelled_extra = self.modelled(rows, columns) - plain
         if modelled_extra <= 0.02:
