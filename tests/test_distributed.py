@@ -829,15 +829,18 @@ def test_chat_tui_sharded_a_killed_rank_ends_the_chat_with_one_line(tiny, tmp_pa
     assert errors == ["Error: rank 1 was killed before the answer was complete; every rank stopped"]
 
 
-def test_chat_sharded_waits_for_its_first_turn_past_the_collective_timeout(tiny):
+def test_chat_sharded_waits_for_its_first_turn_past_the_collective_timeout(tiny, tmp_path):
     """Loaded, the ranks wait for the user's first turn however long it takes: the
-    watchdog that the loading collectives armed must not call that wait a stuck rank."""
+    watchdog that the loading collectives armed must not call that wait a stuck rank.
+    And the ring's address file is gone by then (a rank 0 killed while it waits, as a
+    closed terminal does, cannot leave it in the temporary folder)."""
     seed_flat_calibration(tiny, "tiny", 2)
     env = {
         **os.environ,
         "MLXSPEC_MODELS": str(tiny / "models.toml"),
         "MLXSPEC_CACHE": str(tiny / "cache"),
         "OPENBLAS_NUM_THREADS": "1",
+        "TMPDIR": str(tmp_path),
     }
     env.pop("MLXSPEC_FAULT", None)
     args = ["chat", "--ranks", "2", "--plain", "--collective-timeout", "2"]
@@ -855,5 +858,6 @@ def test_chat_sharded_waits_for_its_first_turn_past_the_collective_timeout(tiny)
         if "chatting with" in line:
             break
     time.sleep(5)  # the user thinks, longer than the collective timeout
+    assert not list(tmp_path.glob("mlxspec-ring-*"))
     _, rest = chat.communicate("/quit\n", timeout=60)
     assert chat.returncode == 0, "".join(said) + rest

@@ -15,6 +15,7 @@ or, with none, the process ends at once with one `Error:` line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -144,9 +145,17 @@ class Followers:
             if self._code:
                 sys.stderr.write(f"Error: {self.outcome.message(self.request.hosts)}\n")
                 sys.stderr.flush()
-            if self._hostfile:
-                os.unlink(self._hostfile)
+            self.forget_ring()
             return self._code
+
+    def forget_ring(self) -> None:
+        """Remove the ring's address file: once every rank has joined, nothing reads it
+        again, and a rank 0 killed later (SIGHUP when its terminal closes) cannot
+        leave it behind."""
+        if self._hostfile:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._hostfile)
+            self._hostfile = ""
 
 
 def hide_collective_noise() -> None:

@@ -160,6 +160,7 @@ def _run_front(request, rank_argv: list[str], func, args, kwargs) -> NoReturn:
         followers.start()
         session = start_session(followers.config)
         session.watchdog.on_timeout = followers.fail
+        session.on_joined.append(followers.forget_ring)
         followers.on_lost = functools.partial(_lost, session, followers)
         func(*args, **kwargs)
         code = 0

@@ -127,6 +127,8 @@ class RankSession:
         self._fault = _parse_fault(os.environ.get(FAULT_ENV, ""), self.rank)
         self.processes: list[tuple[int, int]] = []  # (host id, pid) per rank, once loaded
         self.load_peak_kb: list[int] = []  # MLX's peak memory while loading, per rank
+        # Called once every rank has joined the group (its first collective returned).
+        self.on_joined: list[Callable[[], None]] = []
         # What rank 0's front end does when the ranks this process started are lost or
         # stuck (`chat --ranks`: the TUI leaves the screen first); None: end at once.
         self.on_lost: Callable[[str], None] | None = None
@@ -171,6 +173,8 @@ class RankSession:
         rows = self.collectives.all_gather(
             [mine, os.getpid(), _host_id(), peak_kb], "comparing model files"
         )
+        for joined in self.on_joined:
+            joined()
         prints = rows[:, 0]
         self.processes = [(int(host), int(pid)) for _, pid, host, _ in rows]
         self.load_peak_kb = [int(kb) for kb in rows[:, 3]]
