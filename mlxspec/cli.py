@@ -222,7 +222,7 @@ def chat(model, proposer, plain, color, tree, no_history):
     if rank is not None and not rank.front:  # the other ranks run what rank 0 announces
         rank.follow(rank.open_runtime(entry, say, calibrate=True))
         return
-    # (With --hostfile, mlx.launch gives rank 0 pipes, not a terminal: the line chat.)
+    # (With the jaccl or mpi backend, mlx.launch gives rank 0 pipes: the line chat.)
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
         from mlxspec.runtime import open_runtime
         from tui.plain import run_plain

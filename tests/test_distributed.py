@@ -724,6 +724,44 @@ def test_chat_sharded_answers_every_turn_as_one_process(tiny):
     assert all(0.3 * full_mib < mib < 0.7 * full_mib for mib in peaks), (peaks, full_mib)
 
 
+def test_chat_over_a_hostfile_starts_the_other_hosts_over_ssh_and_answers_as_one_process(
+    tiny, tmp_path
+):
+    """`chat --hostfile` (ring backend): rank 0 stays in the process started, on its
+    terminal, as with --ranks; the other hosts' ranks start over ssh. Here `ssh` is a
+    stand-in on PATH that runs the remote line on this machine and notes the host."""
+    seed_flat_calibration(tiny, "tiny", 2)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    called = tmp_path / "ssh-called"
+    fake_ssh = bin_dir / "ssh"
+    fake_ssh.write_text(
+        "#!/bin/bash\n"
+        'while [[ "$1" == -* ]]; do shift 2; done  # options and their values\n'
+        f'echo "$1" >> {shlex.quote(str(called))}; shift\n'
+        'exec bash -c "$1"\n'
+    )
+    fake_ssh.chmod(0o755)
+    hosts = tmp_path / "hosts.json"
+    here_there = [{"ssh": "mac1", "ips": ["127.0.0.1"]}, {"ssh": "mac2", "ips": ["127.0.0.1"]}]
+    hosts.write_text(json.dumps(here_there))
+    env = {**os.environ, "MLXSPEC_MODELS": str(tiny / "models.toml")}
+    env |= {"MLXSPEC_CACHE": str(tiny / "cache"), "OPENBLAS_NUM_THREADS": "1"}
+    env |= {"PATH": f"{bin_dir}:{env['PATH']}"}
+    env.pop("MLXSPEC_FAULT", None)
+    run = [sys.executable, "-m", "mlxspec", "chat", "--plain", "--no-color"]
+    turns = "one two one two\n/quit\n"
+    answers = [
+        subprocess.run(
+            [*run, *args], input=turns, capture_output=True, text=True, env=env, timeout=120
+        )
+        for args in ([], ["--hostfile", str(hosts)])
+    ]
+    assert all(done.returncode == 0 for done in answers), answers[1].stderr
+    assert answers[1].stdout == answers[0].stdout and len(answers[1].stdout) > 20
+    assert called.read_text().split() == ["mac2"]  # rank 1's host; rank 0 is this process
+
+
 def test_chat_sharded_line_chat_a_killed_rank_gives_one_line(tiny):
     """The line chat's rank 0 is the process started, not an mlx.launch child: MLX's own
     socket chatter on its stderr is dropped as mlx.launch's relay drops it."""

@@ -1,4 +1,5 @@
-"""`chat --ranks N`: rank 0 in this very process, ranks 1..N-1 as children that follow it.
+"""`chat --ranks N | --hostfile H` (ring backend): rank 0 in this very process, ranks
+1..N-1 as children that follow it (local processes, or ssh to the hostfile's other hosts).
 
 `mlx.launch` starts every rank as its child with pipes for stdin and stdout, and the
 Textual chat needs the user's terminal. The ring backend needs nothing from the launcher
@@ -18,14 +19,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from mlxspec.distributed.config import CHILD_ENV, RankConfig
+from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.launch import NOISE, LaunchRequest, Outcome, free_port_base
 
 STOP_SECONDS = 5.0  # a child asked to stop (SIGTERM) gets this long before SIGKILL
@@ -50,10 +54,11 @@ class Followers:
 
     def start(self) -> None:
         """Write the ring's addresses, join it as rank 0 (this process's environment, read
-        by `mx.distributed.init`), and start the other ranks."""
+        by `mx.distributed.init`), and start the other ranks: local children for
+        `--ranks`, over ssh for a hostfile's other hosts (rank 0 is its first host, this
+        machine), each as mlx.launch's ring launcher starts it."""
         size = self.request.size
-        base = free_port_base(size)
-        ring = [[f"127.0.0.1:{base + rank}"] for rank in range(size)]
+        ring = self._ring_addresses()
         handle, self._hostfile = tempfile.mkstemp(prefix="mlxspec-ring-", suffix=".json")
         with os.fdopen(handle, "w") as file:
             file.write(json.dumps(ring) if size > 1 else "")  # as mlx.launch writes it
@@ -66,8 +71,13 @@ class Followers:
                 "MLX_HOSTFILE": self._hostfile,
                 CHILD_ENV: self.config.to_env(),
             }
+            if self.request.hostfile:
+                remote = remote_script(rank, json.dumps(ring), command, env)
+                launch = ["ssh", "-o", "BatchMode=yes", self.request.hosts[rank], remote]
+            else:
+                launch = command
             self.children[rank] = subprocess.Popen(
-                command,
+                launch,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # rank 0 owns stdout
                 stderr=subprocess.PIPE,
@@ -79,6 +89,20 @@ class Followers:
             )
             reader.start()
             self._readers.append(reader)
+
+    def _ring_addresses(self) -> list[list[str]]:
+        """Each rank's ip:port list: loopback for `--ranks`; a hostfile's `ips`, ports
+        counted up from one free here, as mlx.launch counts from its starting port."""
+        if not self.request.hostfile:
+            base = free_port_base(self.request.size)
+            return [[f"127.0.0.1:{base + rank}"] for rank in range(self.request.size)]
+        ips = read_hostfile_ips(self.request.hostfile)
+        port = free_port_base(sum(map(len, ips)))
+        ring = []
+        for host_ips in ips:
+            ring.append([f"{ip}:{port + i}" for i, ip in enumerate(host_ips)])
+            port += len(host_ips)
+        return ring
 
     def _watch(self, rank: int) -> None:
         """Read one child's stderr to its end; a child that ends unasked ends the run."""
@@ -156,6 +180,29 @@ class Followers:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._hostfile)
             self._hostfile = ""
+
+
+def read_hostfile_ips(path: str) -> list[list[str]]:
+    """Every host's `ips` in an mlx.launch hostfile (the ring backend needs them)."""
+    data = json.loads(Path(path).expanduser().read_text())
+    hosts = data["hosts"] if isinstance(data, dict) else data
+    ips = [[str(ip) for ip in host.get("ips", [])] for host in hosts]
+    if not all(ips):
+        raise DistributedError("the ring backend needs the `ips` of every host in the hostfile")
+    return ips
+
+
+def remote_script(rank: int, ring: str, command: list[str], env: dict[str, str]) -> str:
+    """The shell line another host runs for `rank`, as mlx.launch's ring launcher writes
+    it: this directory if it exists there, mlxspec's own variables (models, cache, the
+    rank settings), the ring's addresses in a file of its own, then the rank itself."""
+    script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; "
+    for key, value in sorted(env.items()):
+        if key.startswith("MLXSPEC_"):
+            script += f"export {key}={shlex.quote(value)}; "
+    script += f"ring=$(mktemp); printf %s {shlex.quote(ring)} > $ring; "
+    script += f"export MLX_HOSTFILE=$ring MLX_RANK={rank}; "
+    return script + "exec " + " ".join(map(shlex.quote, command))
 
 
 def hide_collective_noise() -> None:

@@ -91,11 +91,13 @@ def distributed_options(func):
         if kwargs.get("prompt") == "-":  # read here: the ranks get it on their command line
             argv = [sys.stdin.read() if a == "-" else a for a in argv]
         elif func.__name__ == "chat":
-            if not hostfile and request.backend == "ring":  # rank 0 keeps the terminal
+            if request.backend == "ring":  # rank 0 keeps the terminal
                 _run_front(request, _rank_argv(argv), func, args, kwargs)
             if sys.stdin.isatty() and not kwargs.get("plain"):
-                how = "--hostfile" if hostfile else f"--backend {request.backend}"
-                say(f"{how}: the line chat (mlx.launch gives rank 0 pipes; the TUI needs --ranks)")
+                say(
+                    f"--backend {request.backend}: the line chat (mlx.launch gives rank 0 "
+                    "pipes; the TUI needs the ring backend)"
+                )
             stdin = sys.stdin  # rank 0 reads the turns (mlx.launch relays stdin)
         sys.exit(run_launched(request, _rank_argv(argv), stdin))
 
