@@ -29,6 +29,11 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_
 COMPACT_AT = 64
 
 
+def has_recurrent_layers(model: nn.Module) -> bool:
+    """Whether any layer keeps recurrent state (`ArraysCache`) rather than a KV history."""
+    return any(isinstance(c, ArraysCache) for c in make_prompt_cache(model))
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why `model` cannot be batched here yet (None: it can)."""
     caches = make_prompt_cache(model)

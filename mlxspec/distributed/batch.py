@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxspec.batch.caches import BatchCaches
-from mlxspec.batch.target import BatchTarget, unsupported_reason
+from mlxspec.batch.target import BatchTarget, has_recurrent_layers, unsupported_reason
 from mlxspec.distributed.collectives import Collectives
 from mlxspec.distributed.errors import DistributedError
 
@@ -34,8 +34,13 @@ PLAN = "plan"  # the key that tells a plan from a request announcement
 
 def batches(model: nn.Module, max_batch: int) -> bool:
     """Whether rank 0's server runs a batch (every rank must know: the batch's cost
-    calibration and its passes are collectives)."""
-    return max_batch > 1 and unsupported_reason(model) is None
+    calibration and its passes are collectives). Not for a model with recurrent layers,
+    yet: whether they honour per-row lengths is found by a forward pass
+    (`unsupported_reason`), which on a sharded target is a collective outside the
+    plans; such a model serves one request at a time, sharded."""
+    if max_batch <= 1 or has_recurrent_layers(model):
+        return False
+    return unsupported_reason(model) is None
 
 
 class PlannedCaches(BatchCaches):
