@@ -20,6 +20,8 @@ of its sequence but the last (pending) one.
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import _extend_cache, _merge_caches
@@ -52,10 +54,25 @@ def unsupported_reason(model: nn.Module) -> str | None:
     )
 
 
+# The probe's answer per live model (by id; dropped when the model is): the server asks
+# when a model opens, the batch again when it is built, and for a model it refuses, on
+# every request; each asking would cost two forward passes.
+_HONOURS_LENGTHS: dict[int, bool] = {}
+
+
 def _honours_lengths(model: nn.Module) -> bool:
     """Whether the recurrent layers stop each row at `ArraysCache.prepare(lengths=...)`
-    (lfm2, qwen3_next do; jamba's Mamba layers do not): a token fed past a row's length
-    must leave its state as feeding only the tokens within it does."""
+    (lfm2, qwen3_next do; jamba's Mamba layers do not), probed once per model."""
+    key = id(model)
+    if key not in _HONOURS_LENGTHS:
+        _HONOURS_LENGTHS[key] = _probe_lengths(model)
+        weakref.finalize(model, _HONOURS_LENGTHS.pop, key, None)
+    return _HONOURS_LENGTHS[key]
+
+
+def _probe_lengths(model: nn.Module) -> bool:
+    """A token fed past a row's length must leave its state as feeding only the tokens
+    within it does."""
     padded, alone = make_prompt_cache(model), make_prompt_cache(model)
     recurrent = [i for i, c in enumerate(padded) if isinstance(c, ArraysCache)]
     for i in recurrent:
