@@ -259,13 +259,14 @@ class Scheduler:
             (len(r.tree) for s, r in zip(self.active, rounds) if s.run.policy.fixed_k is not None),
             default=0,
         )
-        estimates = [
-            (s.run.policy.acceptance_rate(r.situation) if r.situation else 0.0, len(r.tree))
-            for s, r in zip(self.active, rounds)
-        ]
-        width = choose_width(estimates, floor, self.pass_cost)
         if floor == 0 and self.pass_cost.wants_plain(len(rounds)):
             width = 0  # re-time a plain pass over these rows (see PassCost)
+        else:
+            estimates = [
+                (s.run.policy.acceptance_rate(r.situation) if r.situation else 0.0, len(r.tree))
+                for s, r in zip(self.active, rounds)
+            ]
+            width = choose_width(estimates, floor, self.pass_cost)
         return [
             dataclasses.replace(
                 r,

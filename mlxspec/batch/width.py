@@ -214,20 +214,14 @@ class PassCost:
             return self.grid(rows, columns)
         return self.curve(rows * columns)
 
-    def _learned(self) -> dict[tuple[int, int], float]:
-        """The observed costs not yet forgotten."""
-        recent = self.passes - self.explore_every
-        return {cell: v for cell, v in self.seen.items() if self.seen_at[cell] > recent}
-
     def __call__(self, rows: int, columns: int) -> float:
         plain = self.modelled(rows, 1)
         if columns == 1:
             return plain
-        learned = self._learned()
-        if (rows, columns) in learned:
-            return plain * learned[(rows, columns)]
+        if (rows, columns) in self.seen:
+            return plain * self.seen[(rows, columns)]
         scaled = plain + self.extra_scale * (self.modelled(rows, columns) - plain)
-        narrower = [(c, ratio) for (r, c), ratio in learned.items() if r == rows and c < columns]
+        narrower = [(c, ratio) for (r, c), ratio in self.seen.items() if r == rows and c < columns]
         if not narrower:
             return scaled
         # The nearest narrower pass run, its cost per extra column carried on: linear,
@@ -246,15 +240,15 @@ class PassCost:
                 else self.decay * known + (1 - self.decay) * seconds
             )
             self.since_plain[rows] = 0
-            self.passes += 1
+            self._count_pass()
             self.extra_scale += self.relax * (1.0 - self.extra_scale)
             return
         self.since_plain[rows] = self.since_plain.get(rows, 0) + 1
-        self.passes += 1
+        self._count_pass()
         if rows not in self.plain_seconds:
             return
         observed = max(seconds / self.plain_seconds[rows], 1.0)  # in plain passes, these rows
-        known = self._learned().get((rows, columns))
+        known = self.seen.get((rows, columns))
         self.seen[(rows, columns)] = (
             observed if known is None else self.decay * known + (1 - self.decay) * observed
         )
@@ -265,3 +259,10 @@ class PassCost:
             return
         ratio = min(max((observed - 1.0) * plain / modelled_extra, 0.25), 4.0)
         self.extra_scale = self.decay * self.extra_scale + (1 - self.decay) * ratio
+
+    def _count_pass(self) -> None:
+        """One more pass observed: a cost no pass has observed for `explore_every`
+        passes is forgotten."""
+        self.passes += 1
+        for cell in [c for c, at in self.seen_at.items() if at <= self.passes - self.explore_every]:
+            del self.seen[cell], self.seen_at[cell]
