@@ -26,11 +26,15 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 from mlxspec.distributed.config import CHILD_ENV, RankConfig
-from mlxspec.distributed.errors import DistributedError
-from mlxspec.distributed.launch import NOISE, LaunchRequest, Outcome, free_port_base
+from mlxspec.distributed.launch import (
+    NOISE,
+    LaunchRequest,
+    Outcome,
+    free_port_base,
+    read_hostfile_ips,
+)
 
 STOP_SECONDS = 5.0  # a child asked to stop (SIGTERM) gets this long before SIGKILL
 
@@ -180,16 +184,6 @@ class Followers:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._hostfile)
             self._hostfile = ""
-
-
-def read_hostfile_ips(path: str) -> list[list[str]]:
-    """Every host's `ips` in an mlx.launch hostfile (the ring backend needs them)."""
-    data = json.loads(Path(path).expanduser().read_text())
-    hosts = data["hosts"] if isinstance(data, dict) else data
-    ips = [[str(ip) for ip in host.get("ips", [])] for host in hosts]
-    if not all(ips):
-        raise DistributedError("the ring backend needs the `ips` of every host in the hostfile")
-    return ips
 
 
 def remote_script(rank: int, ring: str, command: list[str], env: dict[str, str]) -> str:

@@ -46,21 +46,35 @@ class LaunchRequest:
 
 def read_hostfile(path: str) -> list[str]:
     """The ssh names of a hostfile in mlx.launch's format, or one clear error."""
+    return [str(host["ssh"]) for host in _hostfile_hosts(path)]
+
+
+def read_hostfile_ips(path: str) -> list[list[str]]:
+    """Every host's `ips` in a hostfile (the ring backend needs them), or one clear error."""
+    ips = [[str(ip) for ip in host.get("ips", [])] for host in _hostfile_hosts(path)]
+    if not all(ips):
+        raise DistributedError("the ring backend needs the `ips` of every host in the hostfile")
+    return ips
+
+
+def _hostfile_hosts(path: str) -> list[dict]:
+    """The host entries of a hostfile in mlx.launch's format, each with its ssh name."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise DistributedError(f"no hostfile at {file}")
     try:
         data = json.loads(file.read_text())
         hosts = data["hosts"] if isinstance(data, dict) else data
-        names = [str(h["ssh"]) for h in hosts]
+        for host in hosts:
+            host["ssh"]  # noqa: B018  (every host names its ssh host: KeyError or TypeError)
     except (ValueError, KeyError, TypeError) as err:
         raise DistributedError(
             f"hostfile {file} is not mlx.launch's format "
             '({"hosts": [{"ssh": "mac1", "ips": ["10.0.0.1"]}, ...]}): ' + str(err)
         ) from None
-    if not names:
+    if not hosts:
         raise DistributedError(f"hostfile {file} lists no hosts")
-    return names
+    return hosts
 
 
 def free_port_base(count: int) -> int:
