@@ -3,8 +3,9 @@
 Without them a command runs as before. With them, the command re-runs itself under
 mlx.launch (see `launch`); inside a launched rank, the command body runs with a rank
 session started (see `rank.current_rank`), and every way out reports an exit marker.
-`chat --ranks N` is the exception: rank 0 stays in this process, on the user's terminal,
-and starts the other ranks itself (see `followers`).
+`chat` on the ring backend (`--ranks N`, or `--hostfile H` over ssh) is the exception:
+rank 0 stays in this process, on the user's terminal, and starts the other ranks itself
+(see `followers`).
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ def _run_rank(config, func, args, kwargs) -> None:
 
 
 def _run_front(request, rank_argv: list[str], func, args, kwargs) -> NoReturn:
-    """`chat --ranks N`: the command body as rank 0 in this process, on the user's
-    terminal, with the other ranks as its children (see `followers`)."""
+    """`chat` on the ring backend: the command body as rank 0 in this process, on the
+    user's terminal, with the other ranks as its children (see `followers`)."""
     from mlxspec.distributed.followers import Followers, hide_collective_noise
     from mlxspec.distributed.rank import start_session
 
