@@ -44,6 +44,8 @@ from mlxspec.server.providers import OpenedProvider
 REQUEST_TIMEOUT = 600.0  # seconds a client waits for one answer before the row fails
 WARM_UP_TOKENS = 4
 ANCHOR = "mlx-lm batch_generate"
+BATCHED_PLAIN = "batched plain"
+BATCHED_WITH = "batched + "  # and the proposer's name
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,8 @@ class ServedRow:
 def served_rows(clients: int, default: str, proposers: list[str]) -> list[ServedRow]:
     """The server before batching, batched plain, then batched with each proposer."""
     rows = [ServedRow(f"one at a time ({default})", 1, default)]
-    rows.append(ServedRow("batched plain", clients, NONE))
-    rows += [ServedRow(f"batched + {name}", clients, name) for name in proposers if name != NONE]
+    rows.append(ServedRow(BATCHED_PLAIN, clients, NONE))
+    rows += [ServedRow(BATCHED_WITH + name, clients, name) for name in proposers if name != NONE]
     return rows
 
 
@@ -267,10 +269,10 @@ def run_concurrency(
             measured = run_anchor(runtime, prompts, clients, max_tokens)
             anchor = measured if anchor is None or measured[0] < anchor[0] else anchor
         reference = next(iter(served.values()))[1]  # the one-at-a-time row's answers
-        plain = served["batched plain"][1]
+        plain = served[BATCHED_PLAIN][1]
         for label, (wall, answers) in served.items():
             rows.append(summarize(label, clients, wall, answers, reference))
-            if label.startswith("batched + "):
+            if label.startswith(BATCHED_WITH):
                 rows[-1]["pace_vs_plain_by_class"] = pace_by_class(prompts, answers, plain)
         rows.append(summarize_anchor(clients, *anchor, reference))
     return {"rows": rows, "skipped": refused, "repeats": repeats}
