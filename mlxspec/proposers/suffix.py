@@ -57,6 +57,10 @@ class Match:
     request: tuple[int, int] | None = None
     history_length: int = 0
     history: list[tuple[PrefixIndex, int, int]] = field(default_factory=list)
+    # The history's line (the branch most occurrences took, as deep as this match may
+    # draft) and its counts per position: (occurrences that went on so, that got so far).
+    line: list[int] = field(default_factory=list)
+    evidence: tuple[tuple[int, int], ...] = ()
 
     @property
     def length(self) -> int:
@@ -131,8 +135,12 @@ class SuffixProposer:
         else:
             origin = HISTORY
         self._match = Match(origin, request_length, request, history_length, history)
+        if origin == HISTORY:
+            self._match.line, self._match.evidence = self._history_line(self.k_max)
         length = self._match.length
-        return Situation(self, f"{origin}>={bucket(length)}", PRIORS[bucket(length)])
+        return Situation(
+            self, f"{origin}>={bucket(length)}", PRIORS[bucket(length)], self._match.evidence
+        )
 
     def _history_match(self, tokens: list[int]) -> tuple[int, list[tuple[PrefixIndex, int, int]]]:
         """The longest match over the history indexes, and its ranges (all of them on a
@@ -163,6 +171,18 @@ class SuffixProposer:
         latest = int(self._request.order[lo:hi].max())
         return _follow(self._request.tokens, latest, depth, periodic=True)
 
+    def _history_line(self, depth: int) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+        """The branch most history occurrences took, up to `depth` (and the match's
+        depth cap), and at each of its positions how many occurrences went on with its
+        token out of those that got that far: the policy's per-position evidence."""
+        children = _children(self._continuations(self._history_depth(depth)))
+        line, evidence = [], []
+        while following := children.get(tuple(line)):
+            token, followed = following.most_common(1)[0]
+            line.append(token)
+            evidence.append((followed, sum(following.values())))
+        return line, tuple(evidence)
+
     def _continuations(self, depth: int) -> Counter[tuple[int, ...]]:
         """How often each continuation (up to `depth` tokens) followed the history match."""
         seen: Counter[tuple[int, ...]] = Counter()
@@ -185,10 +205,7 @@ class SuffixProposer:
         if self._match.origin == REQUEST:
             line = self._latest(k)
         else:
-            children = _children(self._continuations(self._history_depth(k)))
-            line = []
-            while children.get(tuple(line)):
-                line.append(children[tuple(line)].most_common(1)[0][0])
+            line = self._match.line[: self._history_depth(k)]
         self._count(len(line))
         return Draft(line)
 
