@@ -85,7 +85,7 @@ class SuffixProposer:
         name: str = "suffix",
         store: HistoryStore | None = None,
         k_max: int = 32,
-        spec_factor: float = 1.0,
+        spec_factor: float = 2.0,
         min_match: int = 2,
         vocab_size: int | None = None,
         seed: Callable[[], PrefixIndex | None] | None = None,
