@@ -11,8 +11,9 @@ present is extended periodically (copy with overlap), so "Beta Beta Beta" drafts
 as the policy allows instead of one period. In the history, the occurrences'
 continuations form a tree in which a node's score is the share of occurrences that
 continued that way (SuffixDecoding's frequency scores), and a history match drafts at
-most `spec_factor` x its length. With history on, a shipped seed history
-(`suffix/seed.py`) counts as history too.
+most `spec_factor` x its length. Its situation carries the counts along its line, so the
+policy sizes the draft by them (`Policy._expected_from_evidence`). With history on, a
+shipped seed history (`suffix/seed.py`) counts as history too.
 
 Which one drafts: the request's line, unless the history matches longer *inside this
 request's answer*. A history match that reaches back into the prompt is long because
