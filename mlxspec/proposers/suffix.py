@@ -62,6 +62,9 @@ class Match:
     # draft) and its counts per position: (occurrences that went on so, that got so far).
     line: list[int] = field(default_factory=list)
     evidence: tuple[tuple[int, int], ...] = ()
+    # The continuations counted for them, and how deep (the tree reads them again).
+    continuations: Counter[tuple[int, ...]] = field(default_factory=Counter)
+    counted_depth: int = 0
 
     @property
     def length(self) -> int:
@@ -175,19 +178,31 @@ class SuffixProposer:
     def _history_line(self, depth: int) -> tuple[list[int], tuple[tuple[int, int], ...]]:
         """The branch most history occurrences took, up to `depth` (and the match's
         depth cap), and at each of its positions how many occurrences went on with its
-        token out of those that got that far: the policy's per-position evidence."""
-        children = _children(self._continuations(self._history_depth(depth)))
+        token out of those that got that far: the policy's per-position evidence.
+        (Walked along the line only: every round pays for it, drafting or not.)"""
+        alive = list(self._continuations(self._history_depth(depth)).items())
         line, evidence = [], []
-        while following := children.get(tuple(line)):
-            token, followed = following.most_common(1)[0]
+        while alive:
+            j, following = len(line), {}
+            for path, count in alive:
+                following[path[j]] = following.get(path[j], 0) + count
+            token = max(following, key=following.__getitem__)  # ties: the first seen
             line.append(token)
-            evidence.append((followed, sum(following.values())))
+            evidence.append((following[token], sum(following.values())))
+            alive = [(p, n) for p, n in alive if p[j] == token and len(p) > j + 1]
         return line, tuple(evidence)
 
     def _continuations(self, depth: int) -> Counter[tuple[int, ...]]:
-        """How often each continuation (up to `depth` tokens) followed the history match."""
-        seen: Counter[tuple[int, ...]] = Counter()
-        for index, lo, hi in self._match.history:
+        """How often each continuation (up to `depth` tokens) followed the history match;
+        counted once a round, then cut shorter where a shallower depth is asked."""
+        match = self._match
+        if match.counted_depth >= depth:
+            seen: Counter[tuple[int, ...]] = Counter()
+            for path, count in match.continuations.items():
+                seen[path[:depth]] += count
+            return seen
+        seen = Counter()
+        for index, lo, hi in match.history:
             for position in index.occurrences(lo, hi, OCCURRENCES).tolist():
                 path = _follow(index.tokens, position, depth, periodic=False)
                 if self.vocab_size is not None:  # a store written for another vocabulary
@@ -196,6 +211,7 @@ class SuffixProposer:
                     ]
                 if path:
                     seen[tuple(path)] += 1
+        match.continuations, match.counted_depth = seen, depth
         return seen
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
