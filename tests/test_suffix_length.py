@@ -35,15 +35,14 @@ def fabricated_store(tmp_path) -> HistoryStore:
 
 def chosen_length(proposer: SuffixProposer, policy: Policy, context: list[int]) -> int:
     situation = proposer.situation(ProposalContext([99, *context], None, None, None))
-    assert situation.key == "history>=8"  # both cases: one match length, one learned rate
+    assert situation.key == "history>=8"  # every case: one match length, one learned rate
     return policy.choose(situation, 32)
 
 
 def test_a_long_agreed_continuation_drafts_long_a_parting_one_short(tmp_path):
     proposer = SuffixProposer(store=fabricated_store(tmp_path))
     policy = Policy(CPU_LIKE_COST)
-    agreed = chosen_length(proposer, policy, AGREED)
-    assert agreed >= 4
+    assert chosen_length(proposer, policy, AGREED) >= 4
     assert chosen_length(proposer, policy, PARTED) == 1  # 4 of 4 went on with 60, then 1 of 4
     assert chosen_length(proposer, policy, ENDED) == 2  # nothing is drafted past the line
 
