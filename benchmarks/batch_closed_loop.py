@@ -71,10 +71,14 @@ def closed_loop(
         return cut
 
     def timed(rows: int, columns: int, seconds: float) -> None:
-        plain = scheduler.pass_cost.plain_seconds.get(rows)
+        cost = scheduler.pass_cost
+        plain = cost.plain_seconds.get(rows)
         observe(rows, columns, seconds)
-        plain = plain or scheduler.pass_cost.plain_seconds[rows]  # a first plain pass
-        this_round["plain_passes"] = seconds / plain
+        plain = plain or cost.plain_seconds.get(rows)  # this very pass, if plain
+        # No plain pass over these rows timed yet: the batch's own price of this one.
+        this_round["plain_passes"] = (
+            seconds / plain if plain else cost(rows, columns) / cost(rows, 1)
+        )
 
     scheduler._truncate, scheduler.pass_cost.observe = counted, timed
     pace = Pace()
