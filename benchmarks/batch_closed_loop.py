@@ -26,9 +26,11 @@ batch drains; this does not.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec.batch.scheduler import Scheduler
@@ -38,6 +40,7 @@ from mlxspec.engine import GenerationSettings
 from mlxspec.events import Accepted, Bonus, Corrected, Done
 from mlxspec.registry import NONE, load_registry
 from mlxspec.runtime import Runtime, open_runtime
+from mlxspec.suffix.store import HistoryStore
 
 
 @dataclass
@@ -54,7 +57,12 @@ class Pace:
 def closed_loop(
     runtime: Runtime, method: str, prompts, args, row_floor: float = ROW_FLOOR
 ) -> tuple[float, int, int, Counter, Pace]:
-    """Seconds, tokens, rounds, the round widths and the per-class pace of one run."""
+    """Seconds, tokens, rounds, the round widths and the per-class pace of one run.
+
+    Each run reads and feeds a history of its own, empty at the start, as `bench` does:
+    the user's store would hand suffix the answers of earlier runs of these very prompts
+    (seen: 1,152 tokens in 21 rounds)."""
+    runtime.use_history(HistoryStore(Path(tempfile.mkdtemp(prefix="mlxspec-loop-"))))
     proposer = runtime.proposer(method) if method != NONE else NONE
     scheduler = Scheduler(runtime.engine, max_batch=args.batch, row_floor=row_floor)
     queue = [prompts[i % len(prompts)] for i in range(args.requests)]
