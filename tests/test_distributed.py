@@ -338,7 +338,9 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
 
     # Built first: building runs lfm2's two-token lengths probe on each rank by itself,
     # which is why `batches` keeps recurrent models out of the sharded batch for now.
-    scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()))
+    # Row floor 0: rows draft whatever the pass costs, so lfm2's rows refuse drafts and
+    # replay inside `keep` (the floor kept these tiny rows plain: no replay to check).
+    scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()), row_floor=0.0)
     assert batches(model, 3) == (family == "llama")
     forward = type(model).__call__
 
