@@ -60,7 +60,8 @@ def unbatchable_reason(proposer: Proposer) -> str | None:
     """Why `proposer` cannot draft for one row of a batch yet (None: it can).
 
     Proposers that read the target's hidden states or its own layers and cache would
-    need per-row target state the batch does not hand out yet.
+    need per-row target state the batch caches do not hand out yet (a request alone,
+    on `SingleCaches`, has them).
     """
     for member in [proposer, *getattr(proposer, "members", ())]:
         if member.needs_hidden:
