@@ -32,7 +32,7 @@ class SingleCaches:
         # Hidden states (m, F) of the tokens the cache took in since the last round.
         self.hidden: mx.array | None = None
         self._rows = 0  # 1 once the request joined, 0 when it left
-        self._verified: list[int] = []  # the last verify's tokens, for `keep`
+        self._verified: list[int] = []  # the last verify's row: [pending, *drafts]
         self._tree: DraftTree | None = None  # the last verify's tree, for `keep_tree`
         self._verified_hidden: mx.array | None = None
 
@@ -82,8 +82,8 @@ class SingleCaches:
     def verify_tree(self, rows: list[list[int]], trees: list[DraftTree]) -> mx.array:
         """One pass over the row's pending token and every node of its tree: logits
         (1, nodes + 1, V), row i predicting the token after node i's path."""
-        ((pending, *_),), (self._tree,) = rows, trees
-        self._verified = [pending]
+        (self._verified,), (self._tree,) = rows, trees
+        pending = self._verified[0]
         logits, self._verified_hidden = self.target.verify_tree(pending, self._tree, self.capture)
         return logits[None]
 
