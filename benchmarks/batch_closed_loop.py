@@ -1,6 +1,8 @@
 """Batched speculation against batched plain, engine only: B slots kept full from a queue.
 
     python benchmarks/batch_closed_loop.py --requests 32 -n 48 --methods none,prompt-lookup
+    python benchmarks/batch_closed_loop.py --methods none,prompt-lookup,suffix \
+        --row-floor 0.95 --row-floor 0
 
 The scheduler runs `--batch` slots; each finished request is replaced by the next one of
 `--requests` (the shipped code, summarize and chat suites, cycled), as clients in a closed
@@ -9,16 +11,28 @@ The rounds matter beside the time: a batch runs as many rounds as its slowest sl
 needs, so only a queue longer than the batch shows what speculation saves. No server, no
 HTTP; `mlxspec bench --concurrency` measures through the API. Compare ratios within one
 run: the methods run in turn in this process.
+
+Per prompt class it also prints each method's decode pace against batched plain,
+measured inside the same run: a class's tokens over the passes its rows sat in, each
+pass timed in units of the batch's own latest plain pass over as many rows (the
+scheduler re-times one at least every 32 passes, `PassCost.wants_plain`), then over the
+same figure for the `none` run (batched plain: one token per row and pass, about 1.0 by
+this measure). A machine that is busier in one part of the run than another shifts
+both sides of each pass's ratio. A client
+-side pace (`bench --concurrency`) mixes in which requests happen to run while the
+batch drains; this does not.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections import Counter
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec.batch.scheduler import Scheduler
+from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.bench.suites import load_suite
 from mlxspec.engine import GenerationSettings
 from mlxspec.events import Accepted, Bonus, Corrected, Done
@@ -26,38 +40,70 @@ from mlxspec.registry import NONE, load_registry
 from mlxspec.runtime import Runtime, open_runtime
 
 
-def closed_loop(runtime: Runtime, method: str, prompts, args) -> tuple[float, int, int, Counter]:
-    """Seconds, tokens, rounds and the round widths of one method's run."""
+@dataclass
+class Pace:
+    """Per prompt class: tokens its rows kept, and the passes they sat in, in plain passes."""
+
+    tokens: Counter = field(default_factory=Counter)
+    passes: defaultdict = field(default_factory=lambda: defaultdict(float))
+
+    def versus_plain(self) -> dict[str, float]:
+        return {kind: self.tokens[kind] / self.passes[kind] for kind in sorted(self.passes)}
+
+
+def closed_loop(
+    runtime: Runtime, method: str, prompts, args, row_floor: float = ROW_FLOOR
+) -> tuple[float, int, int, Counter, Pace]:
+    """Seconds, tokens, rounds, the round widths and the per-class pace of one run."""
     proposer = runtime.proposer(method) if method != NONE else NONE
-    scheduler = Scheduler(runtime.engine, max_batch=args.batch)
+    scheduler = Scheduler(runtime.engine, max_batch=args.batch, row_floor=row_floor)
     queue = [prompts[i % len(prompts)] for i in range(args.requests)]
     settings = GenerationSettings(max_tokens=args.n)
     widths: Counter = Counter()
-    truncate = scheduler._truncate
+    truncate, observe = scheduler._truncate, scheduler.pass_cost.observe
+    kinds: dict[int, str] = {}
+    this_round: dict = {}
 
     def counted(rounds):
         cut = truncate(rounds)
         widths[max(len(r.tree) for r in cut)] += 1
+        this_round["rows"] = [kinds[slot.request_id] for slot in scheduler.active]
         return cut
 
-    scheduler._truncate = counted
+    def timed(rows: int, columns: int, seconds: float) -> None:
+        cost = scheduler.pass_cost
+        plain = cost.plain_seconds.get(rows)
+        observe(rows, columns, seconds)
+        plain = plain or cost.plain_seconds.get(rows)  # this very pass, if plain
+        # No plain pass over these rows timed yet: the batch's own price of this one.
+        this_round["plain_passes"] = (
+            seconds / plain if plain else cost(rows, columns) / cost(rows, 1)
+        )
+
+    scheduler._truncate, scheduler.pass_cost.observe = counted, timed
+    pace = Pace()
 
     def submit() -> None:
         prompt = queue.pop(0)
-        scheduler.submit([{"role": "user", "content": prompt.text}], settings, proposer)
+        chat = [{"role": "user", "content": prompt.text}]
+        kinds[scheduler.submit(chat, settings, proposer)] = prompt.kind
 
     for _ in range(min(args.batch, len(queue))):
         submit()
     start, tokens, rounds = time.perf_counter(), 0, 0
     while scheduler.busy:
+        this_round.clear()
         out = scheduler.step()
         rounds += 1
-        for events in out.values():
-            made = [e for e in events if isinstance(e, Accepted | Bonus | Corrected)]
-            tokens += sum(len(e.tokens) for e in made)
+        for kind in this_round.get("rows", []):
+            pace.passes[kind] += this_round["plain_passes"]
+        for request_id, events in out.items():
+            made = sum(len(e.tokens) for e in events if isinstance(e, Accepted | Bonus | Corrected))
+            tokens += made
+            pace.tokens[kinds[request_id]] += made
             if queue and any(isinstance(e, Done) for e in events):
                 submit()
-    return time.perf_counter() - start, tokens, rounds, widths
+    return time.perf_counter() - start, tokens, rounds, widths, pace
 
 
 def main() -> None:
@@ -68,22 +114,41 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--methods", default="none,prompt-lookup")
+    parser.add_argument(
+        "--row-floor",
+        type=float,
+        action="append",
+        help="serve --row-floor for the speculative methods (repeatable; default 0.95)",
+    )
     args = parser.parse_args()
     runtime = open_runtime(load_registry().get(args.model), print)
     prompts = [p for suite in args.suites.split(",") for p in load_suite(suite)]
     warm = argparse.Namespace(**{**vars(args), "requests": args.batch, "n": 2})
     closed_loop(runtime, NONE, prompts, warm)  # calibration, grid, kernels: not timed
-    base = None
-    for method in args.methods.split(","):
-        seconds, tokens, rounds, widths = closed_loop(runtime, method, prompts, args)
+    base, plain_pace = None, None
+    runs = [
+        (method, floor)
+        for method in args.methods.split(",")
+        for floor in ([ROW_FLOOR] if method == NONE else args.row_floor or [ROW_FLOOR])
+    ]
+    for method, floor in runs:
+        seconds, tokens, rounds, widths, pace = closed_loop(runtime, method, prompts, args, floor)
         rate = tokens / seconds
         base = base or rate
+        label = method if method == NONE else f"{method} (row floor {floor:g})"
         print(
-            f"{method:16s} {tokens} tokens in {seconds:6.1f} s: {rate:6.2f} tok/s "
+            f"{label:30s} {tokens} tokens in {seconds:6.1f} s: {rate:6.2f} tok/s "
             f"({rate / base:.2f}x the first), {rounds} rounds, "
             f"widths {dict(sorted(widths.items()))}",
             flush=True,
         )
+        paces = pace.versus_plain()
+        if method == NONE:
+            plain_pace = paces
+        relative = {k: v / plain_pace[k] for k, v in paces.items()} if plain_pace else paces
+        by_class = ", ".join(f"{k} {v:.2f}x" for k, v in relative.items())
+        unit = "batched plain" if plain_pace else "plain passes"
+        print(f"{'':30s} pace per class vs {unit}: {by_class}", flush=True)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,13 @@ def kept(draft: list[int], truth: list[int]) -> int:
 
 
 def replay(
-    kind: str, answers: dict, replayed: bool, max_tokens: int, oracle_k: bool, seed=None
+    kind: str,
+    answers: dict,
+    replayed: bool,
+    max_tokens: int,
+    oracle_k: bool,
+    seed=None,
+    evidence: bool = True,
 ) -> tuple:
     """Per request {class, tokens, rounds, kept, est}; and for suffix every round's log."""
     cost = cached_verify_cost(calibration_key(MODEL), _uncalibrated)
@@ -100,7 +106,8 @@ def replay(
         for prompt_id, item in answers.items():
             prompt, answer = item["prompt"], item["answer"]
             getattr(proposer, "reset", lambda: None)()
-            policy, position, rounds, drafting, total, steps = Policy(cost), 0, 0, 0, 0, 0.0
+            policy = Policy(cost, read_evidence=evidence)
+            position, rounds, drafting, total, steps = 0, 0, 0, 0, 0.0
             while position < min(len(answer), max_tokens):
                 ctx = ProposalContext(
                     prompt + answer[:position], None, None, None, prompt_length=len(prompt)
@@ -202,6 +209,12 @@ def main() -> None:
     parser.add_argument("--oracle-k", action="store_true")
     parser.add_argument("--seed", action="store_true")
     parser.add_argument("--requests", action="store_true", help="a row per request too")
+    parser.add_argument(
+        "--no-evidence",
+        action="store_true",
+        help="the policy ignores the match's own counts: one rate for every position "
+        "(suffix's draft length before they were read)",
+    )
     args = parser.parse_args()
     if args.prompts:
         name, prompts, replayed = args.prompts.stem, read_prompts(args.prompts), True
@@ -219,7 +232,7 @@ def main() -> None:
     results, log = {}, []
     for kind in ("prompt-lookup", "suffix"):
         results[kind], rounds = replay(
-            kind, answers, replayed, args.max_tokens, args.oracle_k, seed
+            kind, answers, replayed, args.max_tokens, args.oracle_k, seed, not args.no_evidence
         )
         log += rounds
     summary(results, log, answers)

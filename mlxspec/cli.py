@@ -416,6 +416,14 @@ def pull(name, mtp, mtp_source):
 # docs/distributed.md (4 clients: 3.1x one at a time; 8 clients: --max-batch 8 >= 4).
 DEFAULT_MAX_BATCH = 8
 
+ROW_FLOOR_OPTION = click.option(
+    "--row-floor",
+    type=click.FloatRange(0.0, 1.0),
+    help="Least share of its own plain speed a batched request keeps while the others' "
+    "drafts widen the shared pass (default 0.95; 0: the batch's total tokens/s first). "
+    "See docs/batching.md.",
+)
+
 
 @main.command()
 @click.option(
@@ -448,10 +456,11 @@ DEFAULT_MAX_BATCH = 8
     help="Requests that generate together, sharing each target pass (1: one at a time; "
     "default: 8, sharded too).",
 )
+@ROW_FLOOR_OPTION
 @TREE_OPTION
 @distributed_options
 @fail_cleanly
-def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, tree):
+def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, row_floor, tree):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
     Up to --max-batch requests (default 8, sharded too) share each target pass; the
@@ -467,6 +476,7 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
       mlxspec serve --ranks 3            # the target sharded over 3 local ranks
     """
+    from mlxspec.batch.width import ROW_FLOOR
     from mlxspec.distributed.rank import current_rank
     from mlxspec.server import (
         ListenError,
@@ -495,7 +505,12 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     except ListenError as err:
         raise click.ClickException(str(err)) from None
     warn_if_slow_blas()
-    limits = ServerLimits(max_tokens=max_tokens_limit, max_waiting=max_waiting, max_batch=max_batch)
+    limits = ServerLimits(
+        max_tokens=max_tokens_limit,
+        max_waiting=max_waiting,
+        max_batch=max_batch,
+        row_floor=ROW_FLOOR if row_floor is None else row_floor,
+    )
     app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default, ranks=rank)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
@@ -578,6 +593,14 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
     help="N clients at once against the in-process server: one at a time vs batched (plain "
     "and each proposer in --proposers, names only) vs mlx-lm's batch_generate. Repeatable.",
 )
+@click.option(
+    "--row-floor",
+    "row_floors",
+    multiple=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="With --concurrency: the batched proposer rows at this serve --row-floor "
+    "(default: serve's, 0.95). Repeatable, to compare floors in one run.",
+)
 @distributed_options
 @fail_cleanly
 def bench(
@@ -594,6 +617,7 @@ def bench(
     history,
     tree,
     concurrency,
+    row_floors,
 ):
     """Side by side, same prompts, greedy: mlx-lm, mlx-lm's speculative decoding, mlxspec.
 
@@ -610,6 +634,7 @@ def bench(
       mlxspec bench --suite chat --proposers head,medusa,lookahead --tree   # line vs tree
       mlxspec bench --from-history --json history.json
       mlxspec bench --concurrency 4 --concurrency 8 --proposers prompt-lookup
+      mlxspec bench -c 8 --proposers prompt-lookup --row-floor 0.95 --row-floor 0
       mlxspec bench --ranks 3 --proposers prompt-lookup   # every row on the sharded target
     """
     from mlxspec.bench import BenchError
@@ -631,6 +656,8 @@ def bench(
 
     entry = load_registry().including(model).get(model)
     warn_if_slow_blas()
+    if row_floors and not concurrency:
+        raise click.UsageError("--row-floor goes with --concurrency")
     if concurrency:
         if history or tree or plot_path or replay:
             raise click.UsageError(
@@ -640,7 +667,15 @@ def bench(
         levels = list(concurrency)
         outputs = (json_path, markdown_path)
         _bench_concurrency(
-            entry, suite, prompts_file, proposers, max_tokens, levels, repeats or 1, outputs
+            entry,
+            suite,
+            prompts_file,
+            proposers,
+            max_tokens,
+            levels,
+            repeats or 1,
+            outputs,
+            row_floors,
         )
         return
     suite = suite or "quick"
@@ -695,9 +730,10 @@ def bench(
 
 
 def _bench_concurrency(
-    entry, suite, prompts_file, proposers, max_tokens, levels, repeats, outputs
+    entry, suite, prompts_file, proposers, max_tokens, levels, repeats, outputs, row_floors
 ) -> None:
     """`bench --concurrency`: see mlxspec/bench/concurrency.py."""
+    from mlxspec.batch.width import ROW_FLOOR
     from mlxspec.bench import BenchError
     from mlxspec.bench.concurrency import concurrency_markdown, run_concurrency
     from mlxspec.bench.machine import describe_machine
@@ -711,7 +747,8 @@ def _bench_concurrency(
             entry.proposer(name.strip())  # an unknown name fails here, before the weights load
         runtime = open_runtime(entry, notify=say)
         names = [n.strip() for n in names]
-        result = run_concurrency(runtime, prompts, levels, names, max_tokens, say, repeats)
+        floors = tuple(row_floors) or (ROW_FLOOR,)
+        result = run_concurrency(runtime, prompts, levels, names, max_tokens, say, repeats, floors)
     except (BenchError, ProposerError) as err:
         raise click.ClickException(str(err)) from None
     result.update(

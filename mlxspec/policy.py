@@ -173,6 +173,9 @@ class Policy:
     # one estimate per position j: a_j = P(draft j kept | the drafts before it were).
     by_position: dict[tuple[str, str], list[Acceptance]] = field(default_factory=dict)
     draft_cost: dict[str, float] = field(default_factory=dict)  # per token, in target steps
+    # Read a proposer's own per-position counts (`Situation.evidence`)? False: one rate
+    # for every position, as before they were read (the replay compares both).
+    read_evidence: bool = True
     _full_streak: dict[str, bool] = field(default_factory=dict)
     _idle_rounds: dict[tuple[str, str], int] = field(default_factory=dict)
     # Probes that found nothing double the wait before the next one (up to 16x), so a
@@ -252,7 +255,9 @@ class Policy:
         nodes = getattr(situation.source, "verify_nodes", lambda k: k)
         # A block drafter's one pass drafts every k alike: its cost is per round.
         per_round = getattr(situation.source, "cost_per_round", False)
-        tokens = self._expected_by_position(situation, key, limit)
+        tokens = self._expected_by_position(situation, key, limit) or self._expected_from_evidence(
+            situation, rate, limit
+        )
         for k in range(1, limit + 1):
             cost = self.verify_cost(nodes(k) + 1) + (1 if per_round else k) * per_draft
             speed = (tokens[k] if tokens else expected_tokens(rate, k)) / cost
@@ -270,6 +275,28 @@ class Policy:
         totals, survive = [1.0], 1.0
         for j in range(limit):
             survive *= positions[j].rate if j < len(positions) else prior
+            totals.append(totals[-1] + survive)
+        return totals
+
+    def _expected_from_evidence(self, situation: Situation, rate: float, limit: int) -> list[float]:
+        """Expected tokens of a round for k = 0..limit from the proposer's own counts at
+        this match (`Situation.evidence`): position j is kept with probability
+        rate x followed_j / seen_j, the learned rate scaled by the share of occurrences
+        that went on with the line (SuffixDecoding's path probability), and past the
+        line's end nothing is. The rate speaks for the occurrence that drafts the line
+        (most lines rest on one or two); the share only says how many others went
+        elsewhere. Counting agreeing occurrences as evidence *above* the rate (a
+        pseudo-count blend) drafted longer after a shared template and measured worse
+        on the held-out agent stream (docs/suffix.md). [] when there is no evidence."""
+        if not situation.evidence or not self.read_evidence:
+            return []
+        totals, survive = [1.0], 1.0
+        for j in range(limit):
+            if j < len(situation.evidence):
+                followed, seen = situation.evidence[j]
+                survive *= rate * followed / seen
+            else:
+                survive = 0.0
             totals.append(totals[-1] + survive)
         return totals
 

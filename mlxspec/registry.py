@@ -190,7 +190,7 @@ _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
     for kind, options in {
         "prompt-lookup": {"ngram_max": _int(1, 4), "ngram_min": _int(1, 2)},
         "suffix": {
-            "spec_factor": _Option(float, "a number > 0", 1.0, lambda v: v > 0),
+            "spec_factor": _Option(float, "a number > 0", 2.0, lambda v: v > 0),
             "min_match": _int(1, 2),
             "seed": _Option(bool, "true or false", False),
         },

@@ -398,6 +398,50 @@ def test_the_batch_width_is_the_best_expected_tokens_per_cost():
     assert choose_width([(0.0, 0), (0.0, 0)], 0, step) == 0  # nobody drafted: plain
 
 
+def test_a_width_leaves_every_row_its_floor_of_plain_speed():
+    """A copy-heavy row (rate 0.95, 8 drafted) beside an open one (nothing drafted):
+    the batch's total alone would take the copier's whole draft and slow the open row to
+    1 / 1.7 of a plain pass; with the floor, columns that cost the open row more than
+    5 % are refused, and nearly free ones (the second column here) are still taken."""
+    rows = [(0.95, 8), (0.0, 0)]
+    steep = lambda rows, columns: 1.0 + 0.1 * (columns - 1)  # noqa: E731
+    assert choose_width(rows, 0, steep, row_floor=0.0) == 8
+    assert choose_width(rows, 0, steep) == 0  # 1 / 1.1 of plain < 0.95
+    kinked = lambda rows, columns: 1.0 if columns <= 2 else 1.0 + 0.1 * (columns - 2)  # noqa: E731
+    assert choose_width(rows, 0, kinked) == 1
+    # A row whose draft pays for itself lifts the width with it.
+    assert choose_width([(0.95, 8), (0.9, 3)], 0, steep) == 8
+    assert choose_width(rows, 3, steep) == 3  # a request's fixed k still stands
+
+
+def test_a_plain_request_is_not_slowed_by_its_neighbours_drafts():
+    """In the scheduler: two perfect drafters beside a plain request, each extra column
+    half a pass. With the floor at 1.0 no round drafts (the plain row gains nothing from
+    any column); with 0, the drafters take their width. Every output is solo greedy."""
+    model_cost = lambda rows, columns: 1.0 + 0.5 * (columns - 1)  # noqa: E731
+
+    def run(row_floor: float) -> int:
+        scheduler = scheduler_for("llama")
+        scheduler.row_floor = row_floor
+        scheduler.pass_cost = FakeCost(model_cost)
+        model, eos = scheduler.engine.target.model, {VOCAB - 1}
+        prompts = sample_prompts(3)[:3]
+        # The plain request (a one-token prompt) joins first and outlives the others.
+        lengths = [MAX_TOKENS, MAX_TOKENS, MAX_TOKENS + 30]
+        references = [plain_greedy(model, p, n, eos) for p, n in zip(prompts, lengths)]
+        for prompt, reference in zip(prompts[:2], references):
+            settings = GenerationSettings(max_tokens=MAX_TOKENS)
+            scheduler.submit(prompt, settings, Faithful(len(prompt), reference))
+        scheduler.submit(prompts[2], GenerationSettings(max_tokens=lengths[2]), None)
+        events = collect(scheduler)
+        for i, got in events.items():
+            assert_lossless(model, prompts[i], references[i], list(got[-1].token_ids), f"{i}")
+        return max(e.drafted for got in events.values() for e in got if isinstance(e, Step))
+
+    assert run(1.0) == 0
+    assert run(0.0) > 0
+
+
 class StepCost:
     """A fake pass cost: one unit up to `columns` columns, prohibitive beyond."""
 
@@ -412,6 +456,17 @@ class StepCost:
 
     def wants_plain(self, rows: int) -> bool:
         return False
+
+
+class FakeCost(StepCost):
+    """A fake pass cost from a function of (rows, columns)."""
+
+    def __init__(self, cost):
+        super().__init__(0)
+        self.cost = cost
+
+    def __call__(self, rows: int, columns: int) -> float:
+        return self.cost(rows, columns)
 
 
 class Asking(Oracle):

@@ -240,3 +240,12 @@ def test_the_queue_counts_free_slots_only_where_the_batch_can_take_them():
     assert tiny.queue_room == 6
     tiny._running = object()  # a request the batch could not take runs alone
     assert tiny.queue_room == 2
+
+
+def test_serve_row_floor_reaches_the_batch():
+    """`serve --row-floor F` is the floor each round's width is chosen under."""
+    from mlxspec.server import create_app
+
+    app = create_app(TinyProvider(), limits=ServerLimits(max_batch=4, row_floor=0.25))
+    engine = TinyRuntime("tiny").engine
+    assert app.state.worker._scheduler_for(engine).row_floor == 0.25

@@ -21,8 +21,9 @@ from test_bench import (
 )
 
 import mlxspec.runtime
+from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.bench.client import Answer
-from mlxspec.bench.concurrency import ANCHOR, pace_by_class, percentile, summarize
+from mlxspec.bench.concurrency import ANCHOR, pace_by_class, percentile, served_rows, summarize
 from mlxspec.bench.suites import BenchPrompt
 from mlxspec.cli import main
 
@@ -112,3 +113,14 @@ def test_percentile_is_nearest_rank():
     assert percentile([], 0.5) is None
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.95) == 4.0
+
+
+def test_each_row_floor_gets_its_own_batched_rows_and_needs_concurrency(four_prompts):
+    rows = served_rows(4, "prompt-lookup", ["prompt-lookup"], (ROW_FLOOR, 0.0))
+    assert [(r.label, r.row_floor) for r in rows[2:]] == [
+        ("batched + prompt-lookup", ROW_FLOOR),
+        ("batched + prompt-lookup (row floor 0)", 0.0),
+    ]
+    result = CliRunner().invoke(main, [*four_prompts, "--row-floor", "0"])
+    assert result.exit_code == 2
+    assert "--row-floor goes with --concurrency" in result.output

@@ -42,7 +42,7 @@ import mlx.core as mx
 
 from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.single import SingleCaches
-from mlxspec.batch.width import PassCost, choose_width, pass_grid_for
+from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
 from mlxspec.events import Event
 from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation, candidates
 from mlxspec.proposers.self_spec import SelfSpeculation
@@ -116,13 +116,18 @@ class Scheduler:
         engine: Engine,
         max_batch: int = 8,
         caches: BatchCaches | SingleCaches | None = None,
+        row_floor: float = ROW_FLOOR,
     ):
         """`caches`: where the batch's cache work goes (by default its own; a sharded
         rank 0 passes one that the other ranks replay; `Engine.stream` passes the
-        engine's own target as `SingleCaches`, a batch of one)."""
+        engine's own target as `SingleCaches`, a batch of one). `row_floor`: the least
+        share of its plain-pass speed a round's width may leave any row
+        (`choose_width`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.engine, self.max_batch = engine, max_batch
+        if not 0.0 <= row_floor <= 1.0:
+            raise ValueError(f"row_floor must be in 0..1, got {row_floor}")
+        self.engine, self.max_batch, self.row_floor = engine, max_batch, row_floor
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens a joining request feeds per round
         # Finished rows' caches are kept for the next prompts (one per slot).
         self.caches = caches or BatchCaches(engine.target.model, prefix_capacity=max_batch)
@@ -352,7 +357,7 @@ class Scheduler:
                 (s.run.policy.acceptance_rate(r.situation) if r.situation else 0.0, len(r.tree))
                 for s, r in zip(self.active, rounds)
             ]
-            width = choose_width(estimates, floor, self.pass_cost)
+            width = choose_width(estimates, floor, self.pass_cost, self.row_floor)
         return [
             dataclasses.replace(
                 r,

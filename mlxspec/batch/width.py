@@ -10,6 +10,18 @@ per unit time,
 
 W = 0 is a plain round for every row, so under load speculation turns itself off.
 
+That sum alone is unfair: rows that copy (an edit echoing its file) earn wide passes,
+and rows of open text that draft little pay for every column. On a compute-bound CPU
+the open rows of a mixed batch fell to 0.56x of batched plain while the copy-heavy ones
+reached 1.51x. So a width is allowed only if every row still expects at least
+`row_floor` (default 0.95) of the speed a plain pass would give it:
+
+    expected_tokens(a_i, min(k_i, W)) / cost(B x (W + 1)) >= row_floor / cost(B x 1).
+
+Where extra columns are nearly free (a weight-bound Mac, or a narrow pass here) the
+floor binds nothing; where they are dear, a batch speculates as wide as its least
+rewarded row can afford. `row_floor = 0` gives the plain sum (the batch's total first).
+
 The cost of a pass over (rows, columns) is measured once per model and machine
 (`measure_pass_grid`: real batched passes through `BatchTarget`, rows 1-8 x columns
 1-16 on a warm context, interleaved and best-of-three like the single-row calibration)
@@ -39,20 +51,32 @@ GRID_ROWS = (1, 2, 4, 8)
 GRID_COLUMNS = (1, 2, 4, 8, 16)
 
 
+# The least share of its plain-pass speed a row may expect from a round's width.
+ROW_FLOOR = 0.95
+
+
 def choose_width(
-    rows: list[tuple[float, int]], floor: int, pass_cost: Callable[[int, int], float]
+    rows: list[tuple[float, int]],
+    floor: int,
+    pass_cost: Callable[[int, int], float],
+    row_floor: float = ROW_FLOOR,
 ) -> int:
-    """The width W (floor .. max draft) with the best expected tokens per cost.
+    """The width W (floor .. max draft) with the best expected tokens per cost, among
+    those that give every row at least `row_floor` of its plain speed.
 
     `rows` holds each row's (acceptance rate, drafted k); `pass_cost(rows, columns)` is
-    a pass's cost; `floor` is the least W (rows whose k was fixed by the request).
-    Ties go to the narrower pass.
+    a pass's cost; `floor` is the least W (rows whose k was fixed by the request), always
+    allowed. Ties go to the narrower pass.
     """
     widest = max((k for _, k in rows), default=0)
+    plain = pass_cost(len(rows), 1)
     best_width, best_speed = floor, -1.0
     for width in range(floor, max(widest, floor) + 1):
-        tokens = sum(expected_tokens(rate, min(k, width)) for rate, k in rows)
-        speed = tokens / pass_cost(len(rows), width + 1)
+        cost = pass_cost(len(rows), width + 1)
+        tokens = [expected_tokens(rate, min(k, width)) for rate, k in rows]
+        if width > floor and min(tokens, default=1.0) * plain < row_floor * cost:
+            continue  # a row would pay for the others' drafts beyond its floor
+        speed = sum(tokens) / cost
         if speed > best_speed * (1 + 1e-9):
             best_width, best_speed = width, speed
     return best_width

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxspec.batch.scheduler import unbatchable_reason
+from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.bench import BenchError
 from mlxspec.bench.client import Answer, RequestFailed, stream_chat
 from mlxspec.bench.report import markdown_table, number_cell
@@ -53,13 +54,23 @@ class ServedRow:
     label: str
     max_batch: int
     proposer: str  # a proposer of the entry, or "none"
+    row_floor: float = ROW_FLOOR  # serve --row-floor
 
 
-def served_rows(clients: int, default: str, proposers: list[str]) -> list[ServedRow]:
-    """The server before batching, batched plain, then batched with each proposer."""
+def served_rows(
+    clients: int, default: str, proposers: list[str], floors: tuple[float, ...] = (ROW_FLOOR,)
+) -> list[ServedRow]:
+    """The server before batching, batched plain, then batched with each proposer at
+    each row floor (labelled when it is not serve's default)."""
     rows = [ServedRow(f"one at a time ({default})", 1, default)]
     rows.append(ServedRow(BATCHED_PLAIN, clients, NONE))
-    rows += [ServedRow(BATCHED_WITH + name, clients, name) for name in proposers if name != NONE]
+    for floor in floors:
+        note = "" if floor == ROW_FLOOR else f" (row floor {floor:g})"
+        rows += [
+            ServedRow(BATCHED_WITH + name + note, clients, name, floor)
+            for name in proposers
+            if name != NONE
+        ]
     return rows
 
 
@@ -132,7 +143,10 @@ def run_served(
     """One row: a fresh server with the row's batch size, warmed up, then the replay."""
     entry = runtime.entry
     limits = ServerLimits(
-        max_tokens=max_tokens, max_waiting=len(prompts) + clients, max_batch=row.max_batch
+        max_tokens=max_tokens,
+        max_waiting=len(prompts) + clients,
+        max_batch=row.max_batch,
+        row_floor=row.row_floor,
     )
     app = create_app(OpenedProvider(runtime, entry), limits=limits)
     with serving_in_thread(app) as url:
@@ -244,6 +258,7 @@ def run_concurrency(
     max_tokens: int,
     notify: Callable[[str], None],
     repeats: int = 1,
+    floors: tuple[float, ...] = (ROW_FLOOR,),
 ) -> dict[str, Any]:
     """Every row at every concurrency level, all rows in turn `repeats` times (each keeps
     its fastest); the result document's rows."""
@@ -260,7 +275,7 @@ def run_concurrency(
         anchor: tuple[float, list[str], int] | None = None
         for repeat in range(repeats):
             turn = f" (repeat {repeat + 1}/{repeats})" if repeats > 1 else ""
-            for row in served_rows(clients, default, kept):
+            for row in served_rows(clients, default, kept, floors):
                 notify(f"{clients} clients: {row.label}, {len(prompts)} requests{turn}")
                 wall, answers = run_served(runtime, row, prompts, clients, max_tokens)
                 if row.label not in served or wall < served[row.label][0]:
@@ -275,7 +290,7 @@ def run_concurrency(
             if label.startswith(BATCHED_WITH):
                 rows[-1]["pace_vs_plain_by_class"] = pace_by_class(prompts, answers, plain)
         rows.append(summarize_anchor(clients, *anchor, reference))
-    return {"rows": rows, "skipped": refused, "repeats": repeats}
+    return {"rows": rows, "skipped": refused, "repeats": repeats, "row_floors": list(floors)}
 
 
 def concurrency_markdown(result: dict[str, Any]) -> str:

@@ -51,6 +51,11 @@ class Situation:
     source: Proposer  # who will draft this round (a chain member, or the proposer itself)
     key: str  # a case label the policy keeps acceptance statistics for
     prior: float = 0.5  # expected per-token acceptance in this case, before any evidence
+    # The proposer's own evidence for its line, per draft position j: (earlier
+    # occurrences that went on with the line's token j, those that got that far), e.g.
+    # suffix decoding's frequency counts at this match. The line ends where it ends.
+    # Empty: none; the policy then prices every position at the situation's one rate.
+    evidence: tuple[tuple[int, int], ...] = ()
 
 
 class Proposer(Protocol):

@@ -11,8 +11,9 @@ present is extended periodically (copy with overlap), so "Beta Beta Beta" drafts
 as the policy allows instead of one period. In the history, the occurrences'
 continuations form a tree in which a node's score is the share of occurrences that
 continued that way (SuffixDecoding's frequency scores), and a history match drafts at
-most `spec_factor` x its length. With history on, a shipped seed history
-(`suffix/seed.py`) counts as history too.
+most `spec_factor` x its length. Its situation carries the counts along its line, so the
+policy sizes the draft by them (`Policy._expected_from_evidence`). With history on, a
+shipped seed history (`suffix/seed.py`) counts as history too.
 
 Which one drafts: the request's line, unless the history matches longer *inside this
 request's answer*. A history match that reaches back into the prompt is long because
@@ -57,6 +58,13 @@ class Match:
     request: tuple[int, int] | None = None
     history_length: int = 0
     history: list[tuple[PrefixIndex, int, int]] = field(default_factory=list)
+    # The history's line (the branch most occurrences took, as deep as this match may
+    # draft) and its counts per position: (occurrences that went on so, that got so far).
+    line: list[int] = field(default_factory=list)
+    evidence: tuple[tuple[int, int], ...] = ()
+    # The continuations counted for them, and how deep (the tree reads them again).
+    continuations: Counter[tuple[int, ...]] = field(default_factory=Counter)
+    counted_depth: int = 0
 
     @property
     def length(self) -> int:
@@ -81,7 +89,7 @@ class SuffixProposer:
         name: str = "suffix",
         store: HistoryStore | None = None,
         k_max: int = 32,
-        spec_factor: float = 1.0,
+        spec_factor: float = 2.0,
         min_match: int = 2,
         vocab_size: int | None = None,
         seed: Callable[[], PrefixIndex | None] | None = None,
@@ -131,8 +139,12 @@ class SuffixProposer:
         else:
             origin = HISTORY
         self._match = Match(origin, request_length, request, history_length, history)
+        if origin == HISTORY:
+            self._match.line, self._match.evidence = self._history_line(self.k_max)
         length = self._match.length
-        return Situation(self, f"{origin}>={bucket(length)}", PRIORS[bucket(length)])
+        return Situation(
+            self, f"{origin}>={bucket(length)}", PRIORS[bucket(length)], self._match.evidence
+        )
 
     def _history_match(self, tokens: list[int]) -> tuple[int, list[tuple[PrefixIndex, int, int]]]:
         """The longest match over the history indexes, and its ranges (all of them on a
@@ -163,10 +175,34 @@ class SuffixProposer:
         latest = int(self._request.order[lo:hi].max())
         return _follow(self._request.tokens, latest, depth, periodic=True)
 
+    def _history_line(self, depth: int) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+        """The branch most history occurrences took, up to `depth` (and the match's
+        depth cap), and at each of its positions how many occurrences went on with its
+        token out of those that got that far: the policy's per-position evidence.
+        (Walked along the line only: every round pays for it, drafting or not.)"""
+        alive = list(self._continuations(self._history_depth(depth)).items())
+        line, evidence = [], []
+        while alive:
+            j, following = len(line), {}
+            for path, count in alive:
+                following[path[j]] = following.get(path[j], 0) + count
+            token = max(following, key=following.__getitem__)  # ties: the first seen
+            line.append(token)
+            evidence.append((following[token], sum(following.values())))
+            alive = [(p, n) for p, n in alive if p[j] == token and len(p) > j + 1]
+        return line, tuple(evidence)
+
     def _continuations(self, depth: int) -> Counter[tuple[int, ...]]:
-        """How often each continuation (up to `depth` tokens) followed the history match."""
-        seen: Counter[tuple[int, ...]] = Counter()
-        for index, lo, hi in self._match.history:
+        """How often each continuation (up to `depth` tokens) followed the history match;
+        counted once a round, then cut shorter where a shallower depth is asked."""
+        match = self._match
+        if match.counted_depth >= depth:
+            seen: Counter[tuple[int, ...]] = Counter()
+            for path, count in match.continuations.items():
+                seen[path[:depth]] += count
+            return seen
+        seen = Counter()
+        for index, lo, hi in match.history:
             for position in index.occurrences(lo, hi, OCCURRENCES).tolist():
                 path = _follow(index.tokens, position, depth, periodic=False)
                 if self.vocab_size is not None:  # a store written for another vocabulary
@@ -175,6 +211,7 @@ class SuffixProposer:
                     ]
                 if path:
                     seen[tuple(path)] += 1
+        match.continuations, match.counted_depth = seen, depth
         return seen
 
     def propose(self, ctx: ProposalContext, k: int) -> Draft:
@@ -185,10 +222,7 @@ class SuffixProposer:
         if self._match.origin == REQUEST:
             line = self._latest(k)
         else:
-            children = _children(self._continuations(self._history_depth(k)))
-            line = []
-            while children.get(tuple(line)):
-                line.append(children[tuple(line)].most_common(1)[0][0])
+            line = self._match.line[: self._history_depth(k)]
         self._count(len(line))
         return Draft(line)
 

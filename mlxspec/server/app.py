@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import mlxspec
+from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.engine import GenerationError, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.sampling import SamplingSettings
@@ -41,6 +42,9 @@ class ServerLimits:
     max_tokens: int = 4096  # per request; longer prompts are bounded by the model's context
     max_waiting: int = 16  # requests queued behind the running one; more get 429
     max_batch: int = 1  # requests generating together (continuous batching when > 1)
+    # The least share of its plain speed a request keeps while others' drafts widen the
+    # shared pass (mlxspec.batch.width.choose_width).
+    row_floor: float = ROW_FLOOR
 
 
 class BodyLimit:
@@ -100,12 +104,14 @@ def create_app(
         preload = preload or provider.default
         if limits.max_batch > 1:
             worker = ShardedBatchedWorker(
-                provider, limits.max_waiting, ranks, preload, limits.max_batch
+                provider, limits.max_waiting, ranks, preload, limits.max_batch, limits.row_floor
             )
         else:
             worker = ShardedWorker(provider, limits.max_waiting, ranks, preload)
     elif limits.max_batch > 1:
-        worker = BatchedWorker(provider, limits.max_waiting, limits.max_batch, preload)
+        worker = BatchedWorker(
+            provider, limits.max_waiting, limits.max_batch, preload, limits.row_floor
+        )
     else:
         worker = Worker(provider, limits.max_waiting, preload)
 

@@ -15,6 +15,7 @@ import queue
 
 from mlxspec.batch.scheduler import Scheduler, unbatchable_reason
 from mlxspec.batch.target import unsupported_reason
+from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.engine import GenerationError
 from mlxspec.events import Done
 from mlxspec.server.errors import ApiError
@@ -32,10 +33,15 @@ log = logging.getLogger("mlxspec.server")
 
 class BatchedWorker(Worker):
     def __init__(
-        self, provider: ModelProvider, max_waiting: int, max_batch: int, preload: str | None = None
+        self,
+        provider: ModelProvider,
+        max_waiting: int,
+        max_batch: int,
+        preload: str | None = None,
+        row_floor: float = ROW_FLOOR,
     ):
         super().__init__(provider, max_waiting, preload)
-        self.max_batch = max_batch
+        self.max_batch, self.row_floor = max_batch, row_floor
         self._scheduler: Scheduler | None = None  # for the resident model, when it batches
         self._jobs: dict[int, Job] = {}  # request id in the scheduler -> its job
         self._held: Job | None = None  # waits for the batch to drain, then runs alone
@@ -156,7 +162,7 @@ class BatchedWorker(Worker):
         if self._scheduler is None or self._scheduler.engine is not engine:
             self._scheduler = None
             if unsupported_reason(engine.target.model) is None:
-                self._scheduler = Scheduler(engine, self.max_batch)
+                self._scheduler = Scheduler(engine, self.max_batch, row_floor=self.row_floor)
         return self._scheduler
 
     def _round(self) -> None:

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from mlxspec.batch.scheduler import Scheduler
+from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.distributed.batch import PlannedCaches, batches
 from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.rank import RankSession, report_exit
@@ -144,8 +145,9 @@ class ShardedBatchedWorker(ShardedWorker, BatchedWorker):
         session: RankSession,
         preload: str,
         max_batch: int,
+        row_floor: float = ROW_FLOOR,
     ):
-        BatchedWorker.__init__(self, provider, max_waiting, max_batch, preload)
+        BatchedWorker.__init__(self, provider, max_waiting, max_batch, preload, row_floor)
         self._attach(session)
 
     def _scheduler_for(self, engine) -> Scheduler | None:
@@ -153,7 +155,7 @@ class ShardedBatchedWorker(ShardedWorker, BatchedWorker):
         the same way whether there is one (`batches`), and calibrate with it."""
         if self._scheduler is None and batches(engine.target.model, self.max_batch):
             caches = PlannedCaches(engine.target.model, self.max_batch, self.session.collectives)
-            self._scheduler = Scheduler(engine, self.max_batch, caches)
+            self._scheduler = Scheduler(engine, self.max_batch, caches, self.row_floor)
         return self._scheduler
 
     def _fail_all(self, err: Exception) -> None:
