@@ -1,10 +1,10 @@
-"""One request's decoding state and the per-round steps every loop shares.
+"""One request's decoding state and the per-round steps of the round loop.
 
-The single-sequence loop (`Engine._run`) and the batched scheduler both keep one
-`RequestRun` per request: its tokens, sampling rng and scorer, policy, text stream and
-run record. Each round they hand it the verified logits; it decides what to keep
-(greedy walk or rejection sampling) and turns the result into events, so both loops
-accept and emit identically.
+The scheduler's round (batch/scheduler.py), for a batch and for `Engine.stream`'s
+batch of one, keeps one `RequestRun` per request: its tokens, sampling rng and scorer,
+policy, text stream and run record. Each round it hands it the verified logits; it
+decides what to keep (greedy walk or rejection sampling) and turns the result into
+events, so a request accepts and emits the same way alone and in a batch.
 """
 
 from __future__ import annotations

@@ -158,11 +158,17 @@ class Target:
     def prepare(
         self, sequence: list[int], progress=None, capture: tuple[int, ...] | None = None
     ) -> tuple[int, mx.array | None]:
-        """Fill the cache with all of `sequence` but its last token; reuse what matches.
+        """Fill the cache with all of `sequence` but its last (pending) token; see `fill`."""
+        return self.fill(sequence[:-1], progress, capture)
 
-        Returns how many tokens were reused from the previous request and, unless
-        `capture` is None, the hidden states (m, F) of the m tokens fed now (drafter heads
-        read them: the last row predicted the pending token).
+    def fill(
+        self, tokens: list[int], progress=None, capture: tuple[int, ...] | None = None
+    ) -> tuple[int, mx.array | None]:
+        """Make the cache hold `tokens`, reusing what matches the previous request's.
+
+        Returns how many tokens were reused and, unless `capture` is None, the hidden
+        states (m, F) of the m tokens fed now (drafter heads read them: the last row
+        predicted the pending token).
         """
         rows: list[mx.array] = []
 
@@ -175,7 +181,7 @@ class Target:
         allow_trim = not self.snapshot_layers
         reused, _ = catch_up(
             self,
-            sequence[:-1],
+            tokens,
             allow_trim=allow_trim,
             progress=progress,
             feed=feed if capture is not None else None,

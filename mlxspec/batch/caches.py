@@ -21,6 +21,10 @@ FORWARDS = ("advance", "verify")
 
 
 class BatchCaches:
+    # Rows of several requests share each pass (see `SingleCaches` for a request alone).
+    solo = False
+    tree_unsupported = "draft trees are not supported in batched mode yet"
+
     def __init__(self, model: nn.Module, prefix_capacity: int):
         self.target = BatchTarget(model)
         # A recurrent state holds its whole sequence: no prefix of it can be reused.

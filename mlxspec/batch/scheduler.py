@@ -1,10 +1,24 @@
-"""Continuous batching with speculation inside it: many requests, one target pass a round.
+"""The round loop, the only one: continuous batching with speculation inside it, and a
+single request as its batch of one.
 
 Each request keeps its own state (`RequestRun`: tokens, policy, scorer and rng, text
 stream, run record) and its own proposer. A round: every active request drafts (ragged
-lengths, k = 0 allowed), ONE batched verify runs over all rows, then each request
-accepts exactly as the single-sequence loop does (`RequestRun.accept`/`advance`), its
-row is trimmed to what it kept, and its events go to it alone.
+lengths, k = 0 allowed), ONE verify runs over all rows, then each request accepts
+(`RequestRun.accept`/`advance`), its row is trimmed to what it kept, and its events go
+to it alone.
+
+Where the cache work goes decides what a round may do:
+- `BatchCaches` (`serve --max-batch B`; on a sharded target `PlannedCaches`, which the
+  other ranks replay call for call): rows of many requests share each pass, so the
+  round cuts every draft to one width (`choose_width`), learns the pass's cost over
+  (rows, columns), and drafts lines only; each request has a private copy of its
+  proposer and a fresh policy.
+- `SingleCaches` (`Engine.stream`: the chat, `generate`, the bench, a sharded rank's
+  request): one row, the engine's own `Target`. The pass is the request's alone: the
+  policy's own k stands, each round is priced for the run record's speedup estimate,
+  and the request uses the engine's proposer and its policy kept across requests. It
+  verifies draft trees and hands proposers the target's hidden states, which the batch
+  caches cannot yet.
 
 Continuous: `submit` queues a request; between rounds a queued request starts its
 prefill in a cache of its own, one chunk per round (so a long prompt never stalls the
@@ -19,27 +33,35 @@ import dataclasses
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from mlxspec.batch.caches import BatchCaches
+from mlxspec.batch.single import SingleCaches
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
-from mlxspec.engine import Engine, GenerationError, GenerationSettings, candidates
 from mlxspec.events import Event
-from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation
+from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation, candidates
 from mlxspec.proposers.self_spec import SelfSpeculation
 from mlxspec.request import RequestRun
+from mlxspec.settings import GenerationError, GenerationSettings
+from mlxspec.speedup import round_steps
 from mlxspec.target import PREFILL_CHUNK
 from mlxspec.tree import DraftTree, chain
+
+if TYPE_CHECKING:
+    from mlxspec.engine import Engine
 
 
 def unbatchable_reason(proposer: Proposer) -> str | None:
     """Why `proposer` cannot draft for one row of a batch yet (None: it can).
 
     Proposers that read the target's hidden states or its own layers and cache would
-    need per-row target state the batch does not hand out yet.
+    need per-row target state the batch caches do not hand out yet (a request alone,
+    on `SingleCaches`, has them).
     """
     for member in [proposer, *getattr(proposer, "members", ())]:
         if member.needs_hidden:
@@ -71,6 +93,8 @@ class Slot:
     proposer: Proposer | None
     admitted_at: float = 0.0  # when its prefill began (time to first token counts from submit)
     cancelled: bool = False
+    trees: bool = False  # draft a tree each round (asked for, and the caches can verify it)
+    tree_nodes: int = 32  # most nodes a drafted tree may have
     error: Exception | None = None  # what ended it, if its own drafting or accepting failed
     events: list[Event] = field(default_factory=list)
 
@@ -91,12 +115,14 @@ class Scheduler:
         self,
         engine: Engine,
         max_batch: int = 8,
-        caches: BatchCaches | None = None,
+        caches: BatchCaches | SingleCaches | None = None,
         row_floor: float = ROW_FLOOR,
     ):
         """`caches`: where the batch's cache work goes (by default its own; a sharded
-        rank 0 passes one that the other ranks replay). `row_floor`: the least share of
-        its plain-pass speed a round's width may leave any row (`choose_width`)."""
+        rank 0 passes one that the other ranks replay; `Engine.stream` passes the
+        engine's own target as `SingleCaches`, a batch of one). `row_floor`: the least
+        share of its plain-pass speed a round's width may leave any row
+        (`choose_width`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if not 0.0 <= row_floor <= 1.0:
@@ -106,8 +132,16 @@ class Scheduler:
         # Finished rows' caches are kept for the next prompts (one per slot).
         self.caches = caches or BatchCaches(engine.target.model, prefix_capacity=max_batch)
         self.target, self.prefixes = self.caches.target, self.caches.prefixes
-        # A pass's cost over (rows, columns): measured, corrected by the passes run.
-        self.pass_cost = PassCost(engine.verify_cost, grid=pass_grid_for(engine))
+        # The pass is one request's alone: it keeps the engine's proposer and policy,
+        # its own k stands (no width to share) and each round is priced for its record.
+        self.solo = self.caches.solo
+        if self.solo and max_batch != 1:
+            raise ValueError("a request's own caches hold one row: max_batch must be 1")
+        self.can_tree = not self.caches.tree_unsupported
+        # A batch's pass cost over (rows, columns): measured, corrected by the passes run.
+        self.pass_cost = (
+            None if self.solo else PassCost(engine.verify_cost, grid=pass_grid_for(engine))
+        )
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
         self.active: list[Slot] = []  # in the order of the target's rows
@@ -126,23 +160,34 @@ class Scheduler:
         settings: GenerationSettings | None = None,
         proposer: str | Proposer | None = None,
     ) -> int:
-        """Queue a request; returns its id. A named proposer is copied for this request
-        alone; a Proposer object is used as is (it must not serve another request)."""
+        """Queue a request; returns its id. In a batch, a named proposer is copied for
+        this request alone and its policy starts afresh; a Proposer object is used as is
+        (it must not serve another request). Alone (`solo`), the request drafts with the
+        engine's own proposer and kept policy, so what they learned carries over to the
+        next request (a chat's next turn)."""
         settings = settings or GenerationSettings()
-        if settings.tree:
-            raise GenerationError("draft trees are not supported in batched mode yet")
+        tree_reason = self.caches.tree_unsupported
+        if settings.tree and tree_reason and not self.solo:
+            raise GenerationError(tree_reason)
         named = proposer if isinstance(proposer, str) else None
         prompt_tokens, max_tokens = self.engine.check_request(prompt, settings, named)
         if named is not None:
             proposer = self.engine.proposers.get(named)  # None for "none"
-        if proposer is not None and (reason := unbatchable_reason(proposer)):
-            raise GenerationError(f"cannot batch this request: {reason}")
-        if named is not None and proposer is not None:
-            proposer = private_copy(proposer)
-        policy = self.engine.new_policy(proposer, settings.k)
+        if self.solo:
+            policy = self.engine.kept_policy(proposer, settings.k)
+        else:
+            if proposer is not None and (reason := unbatchable_reason(proposer)):
+                raise GenerationError(f"cannot batch this request: {reason}")
+            if named is not None and proposer is not None:
+                proposer = private_copy(proposer)
+            policy = self.engine.new_policy(proposer, settings.k)
         run = self.engine.new_run(prompt_tokens, settings, proposer, max_tokens, policy)
-        run.shared_pass = True
-        slot = Slot(next(self._ids), run, proposer)
+        run.shared_pass = not self.solo
+        trees = settings.tree and proposer is not None and not tree_reason
+        run.record.tree = trees
+        if settings.tree and tree_reason:
+            run.record.tree_unavailable = tree_reason
+        slot = Slot(next(self._ids), run, proposer, trees=trees, tree_nodes=settings.tree_nodes)
         self.waiting.append(slot)
         return slot.request_id
 
@@ -159,9 +204,9 @@ class Scheduler:
         self._drop_cancelled()
         while self.waiting and len(self.joining) + len(self.active) < self.max_batch:
             slot = self.waiting.popleft()
+            slot.admitted_at = time.perf_counter()  # alone, `start` prefills it all
             reused = self.caches.start(slot.request_id, slot.run.sequence[:-1])
             slot.run.record.reused_prompt_tokens = reused
-            slot.admitted_at = time.perf_counter()
             self.joining.append(slot)
         for slot in list(self.joining):
             if self.caches.advance(slot.request_id, self.prefill_chunk):
@@ -205,55 +250,92 @@ class Scheduler:
         self.active = [self.active[i] for i in keep]
 
     def _draft(self, slot: Slot) -> Round:
+        """The request's draft for this round: a line of k tokens, or a tree at most k
+        deep (asked for, or a source that always branches, where the caches verify trees)."""
         run = slot.run
         ctx = ProposalContext(
             run.sequence,
             run.scorer,
             run.rng,
             self.target,
+            self.caches.hidden if self.solo else None,
             history=run.history,
             prompt_length=len(run.prompt_tokens),
         )
         situation, k = run.policy.choose_among(candidates(slot.proposer, ctx), run.left)
         start = time.perf_counter()
-        draft = situation.source.propose(ctx, k) if k else None
-        tree = chain(draft.tokens[:k] if draft else [])
+        source = situation.source if k else None
+        if k and (slot.trees or (self.can_tree and getattr(source, "always_tree", False))):
+            tree = self.engine.draft_tree(source, ctx, k, slot.tree_nodes, run.policy)
+            draft = None
+        else:
+            draft = source.propose(ctx, k) if k else None
+            tree = chain(draft.tokens[:k] if draft else [])
         return Round(situation, draft, tree, time.perf_counter() - start)
 
     def _round(self) -> None:
+        """The only round loop's body, for a batch and for `Engine.stream`'s one row."""
         drafted = {slot.request_id: self._guarded(slot, self._draft, slot) for slot in self.active}
         self._leave([slot for slot in self.active if slot.error])
         if not self.active:
             return
-        rounds = self._truncate([drafted[slot.request_id] for slot in self.active])
+        rounds = [drafted[slot.request_id] for slot in self.active]
+        if not self.solo:  # alone, the policy priced its k on the verify-cost curve
+            rounds = self._truncate(rounds)
         rows = [[slot.run.sequence[-1], *r.tree.tokens] for slot, r in zip(self.active, rounds)]
+        trees = [r.tree for r in rounds]
+        lines = all(tree.is_chain for tree in trees)
         round_start = time.perf_counter()
-        logits = self.caches.verify(rows)
+        logits = self.caches.verify(rows) if lines else self.caches.verify_tree(rows, trees)
         processed = [
             slot.run.scorer.process_tree(logits[i, : len(row)], slot.run.sequence, r.tree)
             for i, (slot, r, row) in enumerate(zip(self.active, rounds, rows))
         ]
         mx.eval(processed)
+        verify_seconds = time.perf_counter() - round_start
         accepted = [
             self._guarded(slot, self._accept, slot, r, rows_processed) or ([], -1)
             for slot, r, rows_processed in zip(self.active, rounds, processed)
         ]
-        # The price of a width includes the rows' roll after a ragged acceptance (about a
-        # tenth of a pass over 8 rows here), which only wide rounds pay: `keep` evaluates it.
-        self.caches.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
-        self.pass_cost.observe(len(rows), max(map(len, rows)), time.perf_counter() - round_start)
+        if lines:
+            # The price of a width includes the rows' roll after a ragged acceptance (about
+            # a tenth of a pass over 8 rows here), which only wide rounds pay: `keep`
+            # evaluates it.
+            self.caches.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
+        else:
+            self.caches.keep_tree([path for path, _ in accepted])
+        if not self.solo:
+            self.pass_cost.observe(
+                len(rows), max(map(len, rows)), time.perf_counter() - round_start
+            )
         batch = len(self.active)
         for slot, r, (path, own_token) in zip(self.active, rounds, accepted):
             if slot.error:
                 continue
-            sizes = slot.run.record.batch_sizes
-            sizes.extend([0] * (batch + 1 - len(sizes)))
-            sizes[batch] += 1
-            self._guarded(slot, self._advance, slot, r, path, own_token, round_start)
+            price = None
+            if self.solo:
+                price = self._price_alone(slot.run, r.tree, verify_seconds)
+            else:
+                sizes = slot.run.record.batch_sizes
+                sizes.extend([0] * (batch + 1 - len(sizes)))
+                sizes[batch] += 1
+            self._guarded(slot, self._advance, slot, r, path, own_token, round_start, price)
+
+    def _price_alone(
+        self, run: RequestRun, tree: DraftTree, verify_seconds: float
+    ) -> Callable[[float], float]:
+        """A pass that was the request's alone: its policy learns what it cost, and the
+        round's price in plain target steps goes to the run record's speedup estimate."""
+        if not tree.is_chain:
+            run.record.tree_rounds += 1
+            run.record.tree_nodes += len(tree)
+        run.policy.observe_verify(len(tree) + 1, verify_seconds)
+        cost = self.engine.round_cost(run.policy, len(tree) + 1)
+        return partial(round_steps, verify_seconds=verify_seconds, verify_cost=cost)
 
     def _accept(self, slot: Slot, r: Round, processed: mx.array) -> tuple[list[int], int]:
-        """As the single loop does: a proposer that learns from the target's choices
-        (suffix's history hits, lookahead's pool) sees them, then the run accepts."""
+        """A proposer that learns from the target's choices (suffix's history hits,
+        lookahead's pool) sees them, then the run accepts."""
         run = slot.run
         choices = run.scorer.greedy_tokens(processed) if run.sampling.greedy else None
         if r.tree.tokens and hasattr(r.situation.source, "verified"):
@@ -288,16 +370,29 @@ class Scheduler:
         ]
 
     def _advance(
-        self, slot: Slot, r: Round, path: list[int], own_token: int, round_start: float
+        self,
+        slot: Slot,
+        r: Round,
+        path: list[int],
+        own_token: int,
+        round_start: float,
+        price: Callable[[float], float] | None,
     ) -> None:
         run = slot.run
         if r.unverified_first is not None and r.situation is not None:
             run.policy.observe_unverified(r.situation, r.unverified_first == own_token)
         slot.events.extend(
-            run.advance(r.tree, path, own_token, r.situation, r.draft_seconds, round_start)
+            run.advance(r.tree, path, own_token, r.situation, r.draft_seconds, round_start, price)
         )
-        if run.finished is not None:
-            slot.events.append(self.engine.finish(run))
+        if run.finished is None:
+            return
+        if self.solo and self.caches.capture is not None:
+            # The last round's hidden states, for the proposer's next request to build on.
+            ctx = ProposalContext(
+                run.sequence, run.scorer, run.rng, self.target, self.caches.hidden
+            )
+            slot.proposer.observe(ctx)
+        slot.events.append(self.engine.finish(run))
 
     def _guarded(self, slot: Slot, step, *args):
         """Run one request's own step; if it fails, that request alone ends."""

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from mlxspec.bench import BenchError
-from mlxspec.engine import candidates
 from mlxspec.policy import Policy
 from mlxspec.proposers import ProposalContext
+from mlxspec.proposers.base import candidates
 from mlxspec.runtime import Runtime
 from mlxspec.sampling import SamplingSettings, TokenScorer
 

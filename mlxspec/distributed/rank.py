@@ -75,8 +75,8 @@ class RankEngine(Engine):
     collectives: Collectives
     cost_key: str
 
-    def _policy(self, proposer, fixed_k):
-        policy = super()._policy(proposer, fixed_k)
+    def kept_policy(self, proposer, fixed_k):
+        policy = super().kept_policy(proposer, fixed_k)
         if not isinstance(policy, AgreedPolicy):
             key = next(k for k, v in self._policies.items() if v is policy)
             policy = self._policies[key] = AgreedPolicy(policy, self.collectives)

@@ -81,6 +81,17 @@ def hidden_capture(proposer: Proposer | None) -> tuple[int, ...] | None:
     return tuple(getattr(proposer, "target_layers", ()))
 
 
+def candidates(proposer: Proposer | None, ctx: ProposalContext) -> list[Situation]:
+    """The situations this round could draft in: a chain offers each member's, and the
+    policy picks the one with the best expected speed."""
+    if proposer is None:
+        return []
+    if hasattr(proposer, "situations"):
+        return proposer.situations(ctx)
+    found = proposer.situation(ctx)
+    return [found] if found is not None else []
+
+
 def full_width(logits: mx.array, vocab: mx.array, vocab_size: int) -> mx.array:
     """Draft-vocabulary logits (1, n) spread over the target's ids (others: -inf), so that
     the sampling settings (penalties by token id, top-p...) apply unchanged."""

@@ -1,0 +1,95 @@
+"""One request's own cache behind the batch's calls: the engine's `Target` as a batch of one.
+
+`Engine.stream` runs the scheduler's round (the only one) over this backend with one
+row, so the chat, `generate`, the bench and a sharded rank's requests decode as the
+batch does. What the single `Target` can do that the batch caches cannot yet, it does
+here: verify draft trees (`verify_tree`/`keep_tree`), capture the hidden states
+drafter heads read (`hidden`), let self-speculation run the target's own layers and
+cache (`target`), and roll back any cache the `Target` can (snapshot families, rotating
+windows). Prompt reuse is the `Target`'s own: it keeps its cache when a request ends,
+and the next request's `start` keeps the common prefix (a chat's next turn), so there
+is no prefix pool to fill.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxspec.batch.prefix import PrefixPool
+from mlxspec.target import Target
+from mlxspec.tree import DraftTree
+
+
+class SingleCaches:
+    # The pass is one request's alone: the scheduler keeps the engine's own proposer and
+    # policy for it, cuts no width and prices each round for the run record.
+    solo = True
+
+    def __init__(self, target: Target, capture: tuple[int, ...] | None = None):
+        """`capture`: the hidden states the request's proposer reads (`hidden_capture`)."""
+        self.target, self.capture = target, capture
+        self.prefixes = PrefixPool(0)  # nothing to keep: the Target's cache stays as it is
+        # Hidden states (m, F) of the tokens the cache took in since the last round.
+        self.hidden: mx.array | None = None
+        self._rows = 0  # 1 once the request joined, 0 when it left
+        self._verified: list[int] = []  # the last verify's row: [pending, *drafts]
+        self._tree: DraftTree | None = None  # the last verify's tree, for `keep_tree`
+        self._verified_hidden: mx.array | None = None
+
+    @property
+    def tree_unsupported(self) -> str | None:
+        """Why this target cannot verify draft trees (None: it can)."""
+        return self.target.tree_unsupported
+
+    @property
+    def empty(self) -> bool:
+        return not self._rows
+
+    def lengths(self) -> list[int]:
+        return [len(self.target.cached_tokens)] * self._rows
+
+    def start(self, request_id: int, tokens: list[int]) -> int:
+        """Fill the cache with `tokens` at once (no other row waits on this prefill);
+        returns how many the previous request had left in it."""
+        reused, self.hidden = self.target.fill(tokens, capture=self.capture)
+        return reused
+
+    def advance(self, request_id: int, chunk: int) -> bool:
+        return True  # `start` fed it all
+
+    def join(self, request_id: int) -> None:
+        self._rows = 1
+
+    def drop(self, request_id: int) -> None:
+        """Nothing to free: the cache holds a prefix of the prompt, reusable as such."""
+
+    def leave(self, keep_rows: list[int], kept: list[tuple[int, list[int]]]) -> None:
+        self._rows = len(keep_rows)
+
+    def verify(self, rows: list[list[int]]) -> mx.array:
+        """One pass over the row's [pending] + drafts: logits (1, width, V)."""
+        (self._verified,) = rows
+        logits, self._verified_hidden = self.target.verify(self._verified, self.capture)
+        return logits[None]
+
+    def keep(self, n_keep: list[int], width: int) -> None:
+        """After `verify`, keep the entries of the row's first n_keep[0] tokens."""
+        (kept,) = n_keep
+        self.target.keep(self._verified, kept)
+        if self.capture is not None:
+            self.hidden = self._verified_hidden[:kept]
+
+    def verify_tree(self, rows: list[list[int]], trees: list[DraftTree]) -> mx.array:
+        """One pass over the row's pending token and every node of its tree: logits
+        (1, nodes + 1, V), row i predicting the token after node i's path."""
+        (self._verified,), (self._tree,) = rows, trees
+        pending = self._verified[0]
+        logits, self._verified_hidden = self.target.verify_tree(pending, self._tree, self.capture)
+        return logits[None]
+
+    def keep_tree(self, paths: list[list[int]]) -> None:
+        """After `verify_tree`, keep the pending token's and the accepted path's entries."""
+        (path,) = paths
+        self.target.keep_nodes(self._verified[0], self._tree, path)
+        if self.capture is not None:
+            self.hidden = self._verified_hidden[mx.array([0, *path])]
