@@ -747,7 +747,7 @@ def _bench_concurrency(
             entry.proposer(name.strip())  # an unknown name fails here, before the weights load
         runtime = open_runtime(entry, notify=say)
         names = [n.strip() for n in names]
-        floors = tuple(row_floors) or (ROW_FLOOR,)
+        floors = tuple(dict.fromkeys(row_floors)) or (ROW_FLOOR,)  # each floor once
         result = run_concurrency(runtime, prompts, levels, names, max_tokens, say, repeats, floors)
     except (BenchError, ProposerError) as err:
         raise click.ClickException(str(err)) from None
