@@ -564,6 +564,22 @@ def test_a_plain_pass_timed_in_a_busy_moment_cannot_keep_the_batch_speculating()
     assert sum(width > 0 for width in widths[-64:]) <= 64 // 16 + 1
 
 
+def test_a_batch_times_a_plain_pass_before_it_learns_any_wider_one():
+    """A wide pass is learned only against a plain pass over as many rows. A grid that
+    priced 8 x 2 as free (each column really costs 0.8 of a plain pass) kept a fresh
+    batch at wide passes for 32 rounds, learning nothing, until its first plain pass
+    (seen on SmolLM2: batched prompt lookup 0.96x batched plain on a quiet machine)."""
+    flat = PassGrid({(1, 1): 1.0, (1, 8): 1.0, (8, 1): 2.0, (8, 8): 2.0})
+    cost = PassCost(CPU_LIKE_COST, grid=flat)
+    widths = []
+    for _ in range(32):
+        width = 0 if cost.wants_plain(8) else choose_width([(0.5, 4)] * 8, 0, cost)
+        widths.append(width)
+        cost.observe(8, width + 1, 0.18 * (1 + 0.8 * width))
+    assert widths[0] == 0  # the first pass over 8 rows is plain
+    assert sum(width > 0 for width in widths) <= 6  # each width tried once, then priced
+
+
 class Faithful(Oracle):
     """Drafts the plain output as is (`wrong`: with its first token always off)."""
 

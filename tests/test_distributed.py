@@ -314,7 +314,7 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
     recurrent rows replay inside `keep`, a forward the plain families never run there."""
     from types import SimpleNamespace
 
-    from test_batch import collect, sample_prompts, scheduler_for
+    from test_batch import StepCost, collect, sample_prompts, scheduler_for
 
     from mlxspec.batch.scheduler import Scheduler
     from mlxspec.distributed.batch import BatchFollower, PlannedCaches, batches
@@ -323,31 +323,34 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
     engine = scheduler_for(family, seed=2).engine
     model = engine.target.model
     follower = BatchFollower(model, 3, rank=1)
-    # announced[0]: the last plan sent ends with a forward no rank-0 pass has used yet
-    announced, rank_0_forwards, following = [False], [], [False]
+    # announced[0]: the call that ends the last plan sent, if it is a forward no rank-0
+    # pass has used yet
+    announced, rank_0_forwards, following = [None], [], [False]
 
     class Loopback:
         watchdog = SimpleNamespace(disarm=lambda: None)
 
         def broadcast_json(self, plan, what: str) -> None:
             calls = plan["plan"]
-            announced[0] = bool(calls) and follower.caches.runs_model(calls[-1])
+            runs = bool(calls) and follower.caches.runs_model(calls[-1])
+            announced[0] = calls[-1][0] if runs else None
             following[0] = True
             follower.replay(json.loads(json.dumps(plan)), lambda rows, round_: None)
             following[0] = False
 
     # Built first: building runs lfm2's two-token lengths probe on each rank by itself,
     # which is why `batches` keeps recurrent models out of the sharded batch for now.
-    # Row floor 0: rows draft whatever the pass costs, so lfm2's rows refuse drafts and
-    # replay inside `keep` (the floor kept these tiny rows plain: no replay to check).
-    scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()), row_floor=0.0)
+    scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()))
+    # Columns priced free and no plain pass asked for: rows draft every round, so
+    # lfm2's rows refuse drafts and replay inside `keep`.
+    scheduler.pass_cost = StepCost(16)
     assert batches(model, 3) == (family == "llama")
     forward = type(model).__call__
 
     def counted(self, *args, **kwargs):
         if not following[0]:
             rank_0_forwards.append(announced[0])
-            announced[0] = False
+            announced[0] = None
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "__call__", counted)
@@ -355,8 +358,9 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
     for prompt in sample_prompts(11)[:3]:
         scheduler.submit(prompt, settings, "lookup")
     collect(scheduler)
-    assert len(rank_0_forwards) > 10
     assert all(rank_0_forwards), rank_0_forwards  # each one announced just before it
+    assert {"advance", "verify"} <= set(rank_0_forwards)
+    assert ("keep" in rank_0_forwards) == (family == "lfm2")  # the replays were checked
 
 
 # --- Real ranks on tiny models ------------------------------------------------------------------

@@ -229,7 +229,13 @@ class PassCost:
         self.since_plain: dict[int, int] = {}  # wide passes since the last plain one
 
     def wants_plain(self, rows: int) -> bool:
-        """Whether the next pass over `rows` rows should be plain, to re-time it."""
+        """Whether the next pass over `rows` rows should be plain, to time it: none over
+        as many rows was timed yet (a wide pass is only learned against one), or the
+        last was `explore_every` wide passes ago. (Without the first rule a batch whose
+        grid priced 8 x 2 as free ran 32 wide passes at 1.8x a plain one, learning
+        nothing, before its first plain pass over 8 rows.)"""
+        if rows not in self.plain_seconds:
+            return True
         return self.since_plain.get(rows, 0) >= self.explore_every
 
     def modelled(self, rows: int, columns: int) -> float:
