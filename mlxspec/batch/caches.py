@@ -59,8 +59,11 @@ class BatchCaches:
         return prefill.done
 
     def join(self, request_id: int) -> None:
-        """A fully prefilled request becomes the last row."""
+        """A fully prefilled request becomes the last row. The merge is evaluated here:
+        left lazy it ran inside the next verify, whose time then read as a slow plain
+        pass (0.40 s against 0.18 s over 8 rows), and every wider pass as cheaper."""
         self.target.join(self.prefills.pop(request_id))
+        self.target.settle()
 
     def drop(self, request_id: int) -> None:
         """A request cancelled while it prefilled: its cache goes."""
@@ -72,6 +75,7 @@ class BatchCaches:
         for row, tokens in kept:
             self.prefixes.add(tokens, self.target.extract(row))
         self.target.leave(keep_rows)
+        self.target.settle()  # the filter too, out of the next verify's time (as `join`)
 
     def verify(self, rows: list[list[int]]) -> mx.array:
         """One pass over every row's [pending] + drafts: logits (B, width, V)."""
