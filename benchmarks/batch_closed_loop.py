@@ -21,6 +21,10 @@ this measure). A machine that is busier in one part of the run than another shif
 both sides of each pass's ratio. A client
 -side pace (`bench --concurrency`) mixes in which requests happen to run while the
 batch drains; this does not.
+
+Last, each run's time outside the verify passes (prefill, drafting, bookkeeping) and its
+plain passes' mean cost by rows: on a CPU the prefill, which batching cannot share, is
+what keeps the whole run's gain below the decode rounds' own.
 """
 
 from __future__ import annotations
@@ -54,10 +58,27 @@ class Pace:
         return {kind: self.tokens[kind] / self.passes[kind] for kind in sorted(self.passes)}
 
 
+@dataclass
+class Split:
+    """Where a run's time went: inside the verify passes or outside them (prefill above
+    all: rounds that take in a prompt feed it before their pass), and what a plain pass
+    cost by rows, so the batch's ceiling can be told from its scheduling."""
+
+    outside: float = 0.0
+    plain: defaultdict = field(default_factory=lambda: defaultdict(list))  # rows -> seconds
+
+    def line(self) -> str:
+        means = ", ".join(
+            f"{rows} rows {1000 * sum(t) / len(t):.0f} ms" for rows, t in sorted(self.plain.items())
+        )
+        return f"{self.outside:.1f} s outside the passes; plain pass over {means}"
+
+
 def closed_loop(
     runtime: Runtime, method: str, prompts, args, row_floor: float = ROW_FLOOR
-) -> tuple[float, int, int, Counter, Pace]:
-    """Seconds, tokens, rounds, the round widths and the per-class pace of one run.
+) -> tuple[float, int, int, Counter, Pace, Split]:
+    """Seconds, tokens, rounds, the round widths, the per-class pace and the time split of
+    one run.
 
     Each run reads and feeds a history of its own, empty at the start, as `bench` does:
     the user's store would hand suffix the answers of earlier runs of these very prompts
@@ -82,6 +103,9 @@ def closed_loop(
         cost = scheduler.pass_cost
         plain = cost.plain_seconds.get(rows)
         observe(rows, columns, seconds)
+        this_round["pass"] = seconds
+        if columns == 1:
+            split.plain[rows].append(seconds)
         plain = plain or cost.plain_seconds.get(rows)  # this very pass, if plain
         # No plain pass over these rows timed yet: the batch's own price of this one.
         this_round["plain_passes"] = (
@@ -89,7 +113,7 @@ def closed_loop(
         )
 
     scheduler._truncate, scheduler.pass_cost.observe = counted, timed
-    pace = Pace()
+    pace, split = Pace(), Split()
 
     def submit() -> None:
         prompt = queue.pop(0)
@@ -101,7 +125,9 @@ def closed_loop(
     start, tokens, rounds = time.perf_counter(), 0, 0
     while scheduler.busy:
         this_round.clear()
+        began = time.perf_counter()
         out = scheduler.step()
+        split.outside += time.perf_counter() - began - this_round.get("pass", 0.0)
         rounds += 1
         for kind in this_round.get("rows", []):
             pace.passes[kind] += this_round["plain_passes"]
@@ -111,7 +137,7 @@ def closed_loop(
             pace.tokens[kinds[request_id]] += made
             if queue and any(isinstance(e, Done) for e in events):
                 submit()
-    return time.perf_counter() - start, tokens, rounds, widths, pace
+    return time.perf_counter() - start, tokens, rounds, widths, pace, split
 
 
 def main() -> None:
@@ -140,7 +166,9 @@ def main() -> None:
         for floor in ([ROW_FLOOR] if method == NONE else args.row_floor or [ROW_FLOOR])
     ]
     for method, floor in runs:
-        seconds, tokens, rounds, widths, pace = closed_loop(runtime, method, prompts, args, floor)
+        seconds, tokens, rounds, widths, pace, split = closed_loop(
+            runtime, method, prompts, args, floor
+        )
         rate = tokens / seconds
         base = base or rate
         label = method if method == NONE else f"{method} (row floor {floor:g})"
@@ -157,6 +185,7 @@ def main() -> None:
         by_class = ", ".join(f"{k} {v:.2f}x" for k, v in relative.items())
         unit = "batched plain" if plain_pace else "plain passes"
         print(f"{'':30s} pace per class vs {unit}: {by_class}", flush=True)
+        print(f"{'':30s} {split.line()}", flush=True)
 
 
 if __name__ == "__main__":
