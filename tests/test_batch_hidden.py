@@ -109,9 +109,9 @@ class SpyHead(HeadProposer):
 
 
 class LayerReader:
-    """A proposer that reads layer 1's incoming residual stream too (as EAGLE-3 reads
-    three layers) and never drafts: the batch must capture the union of the rows'
-    layers and hand each row its own columns."""
+    """A proposer that reads one layer's incoming residual stream besides the final
+    state (as EAGLE-3 reads three layers) and never drafts: beside rows that read other
+    layers, the batch must capture the union and hand each row its own columns."""
 
     name, k_max, needs_hidden, cost_hint = "layer-reader", 4, True, 0.0
 
