@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx_lm.generate import _extend_cache, _merge_caches
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
-from mlxspec.anatomy import Decoder, split_decoder
+from mlxspec.anatomy import Decoder, is_recurrent, split_decoder
 
 # Left padding a batch may carry before it is cut (a copy of every layer's cache).
 COMPACT_AT = 64
@@ -56,14 +56,23 @@ def unsupported_reason(model: nn.Module) -> str | None:
     )
 
 
-# `Decoder.hidden` masks recurrent layers by GatedDeltaNet's marker only (LFM2's conv
-# layers would get an attention mask), and no test holds a batch's ragged rows to it.
-RECURRENT_CAPTURE = "a batch does not capture hidden states of a model with recurrent layers yet"
+# `Decoder.hidden` gives a recurrent layer the SSM mask (each row's left padding) only
+# where it carries GatedDeltaNet's marker (`is_recurrent`); LFM2's conv layers would get
+# the attention mask.
+RECURRENT_CAPTURE = (
+    "a batch does not capture hidden states of a model whose recurrent layers it cannot "
+    "mask per row (e.g. LFM2's conv layers) yet"
+)
 
 
 def capture_unsupported(model: nn.Module) -> str | None:
     """Why a batch of `model` cannot hand rows their hidden states (None: it can)."""
-    return RECURRENT_CAPTURE if has_recurrent_layers(model) else None
+    layers = getattr(model, "layers", [])
+    unmasked = any(
+        isinstance(c, ArraysCache) and not is_recurrent(layer)
+        for c, layer in zip(make_prompt_cache(model), layers)
+    )
+    return RECURRENT_CAPTURE if unmasked else None
 
 
 # The probe's answer per live model (by id; dropped when the model is): the server asks
@@ -156,6 +165,7 @@ class BatchTarget:
         self._copied: list[list] | None = None  # recurrent state before the last verify
         self._verified: list[list[int]] = []  # and that verify's rows
         self._decoder: Decoder | None = None
+        self.capture_unsupported = capture_unsupported(model)  # why rows get no hidden states
 
     @property
     def decoder(self) -> Decoder:
@@ -163,11 +173,6 @@ class BatchTarget:
         if self._decoder is None:
             self._decoder = split_decoder(self.model)
         return self._decoder
-
-    @property
-    def capture_unsupported(self) -> str | None:
-        """Why rows cannot capture hidden states here (None: they can)."""
-        return RECURRENT_CAPTURE if self.recurrent else None
 
     @property
     def reuses_prefixes(self) -> bool:
