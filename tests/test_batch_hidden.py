@@ -27,6 +27,7 @@ from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.scheduler import Scheduler, private_copy
 from mlxspec.batch.target import RECURRENT_CAPTURE, capture_unsupported
 from mlxspec.bench.concurrency import batchable
+from mlxspec.distributed.batch import PlannedCaches
 from mlxspec.drafter.head import HeadSpec, build_head
 from mlxspec.drafter.medusa import MedusaHeads
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
@@ -212,6 +213,18 @@ def test_a_batch_of_a_recurrent_family_refuses_heads_in_one_line():
         scheduler.submit([1, 2, 3], GenerationSettings(), LayerReader())
     assert "\n" not in str(err.value) and RECURRENT_CAPTURE in str(err.value)
     assert not scheduler.busy
+
+
+def test_a_sharded_batch_refuses_heads_in_one_line():
+    """Splitting the model for a capturing pass probes it with a forward of its own,
+    which on a sharded target is a collective outside the ranks' plans: rank 0's batch
+    refuses heads (serve runs them alone, sharded), and no call reaches the ranks."""
+    engine = engine_with(tiny_model("llama", seed=3))
+    caches = PlannedCaches(engine.target.model, 2, collectives=None)
+    scheduler = Scheduler(engine, max_batch=2, caches=caches)
+    with pytest.raises(GenerationError, match="sharded batch") as err:
+        scheduler.submit([1, 2, 3], GenerationSettings(), LayerReader())
+    assert "\n" not in str(err.value) and not caches.pending
 
 
 @dataclass
