@@ -32,7 +32,7 @@ from mlxspec.policy import (
     calibration_key,
     measure_verify_cost,
 )
-from mlxspec.proposers.base import ProposalContext, Proposer, hidden_capture
+from mlxspec.proposers.base import ProposalContext, Proposer
 from mlxspec.request import RequestRun
 from mlxspec.settings import GenerationError, GenerationSettings
 from mlxspec.suffix.store import HistoryStore
@@ -132,10 +132,7 @@ class Engine:
         target's cache holding the request's tokens so far, which the next request
         reuses like any earlier one (the chat's Escape, a client that left)."""
         settings = settings or GenerationSettings()
-        active = self.proposers.get(proposer) if proposer else None
-        solo = Scheduler(
-            self, max_batch=1, caches=SingleCaches(self.target, hidden_capture(active))
-        )
+        solo = Scheduler(self, max_batch=1, caches=SingleCaches(self.target))
         request_id = solo.submit(prompt, settings, proposer)
         while solo.busy:
             events = solo.step().get(request_id, [])

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import mlx.core as mx
 import openai
 import pytest
 from test_server import (
@@ -22,10 +23,13 @@ from test_server import (
     wait_until_idle,
 )
 from test_units import CPU_LIKE_COST
-from tiny_models import byte_tokenizer, tiny_model
+from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
+from mlxspec.drafter.head import HeadSpec, build_head
 from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.events import Done
 from mlxspec.proposers import PromptLookup
+from mlxspec.proposers.head import HeadProposer
 from mlxspec.server import ServerLimits
 
 BATCH = ServerLimits(max_batch=4, max_waiting=16)
@@ -115,16 +119,54 @@ class GemmaProvider(TinyProvider):
         return self.opened[-1]
 
 
-def test_a_model_the_batch_cannot_hold_serves_one_request_at_a_time():
-    provider = GemmaProvider()
+def served_and_alone(provider: TinyProvider, max_tokens: int, proposer: str | None = None):
+    """Three concurrent clients' answers, each with what the engine says alone (its Done)."""
     with serving(provider, limits=BATCH) as url:
         with ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(lambda p: ask(url, p, max_tokens=12), PROMPTS[:3]))
-    engine = provider.opened[-1].engine
-    for prompt, answer in zip(PROMPTS[:3], answers):
-        events = engine.stream([{"role": "user", "content": prompt}], GenerationSettings(12))
-        assert answer.choices[0].message.content == list(events)[-1].text
+            answers = list(pool.map(lambda p: ask(url, p, max_tokens=max_tokens), PROMPTS[:3]))
+    engine, settings = provider.opened[-1].engine, GenerationSettings(max_tokens)
+    alone = [
+        list(engine.stream([{"role": "user", "content": p}], settings, proposer))[-1]
+        for p in PROMPTS[:3]
+    ]
+    return list(zip(answers, alone))
+
+
+def test_a_model_the_batch_cannot_hold_serves_one_request_at_a_time():
+    for answer, done in served_and_alone(GemmaProvider(), 12):
+        assert answer.choices[0].message.content == done.text
         assert answer.model_extra["x_mlxspec"]["batch_sizes"] == []  # it ran alone
+
+
+class HeadRuntime(TinyRuntime):
+    """A tiny llama whose default proposer is a drafter head (untrained: it drafts from
+    the target's hidden states alone, and nearly all its drafts are refused)."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        spec = HeadSpec(hidden_size=64, vocab_size=VOCAB, final_norm=True, feed_normed=True)
+        mx.random.seed(0)
+        head = build_head(spec, self.engine.target.model, mx.arange(VOCAB))
+        self.engine.add_proposer(HeadProposer(head, self.engine.target, k_max=4))
+
+    def proposer(self, name: str | None) -> str:
+        return "head" if name is None else name
+
+
+class HeadProvider(TinyProvider):
+    def open(self, name: str) -> HeadRuntime:
+        self.opened.append(HeadRuntime(name))
+        return self.opened[-1]
+
+
+def test_head_requests_share_the_batch_rather_than_waiting_to_run_alone():
+    """A head reads the target's hidden states; the batch hands each row its own, so
+    head requests join it (they once waited for it to drain) and answer as alone."""
+    pairs = served_and_alone(HeadProvider(), 16, "head")
+    for answer, done in pairs:
+        assert isinstance(done, Done) and answer.choices[0].message.content == done.text
+        assert answer.model_extra["x_mlxspec"]["proposer"] == "head"
+    assert sum(ran_beside_others(answer) for answer, _ in pairs) >= 2
 
 
 def test_64_clients_against_max_batch_8_none_lost_and_429_only_beyond_the_bound():

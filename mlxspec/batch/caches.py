@@ -6,6 +6,11 @@ nothing else touches a cache. So each call is a plain instruction with JSON-able
 arguments, and a copy of the batch that replays the same calls in the same order holds
 the same caches: that is how the other ranks of a sharded target follow rank 0's
 batch (`mlxspec.distributed.batch`) without running a scheduler of their own.
+
+Rows whose proposer reads the target's hidden states (drafter heads) get, each round,
+exactly what `SingleCaches` hands a request alone: the hidden states of the tokens its
+cache took in since the last round, in the request's own capture. One pass captures
+the union of the rows' layers; each row keeps its own columns.
 """
 
 from __future__ import annotations
@@ -30,6 +35,20 @@ class BatchCaches:
         # A recurrent state holds its whole sequence: no prefix of it can be reused.
         self.prefixes = PrefixPool(prefix_capacity if self.target.reuses_prefixes else 0)
         self.prefills: dict[int, Prefill] = {}  # joining requests' own caches, by request id
+        # Per row, in the target's order: the layers its proposer reads (None: nothing)
+        # and the hidden states (m, F) of the tokens its cache took in since the last round.
+        self.captures: list[tuple[int, ...] | None] = []
+        self.hidden: list[mx.array | None] = []
+        self._verified_hidden: tuple[mx.array, tuple[int, ...]] | None = None  # and its union
+
+    @property
+    def capture_unsupported(self) -> str | None:
+        """Why rows cannot be handed hidden states here (None: they can)."""
+        return self.target.capture_unsupported
+
+    def row_hidden(self, row: int) -> mx.array | None:
+        """Row `row`'s hidden states of the tokens its cache took in since the last round."""
+        return self.hidden[row]
 
     def runs_model(self, call: list) -> bool:
         """Whether `call` ([name, *args]) runs a forward pass, which on a sharded target
@@ -45,10 +64,20 @@ class BatchCaches:
     def lengths(self) -> list[int]:
         return self.target.lengths()
 
-    def start(self, request_id: int, tokens: list[int]) -> int:
+    def start(
+        self, request_id: int, tokens: list[int], capture: tuple[int, ...] | None = None
+    ) -> int:
         """Begin a joining request's prefill from the longest kept prefix of `tokens`;
-        returns how many of them that prefix already holds."""
-        prefill = Prefill(self.target.model, tokens, self.prefixes.take(tokens))
+        returns how many of them that prefix already holds. With `capture` (its
+        proposer's `hidden_capture`) the prefill captures the hidden states of every
+        prompt token, so no kept prefix is reused: the pool keeps no hidden states."""
+        if capture is not None:
+            capture = tuple(capture)  # a replayed plan hands a JSON list
+            if reason := self.capture_unsupported:
+                raise ValueError(reason)
+            prefill = Prefill(self.target.model, tokens, None, capture, self.target.decoder)
+        else:
+            prefill = Prefill(self.target.model, tokens, self.prefixes.take(tokens))
         self.prefills[request_id] = prefill
         return prefill.reused
 
@@ -62,7 +91,10 @@ class BatchCaches:
         """A fully prefilled request becomes the last row. The merge is evaluated here:
         left lazy it ran inside the next verify, whose time then read as a slow plain
         pass (0.40 s against 0.18 s over 8 rows), and every wider pass as cheaper."""
-        self.target.join(self.prefills.pop(request_id))
+        prefill = self.prefills.pop(request_id)
+        self.target.join(prefill)
+        self.captures.append(prefill.capture)
+        self.hidden.append(prefill.hidden)
         self.target.settle()
 
     def drop(self, request_id: int) -> None:
@@ -75,15 +107,45 @@ class BatchCaches:
         for row, tokens in kept:
             self.prefixes.add(tokens, self.target.extract(row))
         self.target.leave(keep_rows)
+        self.captures = [self.captures[i] for i in keep_rows]
+        self.hidden = [self.hidden[i] for i in keep_rows]
         self.target.settle()  # the filter too, out of the next verify's time (as `join`)
 
     def verify(self, rows: list[list[int]]) -> mx.array:
-        """One pass over every row's [pending] + drafts: logits (B, width, V)."""
-        return self.target.verify(rows)
+        """One pass over every row's [pending] + drafts: logits (B, width, V); the
+        hidden states of the union of the rows' captures too, where any row has one."""
+        wanted = [set(c) for c in self.captures if c is not None]
+        if not wanted:
+            self._verified_hidden = None
+            return self.target.verify(rows)
+        union = tuple(sorted(set().union(*wanted)))
+        logits, hidden = self.target.verify_capturing(rows, union)
+        self._verified_hidden = hidden, union
+        return logits
 
     def keep(self, n_keep: list[int], width: int) -> None:
-        """After a verify of `width` columns, row i keeps its first n_keep[i] entries.
-        The trims and rolls are evaluated here, so that the round that caused them is
-        the one whose time they count in."""
+        """After a verify of `width` columns, row i keeps its first n_keep[i] entries
+        (and, capturing, the hidden states of those tokens: rows are right-padded, so
+        they are its first n_keep[i]). The trims and rolls are evaluated here, so that
+        the round that caused them is the one whose time they count in."""
         self.target.keep(n_keep, width)
+        if self._verified_hidden is not None:
+            hidden, union = self._verified_hidden
+            self._verified_hidden = None
+            self.hidden = [
+                None if capture is None else own_columns(hidden[i, :n], union, capture)
+                for i, (n, capture) in enumerate(zip(n_keep, self.captures))
+            ]
+            mx.eval([h for h in self.hidden if h is not None])
         self.target.settle()
+
+
+def own_columns(hidden: mx.array, union: tuple[int, ...], capture: tuple[int, ...]) -> mx.array:
+    """A row's columns of hidden states captured with `union`: the blocks of its own
+    `capture` layers and the final normed state, in layer order, as `Decoder.hidden`
+    with `capture` alone lays them out."""
+    if set(capture) == set(union):
+        return hidden
+    width = hidden.shape[-1] // (len(union) + 1)
+    blocks = [union.index(layer) for layer in sorted(set(capture))] + [len(union)]
+    return mx.concatenate([hidden[..., b * width : (b + 1) * width] for b in blocks], axis=-1)

@@ -17,8 +17,9 @@ Where the cache work goes decides what a round may do:
   request): one row, the engine's own `Target`. The pass is the request's alone: the
   policy's own k stands, each round is priced for the run record's speedup estimate,
   and the request uses the engine's proposer and its policy kept across requests. It
-  verifies draft trees and hands proposers the target's hidden states, which the batch
-  caches cannot yet.
+  verifies draft trees, which the batch caches cannot yet.
+Both hand a proposer that reads the target's hidden states (a drafter head) those of
+the tokens its row's cache took in since the last round, each row its own.
 
 Continuous: `submit` queues a request; between rounds a queued request starts its
 prefill in a cache of its own, one chunk per round (so a long prompt never stalls the
@@ -44,7 +45,14 @@ from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.single import SingleCaches
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
 from mlxspec.events import Event
-from mlxspec.proposers.base import Draft, ProposalContext, Proposer, Situation, candidates
+from mlxspec.proposers.base import (
+    Draft,
+    ProposalContext,
+    Proposer,
+    Situation,
+    candidates,
+    hidden_capture,
+)
 from mlxspec.proposers.self_spec import SelfSpeculation
 from mlxspec.request import RequestRun
 from mlxspec.settings import GenerationError, GenerationSettings
@@ -56,16 +64,17 @@ if TYPE_CHECKING:
     from mlxspec.engine import Engine
 
 
-def unbatchable_reason(proposer: Proposer) -> str | None:
+def unbatchable_reason(proposer: Proposer, capture_unsupported: str | None) -> str | None:
     """Why `proposer` cannot draft for one row of a batch yet (None: it can).
 
-    Proposers that read the target's hidden states or its own layers and cache would
-    need per-row target state the batch caches do not hand out yet (a request alone,
-    on `SingleCaches`, has them).
+    `capture_unsupported`: why the batch cannot hand a row its hidden states (None: it
+    can; `BatchCaches.capture_unsupported`). Self-speculation runs the target's own
+    layers and cache, which a batch's rows do not each have (a request alone does).
     """
     for member in [proposer, *getattr(proposer, "members", ())]:
-        if member.needs_hidden:
-            return f"proposer '{member.name}' reads the target's hidden states"
+        if member.needs_hidden and capture_unsupported:
+            name = member.name
+            return f"proposer '{name}' reads the target's hidden states: {capture_unsupported}"
         if isinstance(member, SelfSpeculation):
             return f"proposer '{member.name}' runs the target's own layers and cache"
     return None
@@ -176,7 +185,8 @@ class Scheduler:
         if self.solo:
             policy = self.engine.kept_policy(proposer, settings.k)
         else:
-            if proposer is not None and (reason := unbatchable_reason(proposer)):
+            cannot = self.caches.capture_unsupported  # why rows get no hidden states
+            if proposer is not None and (reason := unbatchable_reason(proposer, cannot)):
                 raise GenerationError(f"cannot batch this request: {reason}")
             if named is not None and proposer is not None:
                 proposer = private_copy(proposer)
@@ -205,7 +215,8 @@ class Scheduler:
         while self.waiting and len(self.joining) + len(self.active) < self.max_batch:
             slot = self.waiting.popleft()
             slot.admitted_at = time.perf_counter()  # alone, `start` prefills it all
-            reused = self.caches.start(slot.request_id, slot.run.sequence[:-1])
+            capture = hidden_capture(slot.proposer)
+            reused = self.caches.start(slot.request_id, slot.run.sequence[:-1], capture)
             slot.run.record.reused_prompt_tokens = reused
             self.joining.append(slot)
         for slot in list(self.joining):
@@ -249,7 +260,7 @@ class Scheduler:
         self.caches.leave(keep, kept)
         self.active = [self.active[i] for i in keep]
 
-    def _draft(self, slot: Slot) -> Round:
+    def _draft(self, slot: Slot, row: int) -> Round:
         """The request's draft for this round: a line of k tokens, or a tree at most k
         deep (asked for, or a source that always branches, where the caches verify trees)."""
         run = slot.run
@@ -258,7 +269,7 @@ class Scheduler:
             run.scorer,
             run.rng,
             self.target,
-            self.caches.hidden if self.solo else None,
+            self.caches.row_hidden(row),
             history=run.history,
             prompt_length=len(run.prompt_tokens),
         )
@@ -275,7 +286,10 @@ class Scheduler:
 
     def _round(self) -> None:
         """The only round loop's body, for a batch and for `Engine.stream`'s one row."""
-        drafted = {slot.request_id: self._guarded(slot, self._draft, slot) for slot in self.active}
+        drafted = {
+            slot.request_id: self._guarded(slot, self._draft, slot, row)
+            for row, slot in enumerate(self.active)
+        }
         self._leave([slot for slot in self.active if slot.error])
         if not self.active:
             return
@@ -386,11 +400,10 @@ class Scheduler:
         )
         if run.finished is None:
             return
-        if self.solo and self.caches.capture is not None:
+        hidden = self.caches.row_hidden(self.active.index(slot))
+        if hidden is not None:
             # The last round's hidden states, for the proposer's next request to build on.
-            ctx = ProposalContext(
-                run.sequence, run.scorer, run.rng, self.target, self.caches.hidden
-            )
+            ctx = ProposalContext(run.sequence, run.scorer, run.rng, self.target, hidden)
             slot.proposer.observe(ctx)
         slot.events.append(self.engine.finish(run))
 

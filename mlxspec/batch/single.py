@@ -25,9 +25,12 @@ class SingleCaches:
     # policy for it, cuts no width and prices each round for the run record.
     solo = True
 
-    def __init__(self, target: Target, capture: tuple[int, ...] | None = None):
-        """`capture`: the hidden states the request's proposer reads (`hidden_capture`)."""
-        self.target, self.capture = target, capture
+    capture_unsupported = None  # the single target captures for any model it serves
+
+    def __init__(self, target: Target):
+        self.target = target
+        # The hidden states the request's proposer reads (`hidden_capture`), from `start`.
+        self.capture: tuple[int, ...] | None = None
         self.prefixes = PrefixPool(0)  # nothing to keep: the Target's cache stays as it is
         # Hidden states (m, F) of the tokens the cache took in since the last round.
         self.hidden: mx.array | None = None
@@ -48,10 +51,16 @@ class SingleCaches:
     def lengths(self) -> list[int]:
         return [len(self.target.cached_tokens)] * self._rows
 
-    def start(self, request_id: int, tokens: list[int]) -> int:
+    def row_hidden(self, row: int) -> mx.array | None:
+        return self.hidden
+
+    def start(
+        self, request_id: int, tokens: list[int], capture: tuple[int, ...] | None = None
+    ) -> int:
         """Fill the cache with `tokens` at once (no other row waits on this prefill);
         returns how many the previous request had left in it."""
-        reused, self.hidden = self.target.fill(tokens, capture=self.capture)
+        self.capture = capture
+        reused, self.hidden = self.target.fill(tokens, capture=capture)
         return reused
 
     def advance(self, request_id: int, chunk: int) -> bool:

@@ -27,6 +27,8 @@ import mlx.nn as nn
 from mlx_lm.generate import _extend_cache, _merge_caches
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
+from mlxspec.anatomy import Decoder, is_recurrent, split_decoder
+
 # Left padding a batch may carry before it is cut (a copy of every layer's cache).
 COMPACT_AT = 64
 
@@ -52,6 +54,25 @@ def unsupported_reason(model: nn.Module) -> str | None:
         f"batching needs attention KV caches, beside any recurrent ones; this model uses "
         f"{', '.join(sorted(kinds))} (a rotating window cannot be trimmed per row yet)"
     )
+
+
+# `Decoder.hidden` gives a recurrent layer the SSM mask (each row's left padding) only
+# where it carries GatedDeltaNet's marker (`is_recurrent`); LFM2's conv layers would get
+# the attention mask.
+RECURRENT_CAPTURE = (
+    "a batch does not capture hidden states of a model whose recurrent layers it cannot "
+    "mask per row (e.g. LFM2's conv layers) yet"
+)
+
+
+def capture_unsupported(model: nn.Module) -> str | None:
+    """Why a batch of `model` cannot hand rows their hidden states (None: it can)."""
+    layers = getattr(model, "layers", [])
+    unmasked = any(
+        isinstance(c, ArraysCache) and not is_recurrent(layer)
+        for c, layer in zip(make_prompt_cache(model), layers)
+    )
+    return RECURRENT_CAPTURE if unmasked else None
 
 
 # The probe's answer per live model (by id; dropped when the model is): the server asks
@@ -90,22 +111,45 @@ def _probe_lengths(model: nn.Module) -> bool:
 class Prefill:
     """A joining sequence's own single-row cache, filled one chunk per call."""
 
-    def __init__(self, model: nn.Module, tokens: list[int], start: tuple | None = None):
-        """`start`: (a cache already holding tokens[:n], n), e.g. from `PrefixPool`."""
+    def __init__(
+        self,
+        model: nn.Module,
+        tokens: list[int],
+        start: tuple | None = None,
+        capture: tuple[int, ...] | None = None,
+        decoder: Decoder | None = None,
+    ):
+        """`start`: (a cache already holding tokens[:n], n), e.g. from `PrefixPool`.
+        `capture`: the hidden states its proposer reads (`hidden_capture`), computed
+        through `decoder` as `Target.fill` does; None: the cache alone."""
         cache, reused = start if start and start[0] is not None else (None, 0)
         self.model, self.todo, self.reused = model, list(tokens[reused:]), reused
         self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.capture, self.decoder = capture, decoder
+        self._hidden: list[mx.array] = []  # (m, F) per chunk fed, with `capture`
 
     @property
     def done(self) -> bool:
         return not self.todo
 
+    @property
+    def hidden(self) -> mx.array | None:
+        """Hidden states (m, F) of the tokens fed (None without `capture`, or if none
+        was fed): the first round's, as `SingleCaches.start` hands them over."""
+        return mx.concatenate(self._hidden) if self._hidden else None
+
     def advance(self, chunk: int) -> None:
         """Feed the next chunk, so that the batch's rounds go on between chunks."""
         piece, self.todo = self.todo[:chunk], self.todo[chunk:]
-        if piece:
+        if not piece:
+            return
+        if self.capture is None:  # the cache alone: no logits are computed
             self.model(mx.array([piece]), cache=self.cache)
             mx.eval([c.state for c in self.cache])
+            return
+        hidden = self.decoder.hidden(mx.array([piece]), self.cache, capture=self.capture)
+        self._hidden.append(hidden[0])
+        mx.eval(hidden, [c.state for c in self.cache])
 
 
 class BatchTarget:
@@ -120,6 +164,15 @@ class BatchTarget:
         self.recurrent = [i for i, c in enumerate(layers) if isinstance(c, ArraysCache)]
         self._copied: list[list] | None = None  # recurrent state before the last verify
         self._verified: list[list[int]] = []  # and that verify's rows
+        self._decoder: Decoder | None = None
+        self.capture_unsupported = capture_unsupported(model)  # why rows get no hidden states
+
+    @property
+    def decoder(self) -> Decoder:
+        """The model split into layers and head, for passes that capture hidden states."""
+        if self._decoder is None:
+            self._decoder = split_decoder(self.model)
+        return self._decoder
 
     @property
     def reuses_prefixes(self) -> bool:
@@ -164,13 +217,25 @@ class BatchTarget:
     def verify(self, rows: list[list[int]]) -> mx.array:
         """One forward over every row's [pending] + drafts, right-padded to the widest:
         logits (B, width, V). A pad position only follows its row's real tokens, so it
-        changes none of their logits, and `keep` drops its cache entry."""
+        changes none of their logits (nor hidden states), and `keep` drops its entry."""
+        return self.model(self._padded(rows), cache=self.cache)
+
+    def verify_capturing(
+        self, rows: list[list[int]], capture: tuple[int, ...]
+    ) -> tuple[mx.array, mx.array]:
+        """`verify`, also returning the hidden states (B, width, F) (`Decoder.hidden`
+        with `capture`); row i's first len(rows[i]) are its tokens' own."""
+        hidden = self.decoder.hidden(self._padded(rows), self.cache, capture=capture)
+        return self.decoder.logits(hidden), hidden
+
+    def _padded(self, rows: list[list[int]]) -> mx.array:
+        """The verify's input, right-padded; recurrent state is copied to undo it."""
         width = max(len(r) for r in rows)
         padded = [r + [r[0]] * (width - len(r)) for r in rows]
         if self.recurrent and width > 1:  # arrays are immutable: keeping them is a copy
             self._copied = [list(self.cache[i].cache) for i in self.recurrent]
             self._verified = padded  # what a row that refuses a draft replays from
-        return self.model(mx.array(padded), cache=self.cache)
+        return mx.array(padded)
 
     def keep(self, n_keep: list[int], width: int) -> None:
         """After a verify of `width` tokens, keep the first n_keep[i] entries of row i."""

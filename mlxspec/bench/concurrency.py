@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxspec.batch.scheduler import unbatchable_reason
+from mlxspec.batch.target import capture_unsupported
 from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.bench import BenchError
 from mlxspec.bench.client import Answer, RequestFailed, stream_chat
@@ -80,7 +81,8 @@ def batchable(runtime: Runtime, names: list[str]) -> tuple[list[str], dict[str, 
     kept, refused = [], {}
     for name in names:
         built = runtime.engine.proposers.get(runtime.proposer(name))
-        reason = unbatchable_reason(built) if built is not None else None
+        cannot = capture_unsupported(runtime.engine.target.model)
+        reason = unbatchable_reason(built, cannot) if built is not None else None
         if reason:
             refused[name] = reason
         else:

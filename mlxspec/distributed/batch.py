@@ -46,13 +46,19 @@ def batches(model: nn.Module, max_batch: int) -> bool:
 class PlannedCaches(BatchCaches):
     """Rank 0's batch caches: each call is also recorded for the other ranks."""
 
+    # Splitting the model for a capturing pass probes it with a forward of its own,
+    # which on a sharded target is a collective outside the plans.
+    capture_unsupported = "a sharded batch does not hand hidden states to heads yet"
+
     def __init__(self, model: nn.Module, prefix_capacity: int, collectives: Collectives):
         super().__init__(model, prefix_capacity)
         self.collectives = collectives
         self.pending: list[list] = []  # calls not yet sent
 
-    def start(self, request_id: int, tokens: list[int]) -> int:
-        return self._call("start", request_id, tokens)
+    def start(
+        self, request_id: int, tokens: list[int], capture: tuple[int, ...] | None = None
+    ) -> int:
+        return self._call("start", request_id, tokens, capture)
 
     def advance(self, request_id: int, chunk: int) -> bool:
         return self._call("advance", request_id, chunk)

@@ -38,6 +38,11 @@ class MedusaProposer:
         # checkpoint: a copy of the full LM head would be wasted memory).
         self.rows = None if heads.own_lm_heads else lm_rows(target.decoder, heads.vocab)
         self.vocab_size = target.decoder.embed.weight.shape[0]
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last request's state. A batch row's private copy (`private_copy`)
+        is reset, not deep-copied: it shares the heads' weights."""
         self._last: mx.array | None = None  # the hidden row that predicted the pending token
         self._length = 0  # len(tokens) when that row was taken
 

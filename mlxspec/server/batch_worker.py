@@ -132,8 +132,7 @@ class BatchedWorker(Worker):
             proposer = _prepare_proposer(model, request.proposer)
             _check_token_ids(request.prompt, model.engine.vocab_size)
             scheduler = self._scheduler_for(model.engine)
-            reason = _alone_reason(model.engine, proposer, request.settings)
-            if scheduler is None or reason:
+            if scheduler is None or _alone_reason(scheduler, proposer, request.settings):
                 self._held = job
                 return
             request_id = scheduler.submit(request.prompt, request.settings, proposer)
@@ -201,9 +200,10 @@ class BatchedWorker(Worker):
         self._scheduler = None  # its rows went with it
 
 
-def _alone_reason(engine, proposer: str, settings) -> str | None:
+def _alone_reason(scheduler: Scheduler, proposer: str, settings) -> str | None:
     """Why a request must run alone rather than in the batch (None: it can batch)."""
     if settings.tree:
         return "draft trees"
-    found = engine.proposers.get(proposer)
-    return unbatchable_reason(found) if found is not None else None
+    found = scheduler.engine.proposers.get(proposer)
+    cannot = scheduler.caches.capture_unsupported
+    return unbatchable_reason(found, cannot) if found is not None else None
