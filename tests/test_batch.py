@@ -482,11 +482,22 @@ class Asking(Oracle):
 
 
 @pytest.mark.parametrize("width", [0, 2])
-def test_the_chosen_width_cuts_drafts_and_outputs_stay_solo_greedy(width):
+def test_the_chosen_width_caps_drafts_and_outputs_stay_solo_greedy(width, monkeypatch):
     """Rows whose policies ask for long drafts verify only W of them (W = 0: plain
-    rounds for all), and every output is still its solo plain greedy output."""
+    rounds for all), draft no more than that (at least one token, to learn from: a
+    drafter head or draft model drafting k and cut to W wasted k - W forwards a row),
+    and every output is still its solo plain greedy output."""
     scheduler = scheduler_for("llama")
     scheduler.pass_cost = StepCost(width + 1)
+    wanted = []
+    choose = scheduler._choose
+
+    def recorded(*args):
+        choice = choose(*args)
+        wanted.append(choice[2])
+        return choice
+
+    monkeypatch.setattr(scheduler, "_choose", recorded)
     model, eos = scheduler.engine.target.model, {VOCAB - 1}
     prompts = sample_prompts(3)[:3]
     references = [plain_greedy(model, p, MAX_TOKENS, eos) for p in prompts]
@@ -494,7 +505,8 @@ def test_the_chosen_width_cuts_drafts_and_outputs_stay_solo_greedy(width):
     for prompt, oracle in zip(prompts, oracles):
         scheduler.submit(prompt, GenerationSettings(max_tokens=MAX_TOKENS), oracle)
     events = collect(scheduler)
-    assert max(k for o in oracles for k in o.asked) > width  # policies wanted more
+    assert max(wanted) > max(width, 1)  # policies wanted more
+    assert max(k for o in oracles for k in o.asked) == max(width, 1)  # were asked for less
     drafted = [e.drafted for got in events.values() for e in got if isinstance(e, Step)]
     assert max(drafted) == width
     assert scheduler.pass_cost.observed > 0

@@ -260,9 +260,9 @@ class Scheduler:
         self.caches.leave(keep, kept)
         self.active = [self.active[i] for i in keep]
 
-    def _draft(self, slot: Slot, row: int) -> Round:
-        """The request's draft for this round: a line of k tokens, or a tree at most k
-        deep (asked for, or a source that always branches, where the caches verify trees)."""
+    def _choose(self, slot: Slot, row: int) -> tuple[ProposalContext, Situation | None, int]:
+        """The request's context, source and draft length k for this round (its policy's
+        choice; in a batch the round's width may then cap how much of it is drafted)."""
         run = slot.run
         ctx = ProposalContext(
             run.sequence,
@@ -274,10 +274,17 @@ class Scheduler:
             prompt_length=len(run.prompt_tokens),
         )
         situation, k = run.policy.choose_among(candidates(slot.proposer, ctx), run.left)
+        return ctx, situation, k
+
+    def _draft(
+        self, slot: Slot, ctx: ProposalContext, situation: Situation | None, k: int
+    ) -> Round:
+        """The request's draft for this round: a line of k tokens, or a tree at most k
+        deep (asked for, or a source that always branches, where the caches verify trees)."""
         start = time.perf_counter()
         source = situation.source if k else None
         if k and (slot.trees or (self.can_tree and getattr(source, "always_tree", False))):
-            tree = self.engine.draft_tree(source, ctx, k, slot.tree_nodes, run.policy)
+            tree = self.engine.draft_tree(source, ctx, k, slot.tree_nodes, slot.run.policy)
             draft = None
         else:
             draft = source.propose(ctx, k) if k else None
@@ -286,9 +293,21 @@ class Scheduler:
 
     def _round(self) -> None:
         """The only round loop's body, for a batch and for `Engine.stream`'s one row."""
-        drafted = {
-            slot.request_id: self._guarded(slot, self._draft, slot, row)
+        chosen = {
+            slot.request_id: self._guarded(slot, self._choose, slot, row)
             for row, slot in enumerate(self.active)
+        }
+        if not self.solo:  # draft no more than the round's width can verify
+            cap = self._draft_cap([(s, chosen[s.request_id]) for s in self.active if not s.error])
+            for slot in self.active:
+                choice = chosen[slot.request_id]
+                if choice is not None and slot.run.policy.fixed_k is None:
+                    ctx, situation, k = choice
+                    chosen[slot.request_id] = ctx, situation, min(k, cap)
+        drafted = {
+            slot.request_id: self._guarded(slot, self._draft, slot, *chosen[slot.request_id])
+            for slot in self.active
+            if not slot.error
         }
         self._leave([slot for slot in self.active if slot.error])
         if not self.active:
@@ -356,22 +375,31 @@ class Scheduler:
             r.situation.source.verified(r.tree, choices or run.scorer.greedy_tokens(processed))
         return run.accept(r.tree, processed, r.draft, choices)
 
+    def _width(self, rows: list[tuple[Slot, Situation | None, int]]) -> int:
+        """The round's one width W for rows of (request, source, draft length): the pass
+        is as wide as its widest row, so a long draft is paid by every row. A request
+        that fixed its k is never cut (W is at least its k); one with no draft costs a
+        column."""
+        floor = max((k for s, _, k in rows if s.run.policy.fixed_k is not None), default=0)
+        if floor == 0 and self.pass_cost.wants_plain(len(rows)):
+            return 0  # re-time a plain pass over these rows (see PassCost)
+        estimates = [
+            (s.run.policy.acceptance_rate(situation) if situation else 0.0, k)
+            for s, situation, k in rows
+        ]
+        return choose_width(estimates, floor, self.pass_cost, self.row_floor)
+
+    def _draft_cap(self, choices: list[tuple[Slot, tuple]]) -> int:
+        """How many tokens a row whose k is its policy's need draft: the width its k
+        would get (drafts are never longer than k, and the width only narrows with them),
+        at least 1, so that a row cut to W = 0 still learns from its first draft token.
+        Drafting k and cutting after cost a drafter head or a draft model k forwards a
+        row in every round the batch ran plain."""
+        return max(1, self._width([(s, situation, k) for s, (_, situation, k) in choices]))
+
     def _truncate(self, rounds: list[Round]) -> list[Round]:
-        """Cut every row's draft to the round's one width W (`choose_width`): the pass is
-        as wide as its widest row, so a long draft is paid by every row. A request that
-        fixed its k is never cut (W is at least its k); one with no draft costs a column."""
-        floor = max(
-            (len(r.tree) for s, r in zip(self.active, rounds) if s.run.policy.fixed_k is not None),
-            default=0,
-        )
-        if floor == 0 and self.pass_cost.wants_plain(len(rounds)):
-            width = 0  # re-time a plain pass over these rows (see PassCost)
-        else:
-            estimates = [
-                (s.run.policy.acceptance_rate(r.situation) if r.situation else 0.0, len(r.tree))
-                for s, r in zip(self.active, rounds)
-            ]
-            width = choose_width(estimates, floor, self.pass_cost, self.row_floor)
+        """Cut every row's draft to the round's one width W (`_width`)."""
+        width = self._width([(s, r.situation, len(r.tree)) for s, r in zip(self.active, rounds)])
         return [
             dataclasses.replace(
                 r,
