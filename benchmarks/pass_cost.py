@@ -53,8 +53,10 @@ def main() -> None:
     for context in args.context:
         single = pass_seconds(model, 1, 1, context, args.repeats)
         for rows, columns in SHAPES:
-            seconds = single if (rows, columns) == (1, 1) else None
-            seconds = seconds or pass_seconds(model, rows, columns, context, args.repeats)
+            if (rows, columns) == (1, 1):
+                seconds = single
+            else:
+                seconds = pass_seconds(model, rows, columns, context, args.repeats)
             ratio = seconds / single
             print(f"| {context} | {rows} x {columns} | {seconds * 1000:.0f} | {ratio:.2f} |")
 

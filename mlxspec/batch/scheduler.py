@@ -277,10 +277,18 @@ class Scheduler:
         return ctx, situation, k
 
     def _draft(
-        self, slot: Slot, ctx: ProposalContext, situation: Situation | None, k: int
+        self,
+        slot: Slot,
+        ctx: ProposalContext,
+        situation: Situation | None,
+        k: int,
+        cap: int | None,
     ) -> Round:
         """The request's draft for this round: a line of k tokens, or a tree at most k
-        deep (asked for, or a source that always branches, where the caches verify trees)."""
+        deep (asked for, or a source that always branches, where the caches verify trees).
+        `cap` (a batch's `_draft_cap`) shortens a k its policy chose, never a fixed one."""
+        if cap is not None and slot.run.policy.fixed_k is None:
+            k = min(k, cap)
         start = time.perf_counter()
         source = situation.source if k else None
         if k and (slot.trees or (self.can_tree and getattr(source, "always_tree", False))):
@@ -297,15 +305,11 @@ class Scheduler:
             slot.request_id: self._guarded(slot, self._choose, slot, row)
             for row, slot in enumerate(self.active)
         }
-        if not self.solo:  # draft no more than the round's width can verify
+        cap = None  # alone, the policy's k stands; a batch drafts no more than it verifies
+        if not self.solo:
             cap = self._draft_cap([(s, chosen[s.request_id]) for s in self.active if not s.error])
-            for slot in self.active:
-                choice = chosen[slot.request_id]
-                if choice is not None and slot.run.policy.fixed_k is None:
-                    ctx, situation, k = choice
-                    chosen[slot.request_id] = ctx, situation, min(k, cap)
         drafted = {
-            slot.request_id: self._guarded(slot, self._draft, slot, *chosen[slot.request_id])
+            slot.request_id: self._guarded(slot, self._draft, slot, *chosen[slot.request_id], cap)
             for slot in self.active
             if not slot.error
         }

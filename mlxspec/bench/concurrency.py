@@ -79,9 +79,9 @@ def batchable(runtime: Runtime, names: list[str]) -> tuple[list[str], dict[str, 
     """The proposers a batch can run, and why each other one cannot (it would run alone,
     which is the one-at-a-time row again)."""
     kept, refused = [], {}
+    cannot = capture_unsupported(runtime.engine.target.model)  # the same for every name
     for name in names:
         built = runtime.engine.proposers.get(runtime.proposer(name))
-        cannot = capture_unsupported(runtime.engine.target.model)
         reason = unbatchable_reason(built, cannot) if built is not None else None
         if reason:
             refused[name] = reason
