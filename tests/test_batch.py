@@ -58,16 +58,21 @@ def greedy_rounds(target: BatchTarget, rows: dict, rng: random.Random, rounds: i
             if k and rng.random() < 0.7:
                 draft[rng.randrange(k)] ^= 1
             verified.append([row["tokens"][-1], *draft])
-        choices = mx.argmax(target.verify(verified), axis=-1).tolist()
-        kept = []
-        for row, line, choice in zip(rows.values(), verified, choices):
-            n = 0
-            while n < len(line) - 1 and line[n + 1] == choice[n]:
-                n += 1
-            row["tokens"].extend([*line[1 : n + 1], choice[n]])
-            kept.append(n + 1)
-        target.keep(kept, max(map(len, verified)))
-        assert target.lengths() == [len(r["tokens"]) - 1 for r in rows.values()]
+        verify_round(target, rows, verified)
+
+
+def verify_round(target: BatchTarget, rows: dict, verified: list[list[int]]) -> None:
+    """One verify of each row's [pending] + drafts; each row keeps what greedy accepts."""
+    choices = mx.argmax(target.verify(verified), axis=-1).tolist()
+    kept = []
+    for row, line, choice in zip(rows.values(), verified, choices):
+        n = 0
+        while n < len(line) - 1 and line[n + 1] == choice[n]:
+            n += 1
+        row["tokens"].extend([*line[1 : n + 1], choice[n]])
+        kept.append(n + 1)
+    target.keep(kept, max(map(len, verified)))
+    assert target.lengths() == [len(r["tokens"]) - 1 for r in rows.values()]
 
 
 def new_row(model, prompt: list[int], reference: list[int]) -> tuple[Prefill, dict]:
@@ -123,6 +128,42 @@ def test_recurrent_rows_hold_their_solo_state_after_ragged_rounds(family):
         for layer in target.recurrent:
             for batched, alone in zip(target.cache[layer].cache, solo[layer].cache):
                 assert mx.allclose(batched[i], alone[0], atol=1e-4), f"row {i} layer {layer}"
+
+
+def test_a_row_handed_on_after_ragged_rounds_holds_its_tokens_in_order():
+    """A ragged keep copies a row's first entries over its unkept tail instead of
+    rolling the row (`_move_tails`); the prefix pool gets the row through `extract`,
+    which must give each layer's keys and values in token order, as the row's tokens
+    fed alone would leave them."""
+    model = tiny_model("llama", seed=3)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (9, 2, 14)]
+    target, rows = BatchTarget(model), {}
+    for i, prompt in enumerate(prompts):
+        prefill, rows[i] = new_row(model, prompt, plain_greedy(model, prompt, 40, set()))
+        target.join(prefill)
+    # Row 1 holds one token and refuses all 5 drafts while the others keep theirs: its
+    # unkept tail (5) is longer than what it keeps (2), so only 2 entries can move.
+    verify_round(
+        target,
+        rows,
+        [[r["tokens"][-1], *[t ^ (i == 1) for t in r["reference"][:5]]] for i, r in rows.items()],
+    )
+    assert target.lengths() == [14, 2, 19]
+    greedy_rounds(target, rows, rng, 10)
+    assert any(target.stored), "no ragged round shuffled a row: the test tests nothing"
+    for i, row in rows.items():
+        solo = make_prompt_cache(model)
+        model(mx.array([row["tokens"][:-1]]), cache=solo)
+        for layer in target.attention:
+            handed = target.extract(i)[layer]
+            assert handed.offset == solo[layer].offset
+            n = solo[layer].offset
+            for name in ("keys", "values"):
+                got, alone = getattr(handed, name), getattr(solo[layer], name)[..., :n, :]
+                assert mx.allclose(got, alone, atol=1e-4), f"row {i} layer {layer} {name}"
+        got = row["tokens"][len(row["prompt"]) :][:40]
+        assert_lossless(model, row["prompt"], row["reference"][: len(got)], got, f"row {i}")
 
 
 def test_a_family_that_cannot_batch_is_refused_in_one_line():

@@ -3,9 +3,14 @@
 Built on mlx-lm's `BatchKVCache` (left padding; `merge`, `extend`, `filter`) rather than
 a cache of our own. What it lacks is a per-row trim after ragged acceptance: every row
 verifies the same width (drafts padded to the longest), then keeps its own number of
-entries. The part all rows refuse is trimmed; each row's further unkept tail is turned
-into left padding by rolling the row right (mlx-lm's own right-padding `finalize`), so
-the kept entries of every row end at the shared cache index and the tail is masked.
+entries. The part all rows refuse is trimmed; each row's further unkept tail must then
+become left padding, so that the kept entries of every row end at the shared cache
+index. mlx-lm's own right-padding `finalize` rolls the whole row for that, a copy of
+every layer's cache: at 8 rows of 150-600 tokens it cost 172 ms, as much as the verify
+itself, and made every ragged round dear. Instead the row's first entries are copied
+over its unkept tail and the left padding grows past them (`_move_tails`): attention
+does not care where in the cache a key sits (its position is rotated into it), so only
+`extract`, which hands a row's entries on in token order, has to undo the shuffle.
 
 Recurrent layers (conv or gated-delta state in mlx-lm's `ArraysCache`, as in LFM2 and
 Qwen3-Next) cannot be trimmed at all. As the single-sequence target does, the batch
@@ -24,6 +29,7 @@ import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.generate import _extend_cache, _merge_caches
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
@@ -162,6 +168,10 @@ class BatchTarget:
         layers = make_prompt_cache(model)
         self.attention = [i for i, c in enumerate(layers) if type(c) is KVCache]
         self.recurrent = [i for i, c in enumerate(layers) if isinstance(c, ArraysCache)]
+        # Per row, the token index held at each of its cache positions from its left
+        # padding on, where `_move_tails` shuffled them (None: in order); positions past
+        # the list hold the following tokens in order.
+        self.stored: list[list[int] | None] = []
         self._copied: list[list] | None = None  # recurrent state before the last verify
         self._verified: list[list[int]] = []  # and that verify's rows
         self._decoder: Decoder | None = None
@@ -195,13 +205,25 @@ class BatchTarget:
         """Append a prefilled sequence as the last row."""
         row: list[KVCache] = prefill.cache
         self.cache = _extend_cache(self.cache, _merge_caches([row]))
+        self.stored.append(None)
 
     def extract(self, row: int) -> list[KVCache]:
-        """Row `row`'s entries as a single-row cache per layer (a copy)."""
-        return [c.extract(row) for c in self.cache]
+        """Row `row`'s entries as a single-row cache per layer (a copy), in token order."""
+        caches = [c.extract(row) for c in self.cache]
+        stored = self.stored[row]
+        if stored is None:
+            return caches
+        length = caches[self.attention[0]].offset
+        positions = mx.array(np.argsort(stored + list(range(len(stored), length))))
+        for i in self.attention:
+            c = caches[i]
+            c.keys = mx.contiguous(mx.take(c.keys, positions, axis=2))
+            c.values = mx.contiguous(mx.take(c.values, positions, axis=2))
+        return caches
 
     def leave(self, keep_rows: list[int]) -> None:
         """Keep only `keep_rows` (in that order)."""
+        self.stored = [self.stored[i] for i in keep_rows]
         if not keep_rows:
             self.cache = []
             return
@@ -259,13 +281,46 @@ class BatchTarget:
         unkept = [width - n for n in n_keep]
         common = min(unkept)
         extra = [n - common for n in unkept]
-        for i in self.attention:
-            c = self.cache[i]
-            if common:
+        layers = [self.cache[i] for i in self.attention]
+        if common:
+            for c in layers:
                 c.trim(common)
-            if any(extra):
-                c.prepare(right_padding=extra)  # roll each row right by its extra tail
-                c.finalize()
+        if any(extra):
+            self._move_tails(layers, extra)
+
+    def _move_tails(self, layers: list[BatchKVCache], extra: list[int]) -> None:
+        """Row i's last extra[i] entries become left padding: its first m = min(extra[i],
+        entries it keeps) entries are copied over the last m, and its left padding grows
+        by extra[i]. Copies m entries a row where a roll copies the whole cache."""
+        end = layers[0]._idx
+        padding = layers[0].left_padding.tolist()
+        moves = [min(e, end - p - e) for e, p in zip(extra, padding)]
+        span = max(moves)
+        if span > 0:
+            # Row i's new last `span` entries: the ones in place, then its moved ones.
+            sources = [
+                [end - span + j if j < span - m else p + j - (span - m) for j in range(span)]
+                for m, p in zip(moves, padding)
+            ]
+            index = mx.array(sources)[:, None, :, None]
+            moved = [
+                mx.take_along_axis(store[..., :end, :], index, axis=2)
+                for c in layers
+                for store in (c.keys, c.values)
+            ]
+            mx.eval(moved)  # read before the write, which can then reuse the buffer
+            for c, keys, values in zip(layers, moved[::2], moved[1::2]):
+                c.keys[..., end - span : end, :] = keys
+                c.values[..., end - span : end, :] = values
+            for row, (m, e, p) in enumerate(zip(moves, extra, padding)):
+                if m:
+                    order = self.stored[row] or []
+                    order = order + list(range(len(order), end - p - e))
+                    self.stored[row] = order[m:] + order[:m]
+        shift = mx.array(extra)
+        for c in layers:
+            c.left_padding = c.left_padding + shift
+            c.offset = c.offset - shift
 
     def _restore(self, copied: list[list], rows: list[bool]) -> None:
         """Put the copied recurrent state back in the chosen rows."""
