@@ -335,9 +335,8 @@ class Scheduler:
             for slot, r, rows_processed in zip(self.active, rounds, processed)
         ]
         if lines:
-            # The price of a width includes the rows' roll after a ragged acceptance (about
-            # a tenth of a pass over 8 rows here), which only wide rounds pay: `keep`
-            # evaluates it.
+            # The price of a width includes the cache work after a ragged acceptance
+            # (a few ms over 8 rows here), which only wide rounds pay: `keep` evaluates it.
             self.caches.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
         else:
             self.caches.keep_tree([path for path, _ in accepted])
