@@ -143,7 +143,7 @@ def test_a_row_handed_on_after_ragged_rounds_holds_its_tokens_in_order():
         prefill, rows[i] = new_row(model, prompt, plain_greedy(model, prompt, 40, set()))
         target.join(prefill)
     # Row 1 holds one token and refuses all 5 drafts while the others keep theirs: its
-    # unkept tail (5) is longer than what it keeps (2), so only 2 entries can move.
+    # unkept tail (5) is longer than the 2 entries it then holds, so only 2 can move.
     verify_round(
         target,
         rows,
