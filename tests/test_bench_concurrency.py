@@ -8,6 +8,7 @@ one-at-a-time server's.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -23,7 +24,16 @@ from test_bench import (
 import mlxspec.runtime
 from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.bench.client import Answer
-from mlxspec.bench.concurrency import ANCHOR, pace_by_class, percentile, served_rows, summarize
+from mlxspec.bench.concurrency import (
+    ANCHOR,
+    BATCHED_PLAIN,
+    ServedRow,
+    pace_by_class,
+    percentile,
+    run_served,
+    served_rows,
+    summarize,
+)
 from mlxspec.bench.suites import BenchPrompt
 from mlxspec.cli import main
 
@@ -124,3 +134,18 @@ def test_each_row_floor_gets_its_own_batched_rows_and_needs_concurrency(four_pro
     result = CliRunner().invoke(main, [*four_prompts, "--row-floor", "0"])
     assert result.exit_code == 2
     assert "--row-floor goes with --concurrency" in result.output
+
+
+def test_the_warm_up_leaves_no_replayed_prompt_for_a_batch_to_reuse(tmp_path, monkeypatch):
+    """A batched server keeps its finished rows for prefix reuse; warmed up with the very
+    prompts it then replays, it skipped their prefill, which the one-at-a-time row and
+    mlx-lm pay. No replayed request may reuse more than the chat template they share."""
+    record_calibrations(monkeypatch)
+    runtime = make_runtime(make_entry(tmp_path), tmp_path, monkeypatch)
+    prompts = [*PROMPTS, BenchPrompt("tail", "copy", "x y z x y z x y")]
+    ids = [runtime.engine.encode_chat([{"role": "user", "content": p.text}]) for p in prompts]
+    shared = len(os.path.commonprefix(ids))
+    row = ServedRow(BATCHED_PLAIN, max_batch=2, proposer="none")
+    _, answers = run_served(runtime, row, prompts, clients=2, max_tokens=6)
+    reused = [a.record["reused_prompt_tokens"] for a in answers]
+    assert max(reused) <= shared, (reused, shared)
