@@ -26,7 +26,7 @@ import time
 
 import httpx
 
-from mlxspec.bench.concurrency import replay
+from mlxspec.bench.concurrency import replay, warm_up
 from mlxspec.bench.suites import load_suite
 
 
@@ -84,7 +84,8 @@ def main() -> None:
             ranks, max_batch = map(int, shape.split("x"))
             server, url = serve(args.model, ranks, max_batch, args.clients)
             try:
-                replay(url, args.model, prompts[:1], 1, 2, proposer or "none")  # warm-up
+                # A warm-up prompt the replay does not send: a kept row would skip its prefill.
+                replay(url, args.model, warm_up(prompts, 1), 1, 2, proposer or "none")
                 wall, answers = replay(
                     url, args.model, prompts, args.clients, args.max_tokens, proposer or "none"
                 )
