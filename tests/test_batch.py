@@ -82,6 +82,22 @@ def new_row(model, prompt: list[int], reference: list[int]) -> tuple[Prefill, di
     return prefill, {"prompt": prompt, "reference": reference, "tokens": list(prompt)}
 
 
+def joined(model, prompts: list[list[int]]) -> tuple[BatchTarget, dict]:
+    """A batch of `prompts`, each row with its 40-token plain greedy reference."""
+    target, rows = BatchTarget(model), {}
+    for i, prompt in enumerate(prompts):
+        prefill, rows[i] = new_row(model, prompt, plain_greedy(model, prompt, 40, set()))
+        target.join(prefill)
+    return target, rows
+
+
+def fed_alone(model, tokens: list[int]) -> list:
+    """The caches `tokens` leave when fed alone, the reference a batched row must hold."""
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    return cache
+
+
 @pytest.mark.parametrize("family", BATCHED)
 def test_ragged_rows_join_and_leave_match_solo_greedy(family, monkeypatch):
     monkeypatch.setattr(batch_target, "COMPACT_AT", 3)  # compaction runs too
@@ -116,15 +132,11 @@ def test_recurrent_rows_hold_their_solo_state_after_ragged_rounds(family):
     model = tiny_model("lfm2", seed=2) if family == "lfm2" else hybrid_target(family)
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (7, 12, 3)]
-    target, rows = BatchTarget(model), {}
-    for i, prompt in enumerate(prompts):
-        prefill, rows[i] = new_row(model, prompt, plain_greedy(model, prompt, 40, set()))
-        target.join(prefill)
+    target, rows = joined(model, prompts)
     greedy_rounds(target, rows, rng, 8)
     assert target.recurrent
     for i, row in rows.items():
-        solo = make_prompt_cache(model)
-        model(mx.array([row["tokens"][:-1]]), cache=solo)
+        solo = fed_alone(model, row["tokens"][:-1])
         for layer in target.recurrent:
             for batched, alone in zip(target.cache[layer].cache, solo[layer].cache):
                 assert mx.allclose(batched[i], alone[0], atol=1e-4), f"row {i} layer {layer}"
@@ -138,10 +150,7 @@ def test_a_row_handed_on_after_ragged_rounds_holds_its_tokens_in_order():
     model = tiny_model("llama", seed=3)
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (9, 2, 14)]
-    target, rows = BatchTarget(model), {}
-    for i, prompt in enumerate(prompts):
-        prefill, rows[i] = new_row(model, prompt, plain_greedy(model, prompt, 40, set()))
-        target.join(prefill)
+    target, rows = joined(model, prompts)
     # Row 1 holds one token and refuses all 5 drafts while the others keep theirs: its
     # unkept tail (5) is longer than the 2 entries it then holds, so only 2 can move.
     verify_round(
@@ -153,8 +162,7 @@ def test_a_row_handed_on_after_ragged_rounds_holds_its_tokens_in_order():
     greedy_rounds(target, rows, rng, 10)
     assert any(target.stored), "no ragged round shuffled a row: the test tests nothing"
     for i, row in rows.items():
-        solo = make_prompt_cache(model)
-        model(mx.array([row["tokens"][:-1]]), cache=solo)
+        solo = fed_alone(model, row["tokens"][:-1])
         for layer in target.attention:
             handed = target.extract(i)[layer]
             assert handed.offset == solo[layer].offset
