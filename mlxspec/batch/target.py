@@ -34,6 +34,7 @@ from mlx_lm.generate import _extend_cache, _merge_caches
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
 from mlxspec.anatomy import Decoder, is_recurrent, split_decoder
+from mlxspec.target import feed_cache
 
 # Left padding a batch may carry before it is cut (a copy of every layer's cache).
 COMPACT_AT = 64
@@ -149,13 +150,10 @@ class Prefill:
         piece, self.todo = self.todo[:chunk], self.todo[chunk:]
         if not piece:
             return
-        if self.capture is None:  # the cache alone: no logits are computed
-            self.model(mx.array([piece]), cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            return
-        hidden = self.decoder.hidden(mx.array([piece]), self.cache, capture=self.capture)
-        self._hidden.append(hidden[0])
-        mx.eval(hidden, [c.state for c in self.cache])
+        hidden = feed_cache(self, piece, self.capture)
+        if hidden is not None:
+            self._hidden.append(hidden[0])
+        mx.eval(hidden, [c.state for c in self.cache])  # hidden: None without capture
 
 
 class BatchTarget:
