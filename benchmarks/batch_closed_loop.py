@@ -3,6 +3,7 @@
     python benchmarks/batch_closed_loop.py --requests 32 -n 48 --methods none,prompt-lookup
     python benchmarks/batch_closed_loop.py --methods none,prompt-lookup,suffix \
         --row-floor 0.95 --row-floor 0
+    python benchmarks/batch_closed_loop.py --methods none,prompt-lookup,prompt-lookup@tree
 
 The scheduler runs `--batch` slots; each finished request is replaced by the next one of
 `--requests` (the shipped code, summarize and chat suites, cycled), as clients in a closed
@@ -46,6 +47,8 @@ from mlxspec.registry import NONE, load_registry
 from mlxspec.runtime import Runtime, open_runtime
 from mlxspec.suffix.store import HistoryStore
 
+TREE = "@tree"  # a method NAME@tree drafts a tree a round (`--tree` of generate)
+
 
 @dataclass
 class Pace:
@@ -66,12 +69,14 @@ class Split:
 
     outside: float = 0.0
     plain: defaultdict = field(default_factory=lambda: defaultdict(list))  # rows -> seconds
+    tree_rounds: int = 0  # rounds where some row verified a tree (NAME@tree methods)
 
     def line(self) -> str:
         means = ", ".join(
             f"{rows} rows {1000 * sum(t) / len(t):.0f} ms" for rows, t in sorted(self.plain.items())
         )
-        return f"{self.outside:.1f} s outside the passes; plain pass over {means}"
+        trees = f"; {self.tree_rounds} rounds verified a tree" if self.tree_rounds else ""
+        return f"{self.outside:.1f} s outside the passes; plain pass over {means}{trees}"
 
 
 def closed_loop(
@@ -84,10 +89,11 @@ def closed_loop(
     the user's store would hand suffix the answers of earlier runs of these very prompts
     (seen: 1,152 tokens in 21 rounds)."""
     runtime.use_history(HistoryStore(Path(tempfile.mkdtemp(prefix="mlxspec-loop-"))))
-    proposer = runtime.proposer(method) if method != NONE else NONE
+    name, tree = method.removesuffix(TREE), method.endswith(TREE)
+    proposer = runtime.proposer(name) if name != NONE else NONE
     scheduler = Scheduler(runtime.engine, max_batch=args.batch, row_floor=row_floor)
     queue = [prompts[i % len(prompts)] for i in range(args.requests)]
-    settings = GenerationSettings(max_tokens=args.n)
+    settings = GenerationSettings(max_tokens=args.n, tree=tree)
     widths: Counter = Counter()
     truncate, observe = scheduler._truncate, scheduler.pass_cost.observe
     kinds: dict[int, str] = {}
@@ -96,6 +102,7 @@ def closed_loop(
     def counted(rounds):
         cut = truncate(rounds)
         widths[max(len(r.tree) for r in cut)] += 1
+        split.tree_rounds += any(not r.tree.is_chain for r in cut)
         this_round["rows"] = [kinds[slot.request_id] for slot in scheduler.active]
         return cut
 

@@ -153,16 +153,46 @@ def best_size(tree: DraftTree, verify_cost: Callable[[int], float]) -> int:
     return best_n
 
 
+def node_sees(tree: DraftTree, width: int | None = None) -> np.ndarray:
+    """Boolean (width, width), width at least n+1: node i sees node j where j is i or an
+    ancestor of i. A column past the tree (padding) sees itself only."""
+    size = len(tree) + 1
+    width = size if width is None else width
+    sees = np.eye(width, dtype=bool)
+    for i, parent in enumerate(tree.parents, start=1):
+        sees[i, :size] |= sees[parent, :size]
+    return sees
+
+
 def attention_mask(tree: DraftTree, offset: int) -> mx.array:
     """Boolean (n+1, offset+n+1): each node sees the cached prefix, its ancestors and itself."""
-    size = len(tree) + 1
-    sees = np.zeros((size, size), dtype=bool)
-    sees[0, 0] = True
-    for i, parent in enumerate(tree.parents, start=1):
-        sees[i] = sees[parent]
-        sees[i, i] = True
-    prefix = np.ones((size, offset), dtype=bool)
+    sees = node_sees(tree)
+    prefix = np.ones((len(sees), offset), dtype=bool)
     return mx.array(np.concatenate([prefix, sees], axis=1))
+
+
+def batch_attention_mask(
+    trees: Sequence[DraftTree], width: int, left_padding: Sequence[int], held: int
+) -> mx.array:
+    """Boolean (B, 1, width, held + width) for rows of a batch cache holding `held`
+    columns, row i's first left_padding[i] of them padding: each node sees its row's
+    cached tokens, its ancestors and itself."""
+    columns = np.arange(held)[None, :]
+    prefix = np.asarray(left_padding)[:, None] <= columns  # (B, held)
+    masks = [
+        np.concatenate([np.broadcast_to(row_prefix, (width, held)), node_sees(tree, width)], 1)
+        for row_prefix, tree in zip(prefix, trees)
+    ]
+    return mx.array(np.stack(masks))[:, None]
+
+
+def node_depths(trees: Sequence[DraftTree], width: int) -> np.ndarray:
+    """(B, width): each row's node depths, padding columns at depth 0."""
+    depths = np.zeros((len(trees), width), dtype=np.int32)
+    for row, tree in enumerate(trees):
+        tree_depths = tree.depths
+        depths[row, : len(tree_depths)] = tree_depths
+    return depths
 
 
 def greedy_walk(tree: DraftTree, choices: Sequence[int]) -> tuple[list[int], int]:

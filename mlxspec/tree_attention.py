@@ -14,7 +14,7 @@ Afterwards `keep_nodes` moves the accepted path's KV entries into place and drop
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -46,6 +46,23 @@ class DepthRope(nn.Module):
             flat = part.reshape(*shape[:-3], shape[-3] * shape[-2], 1, shape[-1])
             parts.append(self.rope(flat, offset=offset + depth).reshape(shape))
         return mx.concatenate(parts, axis=-2)
+
+
+class NodeRope(nn.Module):
+    """The model's RoPE applied at a position of its own to every (row, node) of a batch
+    verify: `positions` (B, W). Rows' trees differ in shape, so no depth slice is shared;
+    each (row, node) becomes a sequence of length 1 and `mx.fast.rope`'s per-sequence
+    offsets carry the positions (the offset array mlx-lm's batch caches already pass)."""
+
+    def __init__(self, rope: nn.Module, positions: mx.array):
+        super().__init__()
+        self.rope, self.positions = rope, positions
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        rows, heads, width, dims = x.shape
+        flat = x.transpose(0, 2, 1, 3).reshape(rows * width, heads, 1, dims)
+        flat = self.rope(flat, offset=self.positions.reshape(-1))
+        return flat.reshape(rows, width, heads, dims).transpose(0, 2, 1, 3)
 
 
 class TreeCache:
@@ -102,11 +119,24 @@ def rope_positions(
     model: nn.Module, slices: list[tuple[int, int, int]], base: int | None = None
 ) -> Iterator[None]:
     """Within the block, RoPE positions are given per slice (see DepthRope)."""
+    with _ropes_replaced(model, lambda rope: DepthRope(rope, slices, base)):
+        yield
+
+
+@contextmanager
+def node_positions(model: nn.Module, positions: mx.array) -> Iterator[None]:
+    """Within the block, RoPE positions are given per (row, node) (see NodeRope)."""
+    with _ropes_replaced(model, lambda rope: NodeRope(rope, positions)):
+        yield
+
+
+@contextmanager
+def _ropes_replaced(model: nn.Module, replace: Callable[[nn.Module], nn.Module]) -> Iterator[None]:
     modules = attention_modules(model)
     originals = [m.rope for m in modules]
     try:
         for module, rope in zip(modules, originals):
-            module.rope = DepthRope(rope, slices, base)
+            module.rope = replace(rope)
         yield
     finally:
         for module, rope in zip(modules, originals):

@@ -90,6 +90,29 @@ def test_a_client_that_leaves_frees_its_slot_and_the_others_go_on(base_url):
     assert time.monotonic() - started < 5.0
 
 
+def test_tree_requests_share_the_batch_and_get_their_solo_answers(base_url):
+    """A request that asks for draft trees joins the batch (it once waited for the
+    batch to drain, then ran alone) and answers as alone."""
+    solo = [direct_answer([{"role": "user", "content": p}], 40) for p in PROMPTS[:3]]
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="-", max_retries=0, timeout=60)
+
+    def ask_tree(content: str):
+        return client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=40,
+            temperature=0,
+            extra_body={"mlxspec": {"tree": True, "proposer": "draft", "k": 3}},
+        )
+
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(ask_tree, PROMPTS[:3]))
+    assert [a.choices[0].message.content for a in answers] == solo
+    records = [a.model_extra["x_mlxspec"] for a in answers]
+    assert all(r["tree"] and r["tree_rounds"] > 0 for r in records)
+    assert sum(map(ran_beside_others, answers)) >= 2
+
+
 def test_a_bad_request_gets_a_4xx_and_disturbs_nobody(base_url):
     solo = direct_answer([{"role": "user", "content": PROMPTS[1]}], 40)
     too_long = {"messages": [{"role": "user", "content": "x" * 2000}], "max_tokens": 4}

@@ -20,15 +20,15 @@ import mlx.nn as nn
 
 from mlxspec.batch.prefix import PrefixPool
 from mlxspec.batch.target import BatchTarget, Prefill
+from mlxspec.tree import DraftTree
 
 # The calls that run the model: on a sharded target each is a collective pass.
-FORWARDS = ("advance", "verify")
+FORWARDS = ("advance", "verify", "verify_tree")
 
 
 class BatchCaches:
     # Rows of several requests share each pass (see `SingleCaches` for a request alone).
     solo = False
-    tree_unsupported = "draft trees are not supported in batched mode yet"
 
     def __init__(self, model: nn.Module, prefix_capacity: int):
         self.target = BatchTarget(model)
@@ -40,6 +40,11 @@ class BatchCaches:
         self.captures: list[tuple[int, ...] | None] = []
         self.hidden: list[mx.array | None] = []
         self._verified_hidden: tuple[mx.array, tuple[int, ...]] | None = None  # and its union
+
+    @property
+    def tree_unsupported(self) -> str | None:
+        """Why rows cannot verify draft trees here (None: they can)."""
+        return self.target.tree_unsupported
 
     @property
     def capture_unsupported(self) -> str | None:
@@ -114,14 +119,27 @@ class BatchCaches:
     def verify(self, rows: list[list[int]]) -> mx.array:
         """One pass over every row's [pending] + drafts: logits (B, width, V); the
         hidden states of the union of the rows' captures too, where any row has one."""
-        wanted = [set(c) for c in self.captures if c is not None]
-        if not wanted:
-            self._verified_hidden = None
+        union = self._capture_union()
+        if union is None:
             return self.target.verify(rows)
-        union = tuple(sorted(set().union(*wanted)))
         logits, hidden = self.target.verify_capturing(rows, union)
         self._verified_hidden = hidden, union
         return logits
+
+    def verify_tree(self, rows: list[list[int]], trees: list[DraftTree]) -> mx.array:
+        """`verify` where a row's drafts form a tree (`BatchTarget.verify_tree`):
+        logits (B, width, V), row i's column j predicting what follows node j's path."""
+        union = self._capture_union()
+        logits, hidden = self.target.verify_tree(rows, trees, union)
+        if union is not None:
+            self._verified_hidden = hidden, union
+        return logits
+
+    def _capture_union(self) -> tuple[int, ...] | None:
+        """Every layer some row's proposer reads (None: no row reads any)."""
+        self._verified_hidden = None
+        wanted = [set(c) for c in self.captures if c is not None]
+        return tuple(sorted(set().union(*wanted))) if wanted else None
 
     def keep(self, n_keep: list[int], width: int) -> None:
         """After a verify of `width` columns, row i keeps its first n_keep[i] entries
@@ -129,15 +147,29 @@ class BatchCaches:
         they are its first n_keep[i]). The trims and rolls are evaluated here, so that
         the round that caused them is the one whose time they count in."""
         self.target.keep(n_keep, width)
-        if self._verified_hidden is not None:
-            hidden, union = self._verified_hidden
-            self._verified_hidden = None
-            self.hidden = [
-                None if capture is None else own_columns(hidden[i, :n], union, capture)
-                for i, (n, capture) in enumerate(zip(n_keep, self.captures))
-            ]
-            mx.eval([h for h in self.hidden if h is not None])
+        self._keep_hidden([list(range(n)) for n in n_keep])
         self.target.settle()
+
+    def keep_tree(self, paths: list[list[int]], width: int) -> None:
+        """After `verify_tree` of `width` columns, row i keeps its pending token's and
+        its accepted path's entries (path: node numbers, root excluded), and, capturing,
+        those nodes' hidden states."""
+        kept = [[0, *path] for path in paths]
+        self.target.keep_tree(kept, width)
+        self._keep_hidden(kept)
+        self.target.settle()
+
+    def _keep_hidden(self, kept: list[list[int]]) -> None:
+        """Each capturing row's hidden states of the verify's columns kept[i]."""
+        if self._verified_hidden is None:
+            return
+        hidden, union = self._verified_hidden
+        self._verified_hidden = None
+        self.hidden = [
+            None if capture is None else own_columns(hidden[i, mx.array(columns)], union, capture)
+            for i, (columns, capture) in enumerate(zip(kept, self.captures))
+        ]
+        mx.eval([h for h in self.hidden if h is not None])
 
 
 def own_columns(hidden: mx.array, union: tuple[int, ...], capture: tuple[int, ...]) -> mx.array:

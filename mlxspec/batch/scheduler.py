@@ -58,7 +58,7 @@ from mlxspec.request import RequestRun
 from mlxspec.settings import GenerationError, GenerationSettings
 from mlxspec.speedup import round_steps
 from mlxspec.target import PREFILL_CHUNK
-from mlxspec.tree import DraftTree, chain
+from mlxspec.tree import DraftTree, chain, keep_best
 
 if TYPE_CHECKING:
     from mlxspec.engine import Engine
@@ -78,6 +78,14 @@ def unbatchable_reason(proposer: Proposer, capture_unsupported: str | None) -> s
         if isinstance(member, SelfSpeculation):
             return f"proposer '{member.name}' runs the target's own layers and cache"
     return None
+
+
+def cut_tree(tree: DraftTree, n: int) -> DraftTree:
+    """The first n tokens of a line; of a tree, its n likeliest nodes with their
+    ancestors (without scores, its first n: breadth-first, so ancestors come first)."""
+    if tree.is_chain or tree.scores is None:
+        return DraftTree(tree.tokens[:n], tree.parents[:n])
+    return keep_best(tree, n)
 
 
 def private_copy(proposer: Proposer) -> Proposer:
@@ -339,7 +347,7 @@ class Scheduler:
             # (a few ms over 8 rows here), which only wide rounds pay: `keep` evaluates it.
             self.caches.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
         else:
-            self.caches.keep_tree([path for path, _ in accepted])
+            self.caches.keep_tree([path for path, _ in accepted], max(map(len, rows)))
         if not self.solo:
             self.pass_cost.observe(
                 len(rows), max(map(len, rows)), time.perf_counter() - round_start
@@ -348,6 +356,9 @@ class Scheduler:
         for slot, r, (path, own_token) in zip(self.active, rounds, accepted):
             if slot.error:
                 continue
+            if not r.tree.is_chain:
+                slot.run.record.tree_rounds += 1
+                slot.run.record.tree_nodes += len(r.tree)
             price = None
             if self.solo:
                 price = self._price_alone(slot.run, r.tree, verify_seconds)
@@ -362,9 +373,6 @@ class Scheduler:
     ) -> Callable[[float], float]:
         """A pass that was the request's alone: its policy learns what it cost, and the
         round's price in plain target steps goes to the run record's speedup estimate."""
-        if not tree.is_chain:
-            run.record.tree_rounds += 1
-            run.record.tree_nodes += len(tree)
         run.policy.observe_verify(len(tree) + 1, verify_seconds)
         cost = self.engine.round_cost(run.policy, len(tree) + 1)
         return partial(round_steps, verify_seconds=verify_seconds, verify_cost=cost)
@@ -401,12 +409,13 @@ class Scheduler:
         return max(1, self._width([(s, situation, k) for s, (_, situation, k) in choices]))
 
     def _truncate(self, rounds: list[Round]) -> list[Round]:
-        """Cut every row's draft to the round's one width W (`_width`)."""
+        """Cut every row's draft to the round's one width W (`_width`): a line to its
+        first W tokens, a tree to its W likeliest nodes (`cut_tree`)."""
         width = self._width([(s, r.situation, len(r.tree)) for s, r in zip(self.active, rounds)])
         return [
             dataclasses.replace(
                 r,
-                tree=chain(r.tree.tokens[:width]),
+                tree=cut_tree(r.tree, width),
                 unverified_first=r.tree.tokens[0] if width == 0 else None,
             )
             if len(r.tree) > width

@@ -96,7 +96,7 @@ class SingleCaches:
         logits, self._verified_hidden = self.target.verify_tree(pending, self._tree, self.capture)
         return logits[None]
 
-    def keep_tree(self, paths: list[list[int]]) -> None:
+    def keep_tree(self, paths: list[list[int]], width: int) -> None:
         """After `verify_tree`, keep the pending token's and the accepted path's entries."""
         (path,) = paths
         self.target.keep_nodes(self._verified[0], self._tree, path)

@@ -33,8 +33,10 @@ import numpy as np
 from mlx_lm.generate import _extend_cache, _merge_caches
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
+from mlxspec import tree_attention
 from mlxspec.anatomy import Decoder, is_recurrent, split_decoder
 from mlxspec.target import feed_cache
+from mlxspec.tree import DraftTree, batch_attention_mask, node_depths
 
 # Left padding a batch may carry before it is cut (a copy of every layer's cache).
 COMPACT_AT = 64
@@ -174,6 +176,8 @@ class BatchTarget:
         self._verified: list[list[int]] = []  # and that verify's rows
         self._decoder: Decoder | None = None
         self.capture_unsupported = capture_unsupported(model)  # why rows get no hidden states
+        # Why rows cannot verify draft trees (None: they can): as for a request alone.
+        self.tree_unsupported = tree_attention.unsupported_reason(model, layers)
 
     @property
     def decoder(self) -> Decoder:
@@ -257,6 +261,50 @@ class BatchTarget:
             self._verified = padded  # what a row that refuses a draft replays from
         return mx.array(padded)
 
+    def verify_tree(
+        self,
+        rows: list[list[int]],
+        trees: list[DraftTree],
+        capture: tuple[int, ...] | None = None,
+    ) -> tuple[mx.array, mx.array | None]:
+        """One forward over every row's [pending, *its tree's nodes], right-padded:
+        logits (B, width, V), row i's column j predicting the token after node j's path
+        (and, with `capture`, the hidden states as `verify_capturing`). Each row's tree
+        gets its own mask (a node sees its row's tokens, its ancestors and itself) and
+        its own RoPE positions (the row's length + the node's depth), so a row's line
+        and a row's tree share the pass. A padding column sees only itself."""
+        width = max(len(r) for r in rows)
+        kv = self._kv
+        mask = batch_attention_mask(trees, width, kv.left_padding.tolist(), kv._idx)
+        positions = kv.offset[:, None] + mx.array(node_depths(trees, width))
+        cache = [tree_attention.TreeCache(c, mask) for c in self.cache]
+        inputs = self._padded(rows)
+        with tree_attention.node_positions(self.model, positions):
+            if capture is None:
+                return self.model(inputs, cache=cache), None
+            hidden = self.decoder.hidden(inputs, cache, capture=capture)
+            return self.decoder.logits(hidden), hidden
+
+    def keep_tree(self, kept: list[list[int]], width: int) -> None:
+        """After `verify_tree` of `width` columns, row i keeps the entries of its nodes
+        kept[i] (increasing, the root's 0 first), moved to the front of its columns."""
+        layers = [self.cache[i] for i in self.attention]
+        if any(nodes != list(range(len(nodes))) for nodes in kept):  # a branch was taken
+            end = layers[0]._idx
+            index = mx.array([nodes + [nodes[-1]] * (width - len(nodes)) for nodes in kept])
+            index = index[:, None, :, None]
+            moved = [
+                mx.take_along_axis(store[..., end - width : end, :], index, axis=2)
+                for c in layers
+                for store in (c.keys, c.values)
+            ]
+            mx.eval(moved)  # read before the write, as in `_move_tails`
+            for c, keys, values in zip(layers, moved[::2], moved[1::2]):
+                c.keys[..., end - width : end, :] = keys
+                c.values[..., end - width : end, :] = values
+        self._trim_rows([len(nodes) for nodes in kept], width)
+        self._compact()
+
     def keep(self, n_keep: list[int], width: int) -> None:
         """After a verify of `width` tokens, keep the first n_keep[i] entries of row i."""
         copied, self._copied = self._copied, None
@@ -271,6 +319,9 @@ class BatchTarget:
             self._restore(copied, replay)
             tokens = [row[:n] if again else [] for row, n, again in zip(verified, n_keep, replay)]
             self._replay(tokens)
+        self._compact()
+
+    def _compact(self) -> None:
         if min(self._kv.left_padding.tolist()) >= COMPACT_AT:
             self.leave(list(range(self.rows)))  # `filter` cuts the shared left padding
 

@@ -49,6 +49,8 @@ class PlannedCaches(BatchCaches):
     # Splitting the model for a capturing pass probes it with a forward of its own,
     # which on a sharded target is a collective outside the plans.
     capture_unsupported = "a sharded batch does not hand hidden states to heads yet"
+    # The plans carry JSON-able calls; a tree's shape is not sent yet.
+    tree_unsupported = "a sharded batch verifies lines of drafts only, not trees, yet"
 
     def __init__(self, model: nn.Module, prefix_capacity: int, collectives: Collectives):
         super().__init__(model, prefix_capacity)

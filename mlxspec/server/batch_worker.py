@@ -4,7 +4,8 @@ each target pass (`mlxspec.batch.Scheduler`).
 Between rounds the thread takes queued requests into free slots, relays each request's
 events to its own channel, and drops requests whose client went away (their slot is
 free by the next round). A request the batch cannot serve (a model whose cache cannot
-be batched, a proposer with state of its own, draft trees) and a request for another
+be batched, a proposer with state of its own, draft trees where the batch cannot
+verify them) and a request for another
 model wait until the batch has drained, then run alone as in `Worker`.
 """
 
@@ -202,8 +203,8 @@ class BatchedWorker(Worker):
 
 def _alone_reason(scheduler: Scheduler, proposer: str, settings) -> str | None:
     """Why a request must run alone rather than in the batch (None: it can batch)."""
-    if settings.tree:
-        return "draft trees"
+    if settings.tree and (reason := scheduler.caches.tree_unsupported):
+        return reason
     found = scheduler.engine.proposers.get(proposer)
     cannot = scheduler.caches.capture_unsupported
     return unbatchable_reason(found, cannot) if found is not None else None
