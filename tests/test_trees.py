@@ -14,7 +14,7 @@ from test_sampling import CRITICAL_DF5, P, chi_square
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.engine import Engine, GenerationSettings
-from mlxspec.proposers import Lookahead, PromptLookup, ProposalContext, Situation
+from mlxspec.proposers import Draft, Lookahead, PromptLookup, ProposalContext, Situation
 from mlxspec.sampling import SamplingSettings, sample_from
 from mlxspec.target import Target
 from mlxspec.tree import (
@@ -93,6 +93,11 @@ class TreeOracle:
 
     def situation(self, ctx):
         return Situation(self, "oracle")
+
+    def propose(self, ctx, k):
+        """As a line (a batch asks for one where its round verifies one node): the
+        tree's first node, wrong in two rounds of three."""
+        return Draft(self.propose_tree(ctx, 1, 1).tokens[:1])
 
     def propose_tree(self, ctx, depth, budget):
         done = len(ctx.tokens) - self.prompt_len

@@ -294,13 +294,18 @@ class Scheduler:
     ) -> Round:
         """The request's draft for this round: a line of k tokens, or a tree at most k
         deep (asked for, or a source that always branches, where the caches verify trees).
-        `cap` (a batch's `_draft_cap`) shortens a k its policy chose, never a fixed one."""
+        `cap` (a batch's `_draft_cap`) shortens a k its policy chose, never a fixed one,
+        and bounds a tree's nodes."""
         if cap is not None and slot.run.policy.fixed_k is None:
             k = min(k, cap)
         start = time.perf_counter()
         source = situation.source if k else None
-        if k and (slot.trees or (self.can_tree and getattr(source, "always_tree", False))):
-            tree = self.engine.draft_tree(source, ctx, k, slot.tree_nodes, slot.run.policy)
+        branches = slot.trees or (self.can_tree and getattr(source, "always_tree", False))
+        # The round verifies no more nodes than the cap: drafting more is wasted, and a
+        # tree of one node is a line's first token (a head's tree costs more to draft).
+        budget = slot.tree_nodes if cap is None else min(slot.tree_nodes, cap)
+        if k and branches and budget > 1:
+            tree = self.engine.draft_tree(source, ctx, k, budget, slot.run.policy)
             draft = None
         else:
             draft = source.propose(ctx, k) if k else None
