@@ -252,16 +252,19 @@ def test_a_stuck_rank_while_serving_answers_every_request_with_a_503(monkeypatch
     loop.close()
 
 
-def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass():
+@pytest.mark.parametrize("trees", [False, True])
+def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass(trees):
     """The sharded batch without processes: rank 0's scheduler runs on PlannedCaches
     whose broadcast hands each plan straight to a follower (as `follow` does), through
     JSON as on the wire. Before every verify the follower's rows hold exactly rank 0's
     keys; staggered joins over several prefill chunks, a cancel, finished rows kept and
-    reused, and an emptied batch included. At the end both hold nothing and the same
-    kept prefixes."""
+    reused, and an emptied batch included; with `trees`, the first requests verify
+    branching draft trees. At the end both hold nothing and the same kept prefixes."""
     from types import SimpleNamespace
 
+    from lossless import assert_lossless, plain_greedy
     from test_batch import collect, sample_prompts, scheduler_for
+    from test_trees import TreeOracle
 
     from mlxspec.batch.scheduler import Scheduler
     from mlxspec.distributed.batch import BatchFollower, PlannedCaches
@@ -293,10 +296,24 @@ def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass():
     scheduler.prefill_chunk = 4  # long prompts join over several rounds, beside the others
     prompts = sample_prompts(11)
     settings = GenerationSettings(max_tokens=14)
-    first = scheduler.submit(prompts[0], settings, "lookup")
-    scheduler.submit(prompts[1], settings, "lookup")
-    late = [(prompts[3], settings, "lookup"), (prompts[4], settings, "lookup")]
+
+    references = [plain_greedy(model, prompt, 14, set()) for prompt in prompts]
+
+    def request(i: int) -> tuple:
+        if not trees:
+            return prompts[i], settings, "lookup"
+        oracle = TreeOracle(len(prompts[i]), references[i])
+        return prompts[i], GenerationSettings(max_tokens=14, k=3, tree=True), oracle
+
+    first = scheduler.submit(*request(0))
+    scheduler.submit(*request(1))
+    late = [request(3), request(4)]
     done = collect(scheduler, late=late, cancel={5: first})
+    ended = {i: events[-1] for i, events in done.items() if isinstance(events[-1], Done)}
+    assert (sum(end.record.tree_rounds for end in ended.values()) > 0) == trees
+    for request_id, end in ended.items():  # ids 1, 2, 3: prompts 1, 3, 4
+        i = [0, 1, 3, 4][request_id]
+        assert_lossless(model, prompts[i], references[i], list(end.token_ids), f"{i}")
     assert not any(isinstance(e, Done) for e in done[first])  # cancelled while generating
     again = prompts[1] + list(done[1][-1].token_ids) + [7, 8]  # reuses a kept row
     scheduler.submit(again, settings, "lookup")

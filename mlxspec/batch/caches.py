@@ -126,9 +126,11 @@ class BatchCaches:
         self._verified_hidden = hidden, union
         return logits
 
-    def verify_tree(self, rows: list[list[int]], trees: list[DraftTree]) -> mx.array:
+    def verify_tree(self, rows: list[list[int]], trees: list[DraftTree | list]) -> mx.array:
         """`verify` where a row's drafts form a tree (`BatchTarget.verify_tree`):
-        logits (B, width, V), row i's column j predicting what follows node j's path."""
+        logits (B, width, V), row i's column j predicting what follows node j's path.
+        A tree may come as [tokens, parents] (a replayed plan hands JSON lists)."""
+        trees = [t if isinstance(t, DraftTree) else DraftTree(*t) for t in trees]
         union = self._capture_union()
         logits, hidden = self.target.verify_tree(rows, trees, union)
         if union is not None:

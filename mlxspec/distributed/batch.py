@@ -28,6 +28,7 @@ from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.target import BatchTarget, has_recurrent_layers, unsupported_reason
 from mlxspec.distributed.collectives import Collectives
 from mlxspec.distributed.errors import DistributedError
+from mlxspec.tree import DraftTree
 
 PLAN = "plan"  # the key that tells a plan from a request announcement
 
@@ -49,8 +50,6 @@ class PlannedCaches(BatchCaches):
     # Splitting the model for a capturing pass probes it with a forward of its own,
     # which on a sharded target is a collective outside the plans.
     capture_unsupported = "a sharded batch does not hand hidden states to heads yet"
-    # The plans carry JSON-able calls; a tree's shape is not sent yet.
-    tree_unsupported = "a sharded batch verifies lines of drafts only, not trees, yet"
 
     def __init__(self, model: nn.Module, prefix_capacity: int, collectives: Collectives):
         super().__init__(model, prefix_capacity)
@@ -79,6 +78,12 @@ class PlannedCaches(BatchCaches):
 
     def keep(self, n_keep: list[int], width: int) -> None:
         self._call("keep", n_keep, width)
+
+    def verify_tree(self, rows: list[list[int]], trees: list[DraftTree]) -> mx.array:
+        return self._call("verify_tree", rows, [[t.tokens, t.parents] for t in trees])
+
+    def keep_tree(self, paths: list[list[int]], width: int) -> None:
+        self._call("keep_tree", paths, width)
 
     def _call(self, name: str, *args):
         self.pending.append([name, *args])
@@ -120,10 +125,11 @@ class BatchFollower:
             )
         if forward is not None:
             name, *args = forward
-            if name == "verify":
+            verifies = name in ("verify", "verify_tree")
+            if verifies:
                 self.rounds += 1
                 on_round(self.caches.target, self.rounds)
             result = getattr(self.caches, name)(*args)
-            if name == "verify":
+            if verifies:
                 mx.eval(result)  # the pass's own all-reduces run when it is evaluated
         return plan["idle"]
