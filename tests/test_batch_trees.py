@@ -21,7 +21,7 @@ from test_trees import SHAPE, TreeOracle
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.batch.caches import BatchCaches
-from mlxspec.batch.scheduler import Scheduler, cut_tree
+from mlxspec.batch.scheduler import Scheduler, cut_tree, first_guess
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.proposers import Lookahead, PromptLookup
@@ -147,6 +147,16 @@ def test_a_tree_is_cut_to_the_round_width_by_its_likeliest_nodes():
     assert cut_tree(scored, 2) == DraftTree([1, 3], [0, 1], [0.9, 0.8])
     assert cut_tree(DraftTree([1, 2, 3], [0, 0, 1]), 2) == DraftTree([1, 2], [0, 0])
     assert cut_tree(chain([5, 6, 7]), 1) == chain([5])
+
+
+def test_a_row_cut_to_a_plain_round_learns_from_its_trees_likeliest_first_token():
+    """While the width is 0 a row's first draft token is checked against the target's
+    own; a tree's nodes of one depth come in no order of likelihood (a head's top
+    choices from `argpartition`), so its first token is its likeliest child of the root."""
+    unsorted = DraftTree([7, 8, 9, 5], [0, 0, 2, 0], [0.2, 0.7, 0.6, 0.1])
+    assert first_guess(unsorted) == 8
+    assert first_guess(DraftTree([7, 8, 9], [0, 1, 0])) == 7  # no scores: the first child
+    assert first_guess(chain([4, 5])) == 4
 
 
 def test_a_batch_of_a_model_that_cannot_verify_trees_refuses_them_in_one_line():

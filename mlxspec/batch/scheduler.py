@@ -88,6 +88,15 @@ def cut_tree(tree: DraftTree, n: int) -> DraftTree:
     return keep_best(tree, n)
 
 
+def first_guess(tree: DraftTree) -> int:
+    """The draft's first token: of a tree, its likeliest child of the root (a tree's
+    nodes of one depth come in no order of likelihood)."""
+    children = [i for i, parent in enumerate(tree.parents) if parent == 0]
+    if tree.scores is not None:
+        children.sort(key=lambda i: -tree.scores[i])
+    return tree.tokens[children[0]]
+
+
 def private_copy(proposer: Proposer) -> Proposer:
     """`proposer` for one request alone: its own caches and indexes, weights shared."""
     if hasattr(proposer, "members"):
@@ -421,7 +430,7 @@ class Scheduler:
             dataclasses.replace(
                 r,
                 tree=cut_tree(r.tree, width),
-                unverified_first=r.tree.tokens[0] if width == 0 else None,
+                unverified_first=first_guess(r.tree) if width == 0 else None,
             )
             if len(r.tree) > width
             else r

@@ -5,8 +5,8 @@ Between rounds the thread takes queued requests into free slots, relays each req
 events to its own channel, and drops requests whose client went away (their slot is
 free by the next round). A request the batch cannot serve (a model whose cache cannot
 be batched, a proposer with state of its own, draft trees where the batch cannot
-verify them) and a request for another
-model wait until the batch has drained, then run alone as in `Worker`.
+verify them) and a request for another model wait until the batch has drained, then
+run alone as in `Worker`.
 """
 
 from __future__ import annotations
