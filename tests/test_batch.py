@@ -43,7 +43,7 @@ from mlxspec.proposers import (
 )
 from mlxspec.sampling import SamplingSettings
 
-BATCHED = ["llama", "qwen3", "lfm2"]  # lfm2: recurrent conv layers beside attention
+BATCHED = ["llama", "qwen3", "lfm2", "gemma3_text"]  # lfm2: recurrent conv layers; gemma3: windows
 
 
 def greedy_rounds(target: BatchTarget, rows: dict, rng: random.Random, rounds: int) -> None:
@@ -175,8 +175,8 @@ def test_a_row_handed_on_after_ragged_rounds_holds_its_tokens_in_order():
 
 
 def test_a_family_that_cannot_batch_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="batching needs attention KV caches") as err:
-        BatchTarget(tiny_model("gemma3_text"))
+    with pytest.raises(ValueError, match="ignore the per-row lengths") as err:
+        BatchTarget(tiny_model("jamba"))
     assert "\n" not in str(err.value)
 
 
@@ -818,30 +818,7 @@ def test_a_row_that_joined_with_no_recurrent_state_is_replayed_from_none():
 def test_a_hybrid_family_whose_recurrent_layers_ignore_row_lengths_is_refused():
     """Jamba's Mamba layers take a padded row's pad tokens into its state (they never
     read `ArraysCache.lengths`), so the replay would corrupt it: refused in one line."""
-    from mlx_lm.models import jamba
-
-    args = jamba.ModelArgs(
-        model_type="jamba",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_layer_offset=1,
-        attn_layer_period=2,
-        expert_layer_offset=1,
-        expert_layer_period=100,
-        mamba_d_conv=4,
-        mamba_d_state=8,
-        mamba_expand=2,
-        num_experts=1,
-        num_experts_per_tok=1,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=512,
-        vocab_size=VOCAB,
-    )
-    mx.random.seed(0)
-    model = jamba.Model(args)
+    model = tiny_model("jamba")
     reason = batch_target.unsupported_reason(model)
     assert reason is not None and "jamba" in reason
     assert batch_target.unsupported_reason(tiny_model("lfm2", seed=2)) is None

@@ -123,22 +123,36 @@ def test_a_bad_request_gets_a_4xx_and_disturbs_nobody(base_url):
     assert bad.status_code == 400 and "context" in bad.json()["error"]["message"]
 
 
-class GemmaRuntime:
-    """A model whose rotating-window cache cannot be batched yet."""
+class FamilyRuntime:
+    """A tiny model of another family, prompt lookup its proposer."""
+
+    family = "llama"
 
     def __init__(self):
-        model = tiny_model("gemma3_text", seed=2)
+        model = tiny_model(self.family, seed=2)
         self.engine = Engine(
-            model, byte_tokenizer(), "gemma", [PromptLookup()], verify_cost=CPU_LIKE_COST
+            model, byte_tokenizer(), self.family, [PromptLookup()], verify_cost=CPU_LIKE_COST
         )
 
     def proposer(self, name: str | None) -> str:
         return "prompt-lookup" if name is None else name
 
 
-class GemmaProvider(TinyProvider):
-    def open(self, name: str) -> GemmaRuntime:
-        self.opened.append(GemmaRuntime())
+class JambaRuntime(FamilyRuntime):
+    family = "jamba"  # Mamba layers that would absorb a padded row's padding
+
+
+class GemmaRuntime(FamilyRuntime):
+    family = "gemma3_text"  # sliding-window layers (window 12 tokens)
+
+
+class FamilyProvider(TinyProvider):
+    def __init__(self, runtime: type[FamilyRuntime]):
+        super().__init__()
+        self.runtime = runtime
+
+    def open(self, name: str) -> FamilyRuntime:
+        self.opened.append(self.runtime())
         return self.opened[-1]
 
 
@@ -156,9 +170,19 @@ def served_and_alone(provider: TinyProvider, max_tokens: int, proposer: str | No
 
 
 def test_a_model_the_batch_cannot_hold_serves_one_request_at_a_time():
-    for answer, done in served_and_alone(GemmaProvider(), 12):
+    for answer, done in served_and_alone(FamilyProvider(JambaRuntime), 12):
         assert answer.choices[0].message.content == done.text
         assert answer.model_extra["x_mlxspec"]["batch_sizes"] == []  # it ran alone
+
+
+def test_a_sliding_window_model_shares_the_batch_and_answers_as_alone():
+    """Gemma 3's local layers keep a window of the last tokens; in a batch they keep the
+    whole history with the window as their mask, so such a model batches (it once
+    served one request at a time) and every answer, longer than the window, is its own."""
+    pairs = served_and_alone(FamilyProvider(GemmaRuntime), 40)
+    for answer, done in pairs:
+        assert answer.choices[0].message.content == done.text
+    assert sum(ran_beside_others(answer) for answer, _ in pairs) >= 2
 
 
 class HeadRuntime(TinyRuntime):
@@ -294,10 +318,10 @@ def test_the_queue_counts_free_slots_only_where_the_batch_can_take_them():
     for a model that cannot batch, nor while a request runs alone."""
     from mlxspec.server.batch_worker import BatchedWorker
 
-    worker = BatchedWorker(GemmaProvider(), max_waiting=2, max_batch=4)
+    worker = BatchedWorker(FamilyProvider(JambaRuntime), max_waiting=2, max_batch=4)
     assert worker.queue_room == 6  # nothing loaded yet: the batch may take four
     worker._open("tiny")
-    assert worker._scheduler_for(worker._model.engine) is None  # gemma cannot batch
+    assert worker._scheduler_for(worker._model.engine) is None  # jamba cannot batch
     assert worker.queue_room == 2
     tiny = BatchedWorker(TinyProvider(), max_waiting=2, max_batch=4)
     tiny._open("tiny")

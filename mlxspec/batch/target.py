@@ -12,6 +12,11 @@ over its unkept tail and the left padding grows past them (`_move_tails`): atten
 does not care where in the cache a key sits (its position is rotated into it), so only
 `extract`, which hands a row's entries on in token order, has to undo the shuffle.
 
+Sliding-window layers (gemma3's local layers) are held as full histories in the same
+batch caches, the window being their mask (`batch_prompt_cache`). That mask counts
+cache positions, so for such models a ragged keep rolls each row (mlx-lm's `finalize`)
+and the rows stay in token order.
+
 Recurrent layers (conv or gated-delta state in mlx-lm's `ArraysCache`, as in LFM2 and
 Qwen3-Next) cannot be trimmed at all. As the single-sequence target does, the batch
 copies their state before a verify wider than one token; afterwards each row that
@@ -31,7 +36,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import _extend_cache, _merge_caches
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from mlxspec import tree_attention
 from mlxspec.anatomy import Decoder, is_recurrent, split_decoder
@@ -47,9 +58,25 @@ def has_recurrent_layers(model: nn.Module) -> bool:
     return any(isinstance(c, ArraysCache) for c in make_prompt_cache(model))
 
 
+def is_window(cache) -> bool:
+    """A sliding-window layer's cache (gemma3's local layers): a ring of the last
+    `max_size` tokens, with no tokens kept from the start (`keep`)."""
+    return type(cache) is RotatingKVCache and cache.keep == 0
+
+
+def batch_prompt_cache(model: nn.Module) -> list:
+    """The caches a batch row is prefilled in: the model's own, but a plain `KVCache`
+    for each sliding-window layer. A ring cannot drop a row's refused drafts once it
+    has wrapped; a full history can, and the window is then the layer's mask (mlx-lm's
+    `window_size`, by cache index, which holds while each row stays in token order:
+    see `BatchTarget._trim_rows`). The cost is memory: these layers keep the whole
+    context, as the global ones do."""
+    return [KVCache() if is_window(c) else c for c in make_prompt_cache(model)]
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why `model` cannot be batched here yet (None: it can)."""
-    caches = make_prompt_cache(model)
+    caches = batch_prompt_cache(model)
     attention = any(type(c) is KVCache for c in caches)  # where the rows' lengths are kept
     if attention and all(type(c) is KVCache or isinstance(c, ArraysCache) for c in caches):
         if any(isinstance(c, ArraysCache) for c in caches) and not _honours_lengths(model):
@@ -60,8 +87,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return None
     kinds = {type(c).__name__ for c in caches}
     return (
-        f"batching needs attention KV caches, beside any recurrent ones; this model uses "
-        f"{', '.join(sorted(kinds))} (a rotating window cannot be trimmed per row yet)"
+        f"batching needs attention KV caches (sliding windows included), beside any "
+        f"recurrent ones; this model uses {', '.join(sorted(kinds))}"
     )
 
 
@@ -74,12 +101,18 @@ RECURRENT_CAPTURE = (
 )
 
 
+# `Decoder.hidden` gives every attention layer the same mask, without a window.
+WINDOW_CAPTURE = "a batch does not capture hidden states of a model with sliding-window layers yet"
+
+
 def capture_unsupported(model: nn.Module) -> str | None:
     """Why a batch of `model` cannot hand rows their hidden states (None: it can)."""
     layers = getattr(model, "layers", [])
+    caches = make_prompt_cache(model)
+    if any(is_window(c) for c in caches):
+        return WINDOW_CAPTURE
     unmasked = any(
-        isinstance(c, ArraysCache) and not is_recurrent(layer)
-        for c, layer in zip(make_prompt_cache(model), layers)
+        isinstance(c, ArraysCache) and not is_recurrent(layer) for c, layer in zip(caches, layers)
     )
     return RECURRENT_CAPTURE if unmasked else None
 
@@ -133,7 +166,7 @@ class Prefill:
         through `decoder` as `Target.fill` does; None: the cache alone."""
         cache, reused = start if start and start[0] is not None else (None, 0)
         self.model, self.todo, self.reused = model, list(tokens[reused:]), reused
-        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.cache = cache if cache is not None else batch_prompt_cache(model)
         self.capture, self.decoder = capture, decoder
         self._hidden: list[mx.array] = []  # (m, F) per chunk fed, with `capture`
 
@@ -166,7 +199,9 @@ class BatchTarget:
         self.model = model
         self.cache: list[BatchKVCache | ArraysCache] = []  # one per layer; empty: no rows
         layers = make_prompt_cache(model)
-        self.attention = [i for i, c in enumerate(layers) if type(c) is KVCache]
+        self.attention = [i for i, c in enumerate(layers) if type(c) is KVCache or is_window(c)]
+        # Sliding-window layers mask by cache index: rows must stay in token order.
+        self.windowed = any(is_window(c) for c in layers)
         self.recurrent = [i for i, c in enumerate(layers) if isinstance(c, ArraysCache)]
         # Per row, the token index held at each of its cache positions from its left
         # padding on, where `_move_tails` shuffled them (None: in order); positions past
@@ -334,8 +369,14 @@ class BatchTarget:
         if common:
             for c in layers:
                 c.trim(common)
-        if any(extra):
+        if not any(extra):
+            return
+        if not self.windowed:
             self._move_tails(layers, extra)
+            return
+        for c in layers:  # mlx-lm's own roll: each row right by its extra tail
+            c.prepare(right_padding=extra)
+            c.finalize()
 
     def _move_tails(self, layers: list[BatchKVCache], extra: list[int]) -> None:
         """Row i's last extra[i] entries become left padding: its first m = min(extra[i],
