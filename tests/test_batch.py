@@ -101,6 +101,7 @@ def fed_alone(model, tokens: list[int]) -> list:
 @pytest.mark.parametrize("family", BATCHED)
 def test_ragged_rows_join_and_leave_match_solo_greedy(family, monkeypatch):
     monkeypatch.setattr(batch_target, "COMPACT_AT", 3)  # compaction runs too
+    monkeypatch.setattr(batch_target, "WINDOW_SLACK", 2)  # and gemma3's window cuts
     model = tiny_model(family, seed=1)
     rng = random.Random(family)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (5, 17, 1, 9)]
@@ -751,6 +752,42 @@ def test_a_prompt_that_continues_a_finished_one_starts_from_its_cache():
     assert last.record.reused_prompt_tokens == len(kept.tokens)
     reference = plain_greedy(model, whole, MAX_TOKENS, eos)
     assert_lossless(model, whole, reference, list(last.token_ids), "after a partial reuse")
+
+
+def test_window_layers_keep_a_bounded_history_and_a_cut_row_hands_no_prefix_on(monkeypatch):
+    """A sliding-window layer keeps its window and the slack, not the whole context
+    (every row's window covers the same last columns), while the global layers keep
+    everything; a row whose oldest columns were cut goes to no prefix pool (its window
+    layers no longer hold its start), so a next turn prefills again and answers as alone."""
+    monkeypatch.setattr(batch_target, "WINDOW_SLACK", 3)
+    scheduler = scheduler_for("gemma3_text", seed=3)
+    target, model, eos = scheduler.target, scheduler.engine.target.model, {VOCAB - 1}
+    prompts = sample_prompts(6)
+    settings = [GenerationSettings(max_tokens=MAX_TOKENS, k=k) for k in (3, None, 0)]
+    for prompt, setting in zip(prompts, settings):
+        scheduler.submit(prompt, setting, "lookup")
+    window = max(target.windows.values())
+    held = {"window": 0, "global": 0}
+    events: dict[int, list] = {}
+    for out in scheduler.drain():
+        for request_id, got in out.items():
+            events.setdefault(request_id, []).extend(got)
+        if target.rows:
+            held["window"] = max(held["window"], target.cache[0]._idx)
+            held["global"] = max(held["global"], target.cache[1]._idx)
+    assert held["window"] <= window + 2 * 3 + 9  # the slack twice, and one verify's width
+    assert held["global"] > held["window"] + 10  # the test ran past the window
+    for i, got in events.items():
+        reference = plain_greedy(model, prompts[i], MAX_TOKENS, eos)
+        assert_lossless(model, prompts[i], reference, list(got[-1].token_ids), f"row {i}")
+    kept = {tuple(k.tokens) for k in scheduler.prefixes.kept}
+    assert not any(tuple(prompts[i]) == key[: len(prompts[i])] for i in (0, 1) for key in kept)
+    turn = prompts[0] + list(events[0][-1].token_ids) + [65, 66]
+    scheduler.submit(turn, GenerationSettings(max_tokens=MAX_TOKENS), "lookup")
+    again = next(got[-1] for got in collect(scheduler).values())
+    assert again.record.reused_prompt_tokens == 0
+    reference = plain_greedy(model, turn, MAX_TOKENS, eos)
+    assert_lossless(model, turn, reference, list(again.token_ids), "next turn")
 
 
 def test_the_pass_grid_interpolates_between_measured_cells_and_never_falls():

@@ -108,9 +108,11 @@ class BatchCaches:
 
     def leave(self, keep_rows: list[int], kept: list[tuple[int, list[int]]]) -> None:
         """Keep only `keep_rows`; first, each (row, tokens) of `kept` (leaving rows whose
-        cache holds exactly `tokens`) goes to the prefix pool."""
+        cache holds exactly `tokens`) goes to the prefix pool, unless its window layers
+        no longer hold its oldest tokens."""
         for row, tokens in kept:
-            self.prefixes.add(tokens, self.target.extract(row))
+            if self.target.whole[row]:
+                self.prefixes.add(tokens, self.target.extract(row))
         self.target.leave(keep_rows)
         self.captures = [self.captures[i] for i in keep_rows]
         self.hidden = [self.hidden[i] for i in keep_rows]

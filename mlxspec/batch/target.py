@@ -51,6 +51,9 @@ from mlxspec.tree import DraftTree, batch_attention_mask, node_depths
 
 # Left padding a batch may carry before it is cut (a copy of every layer's cache).
 COMPACT_AT = 64
+# Columns a sliding-window layer keeps beyond its window: once it holds twice as many,
+# the oldest are cut (a copy of these layers' caches, one in WINDOW_SLACK rounds).
+WINDOW_SLACK = 256
 
 
 def has_recurrent_layers(model: nn.Module) -> bool:
@@ -200,8 +203,16 @@ class BatchTarget:
         self.cache: list[BatchKVCache | ArraysCache] = []  # one per layer; empty: no rows
         layers = make_prompt_cache(model)
         self.attention = [i for i, c in enumerate(layers) if type(c) is KVCache or is_window(c)]
-        # Sliding-window layers mask by cache index: rows must stay in token order.
-        self.windowed = any(is_window(c) for c in layers)
+        # Sliding-window layers (by index, their window) mask by cache index: rows must
+        # stay in token order; the columns older than every row's window are cut.
+        self.windows = {i: c.max_size for i, c in enumerate(layers) if is_window(c)}
+        self.windowed = bool(self.windows)
+        # The layer whose cache the rows' lengths and padding are read from: one that
+        # keeps every token, where the model has one.
+        self._kv_at = next((i for i in self.attention if i not in self.windows), self.attention[0])
+        # Per row: whether its window layers still hold its whole history (a row whose
+        # oldest columns were cut cannot hand a prefix on).
+        self.whole: list[bool] = []
         self.recurrent = [i for i, c in enumerate(layers) if isinstance(c, ArraysCache)]
         # Per row, the token index held at each of its cache positions from its left
         # padding on, where `_move_tails` shuffled them (None: in order); positions past
@@ -228,7 +239,7 @@ class BatchTarget:
 
     @property
     def _kv(self) -> BatchKVCache:
-        return self.cache[self.attention[0]]
+        return self.cache[self._kv_at]
 
     @property
     def rows(self) -> int:
@@ -243,6 +254,7 @@ class BatchTarget:
         row: list[KVCache] = prefill.cache
         self.cache = _extend_cache(self.cache, _merge_caches([row]))
         self.stored.append(None)
+        self.whole.append(True)
 
     def extract(self, row: int) -> list[KVCache]:
         """Row `row`'s entries as a single-row cache per layer (a copy), in token order."""
@@ -261,6 +273,7 @@ class BatchTarget:
     def leave(self, keep_rows: list[int]) -> None:
         """Keep only `keep_rows` (in that order)."""
         self.stored = [self.stored[i] for i in keep_rows]
+        self.whole = [self.whole[i] for i in keep_rows]
         if not keep_rows:
             self.cache = []
             return
@@ -357,8 +370,30 @@ class BatchTarget:
         self._compact()
 
     def _compact(self) -> None:
+        """Cut the shared left padding, and the window layers' columns no row sees."""
         if min(self._kv.left_padding.tolist()) >= COMPACT_AT:
             self.leave(list(range(self.rows)))  # `filter` cuts the shared left padding
+        self._cut_windows()
+
+    def _cut_windows(self) -> None:
+        """Rows are right-aligned, so a window covers the same last columns of every
+        row: the columns before the longest window (and the slack) are seen by none.
+        Without this cut a window layer would attend over, and keep, the whole context
+        (on a 12B Gemma 3 at 8k tokens, most of the KV it reads each round)."""
+        if not self.windows or not self.cache:
+            return
+        first = next(iter(self.windows))
+        end = self.cache[first]._idx
+        cut = end - max(self.windows.values()) - WINDOW_SLACK
+        if cut < WINDOW_SLACK:
+            return
+        padding = self.cache[first].left_padding.tolist()
+        self.whole = [whole and pad >= cut for whole, pad in zip(self.whole, padding)]
+        for i in self.windows:
+            c = self.cache[i]
+            c.keys, c.values = c.keys[..., cut:end, :], c.values[..., cut:end, :]
+            c._idx = end - cut
+            c.left_padding = mx.maximum(c.left_padding - cut, 0)
 
     def _trim_rows(self, n_keep: list[int], width: int) -> None:
         """Keep the first n_keep[i] of the last `width` attention entries of row i."""
