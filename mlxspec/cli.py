@@ -457,10 +457,18 @@ ROW_FLOOR_OPTION = click.option(
     "default: 8, sharded too).",
 )
 @ROW_FLOOR_OPTION
+@click.option(
+    "--kv-memory",
+    type=click.FloatRange(min=0.0),
+    help="GB of KV cache the batch may hold; a request waits until its context fits "
+    "(default: 75% of the device's memory less the weights; 0: no bound).",
+)
 @TREE_OPTION
 @distributed_options
 @fail_cleanly
-def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, row_floor, tree):
+def serve(
+    model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, row_floor, kv_memory, tree
+):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
     Up to --max-batch requests (default 8, sharded too) share each target pass; the
@@ -510,6 +518,7 @@ def serve(model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, 
         max_waiting=max_waiting,
         max_batch=max_batch,
         row_floor=ROW_FLOOR if row_floor is None else row_floor,
+        kv_memory=kv_memory,
     )
     app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default, ranks=rank)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:

@@ -69,6 +69,9 @@ class BatchCaches:
     def lengths(self) -> list[int]:
         return self.target.lengths()
 
+    def kv_bytes_per_token(self) -> float:
+        return self.target.kv_bytes_per_token()
+
     def start(
         self, request_id: int, tokens: list[int], capture: tuple[int, ...] | None = None
     ) -> int:
@@ -117,6 +120,10 @@ class BatchCaches:
         self.captures = [self.captures[i] for i in keep_rows]
         self.hidden = [self.hidden[i] for i in keep_rows]
         self.target.settle()  # the filter too, out of the next verify's time (as `join`)
+
+    def evict(self, tokens: int) -> None:
+        """Let the least recently kept prefixes go until they hold at most `tokens`."""
+        self.prefixes.evict_to(tokens)
 
     def verify(self, rows: list[list[int]]) -> mx.array:
         """One pass over every row's [pending] + drafts: logits (B, width, V); the

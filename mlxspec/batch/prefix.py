@@ -48,6 +48,16 @@ class PrefixPool:
         self.kept.append(Kept(list(tokens), cache))
         del self.kept[: -self.capacity]
 
+    @property
+    def tokens(self) -> int:
+        """Tokens the kept caches hold, all together."""
+        return sum(len(kept.tokens) for kept in self.kept)
+
+    def evict_to(self, tokens: int) -> None:
+        """Let the least recently used kept caches go until at most `tokens` remain."""
+        while self.kept and self.tokens > tokens:
+            del self.kept[0]
+
     def take(self, tokens: list[int]) -> tuple[list[KVCache] | None, int]:
         """A fresh cache holding the longest kept prefix of `tokens`, and its length
         (None, 0 when no kept cache shares at least MIN_REUSE tokens)."""

@@ -143,12 +143,14 @@ class Scheduler:
         max_batch: int = 8,
         caches: BatchCaches | SingleCaches | None = None,
         row_floor: float = ROW_FLOOR,
+        kv_budget: int | None = None,
     ):
         """`caches`: where the batch's cache work goes (by default its own; a sharded
         rank 0 passes one that the other ranks replay; `Engine.stream` passes the
         engine's own target as `SingleCaches`, a batch of one). `row_floor`: the least
         share of its plain-pass speed a round's width may leave any row
-        (`choose_width`)."""
+        (`choose_width`). `kv_budget`: the bytes of KV the rows and kept prefixes may
+        hold (`mlxspec.batch.memory`; None: no bound)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if not 0.0 <= row_floor <= 1.0:
@@ -168,6 +170,8 @@ class Scheduler:
         self.pass_cost = (
             None if self.solo else PassCost(engine.verify_cost, grid=pass_grid_for(engine))
         )
+        self.kv_budget = None if self.solo else kv_budget
+        self.kv_per_token: float | None = None  # bytes, read off the first joined row
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
         self.active: list[Slot] = []  # in the order of the target's rows
@@ -229,7 +233,11 @@ class Scheduler:
         accept per row. Returns each request's events of this round (a request's last
         list ends with its Done)."""
         self._drop_cancelled()
-        while self.waiting and len(self.joining) + len(self.active) < self.max_batch:
+        while (
+            self.waiting
+            and len(self.joining) + len(self.active) < self.max_batch
+            and self._fits(self.waiting[0])
+        ):
             slot = self.waiting.popleft()
             slot.admitted_at = time.perf_counter()  # alone, `start` prefills it all
             capture = hidden_capture(slot.proposer)
@@ -239,6 +247,8 @@ class Scheduler:
         for slot in list(self.joining):
             if self.caches.advance(slot.request_id, self.prefill_chunk):
                 self.caches.join(slot.request_id)
+                if self.kv_budget is not None and not self.kv_per_token:
+                    self.kv_per_token = self.caches.kv_bytes_per_token()
                 slot.run.record.prefill_seconds = time.perf_counter() - slot.admitted_at
                 self.joining.remove(slot)
                 self.active.append(slot)
@@ -250,6 +260,30 @@ class Scheduler:
             slot.events = []
         self._leave([s for s in self.active if s.run.finished is not None or s.error])
         return out
+
+    def kv_reserved(self, joining: Slot | None = None) -> float:
+        """Bytes of KV the batch may come to hold (with `joining` admitted too): rows x
+        the longest row's context, as the right-aligned batch cache lays them out, plus
+        the kept prefixes. 0 until a row's cache told the bytes a token takes."""
+        rows = [*self.joining, *self.active, *([joining] if joining else [])]
+        span = max((len(s.run.sequence) + s.run.left for s in rows), default=0)
+        return (len(rows) * span + self.prefixes.tokens) * (self.kv_per_token or 0.0)
+
+    def _fits(self, slot: Slot) -> bool:
+        """Whether `slot` may join within the KV budget, once kept prefixes have made
+        what room they can. A request alone always may (its context bounds it); beside
+        others, not before the first joined row told the bytes a token takes."""
+        if self.kv_budget is None or not (self.joining or self.active):
+            return True
+        if not self.kv_per_token:
+            return False
+        rows_only = self.kv_reserved(slot) - self.prefixes.tokens * self.kv_per_token
+        if rows_only > self.kv_budget:
+            return False
+        room = int((self.kv_budget - rows_only) / self.kv_per_token)
+        if self.prefixes.tokens > room:
+            self.caches.evict(room)
+        return True
 
     def drain(self) -> Iterator[dict[int, list[Event]]]:
         """Rounds until every submitted request is done (for scripts and tests)."""

@@ -249,6 +249,15 @@ class BatchTarget:
         """Tokens each row's cache holds."""
         return self._kv.offset.tolist() if self.cache else []
 
+    def kv_bytes_per_token(self) -> float:
+        """Bytes one token of one row takes over the attention layers, read off the cache
+        as allocated (its dtype and heads as loaded; 0 before any row joined)."""
+        total = 0.0
+        for c in (self.cache[i] for i in self.attention) if self.cache else ():
+            if c.keys is not None:
+                total += (c.keys.nbytes + c.values.nbytes) / (c.keys.shape[0] * c.keys.shape[2])
+        return total
+
     def join(self, prefill: Prefill) -> None:
         """Append a prefilled sequence as the last row."""
         row: list[KVCache] = prefill.cache

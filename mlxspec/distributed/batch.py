@@ -73,6 +73,9 @@ class PlannedCaches(BatchCaches):
     def leave(self, keep_rows: list[int], kept: list[tuple[int, list[int]]]) -> None:
         self._call("leave", keep_rows, kept)
 
+    def evict(self, tokens: int) -> None:
+        self._call("evict", tokens)  # every rank's pool must offer the same prefixes
+
     def verify(self, rows: list[list[int]]) -> mx.array:
         return self._call("verify", rows)
 

@@ -45,6 +45,8 @@ class ServerLimits:
     # The least share of its plain speed a request keeps while others' drafts widen the
     # shared pass (mlxspec.batch.width.choose_width).
     row_floor: float = ROW_FLOOR
+    # GB of KV a batch may hold (None: a share of the device's memory; 0: no bound).
+    kv_memory: float | None = None
 
 
 class BodyLimit:
@@ -104,13 +106,24 @@ def create_app(
         preload = preload or provider.default
         if limits.max_batch > 1:
             worker = ShardedBatchedWorker(
-                provider, limits.max_waiting, ranks, preload, limits.max_batch, limits.row_floor
+                provider,
+                limits.max_waiting,
+                ranks,
+                preload,
+                limits.max_batch,
+                limits.row_floor,
+                limits.kv_memory,
             )
         else:
             worker = ShardedWorker(provider, limits.max_waiting, ranks, preload)
     elif limits.max_batch > 1:
         worker = BatchedWorker(
-            provider, limits.max_waiting, limits.max_batch, preload, limits.row_floor
+            provider,
+            limits.max_waiting,
+            limits.max_batch,
+            preload,
+            limits.row_floor,
+            limits.kv_memory,
         )
     else:
         worker = Worker(provider, limits.max_waiting, preload)
@@ -137,6 +150,7 @@ def create_app(
             "active": worker.active,
             "tokens_per_second": round(worker.tokens_per_second, 2),
             "waiting": worker.waiting,
+            "kv_memory": getattr(worker, "kv_memory_use", None),
         }
 
     @api.get("/models")

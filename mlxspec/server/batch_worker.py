@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 
+from mlxspec.batch.memory import GB, kv_budget
 from mlxspec.batch.scheduler import Scheduler, unbatchable_reason
 from mlxspec.batch.target import unsupported_reason
 from mlxspec.batch.width import ROW_FLOOR
@@ -40,9 +41,12 @@ class BatchedWorker(Worker):
         max_batch: int,
         preload: str | None = None,
         row_floor: float = ROW_FLOOR,
+        kv_memory: float | None = None,
     ):
+        """`kv_memory`: GB of KV the batch may hold (`serve --kv-memory`; None: a share
+        of the device's memory, 0: no bound; `mlxspec.batch.memory`)."""
         super().__init__(provider, max_waiting, preload)
-        self.max_batch, self.row_floor = max_batch, row_floor
+        self.max_batch, self.row_floor, self.kv_memory = max_batch, row_floor, kv_memory
         self._scheduler: Scheduler | None = None  # for the resident model, when it batches
         self._jobs: dict[int, Job] = {}  # request id in the scheduler -> its job
         self._held: Job | None = None  # waits for the batch to drain, then runs alone
@@ -162,8 +166,27 @@ class BatchedWorker(Worker):
         if self._scheduler is None or self._scheduler.engine is not engine:
             self._scheduler = None
             if unsupported_reason(engine.target.model) is None:
-                self._scheduler = Scheduler(engine, self.max_batch, row_floor=self.row_floor)
+                self._scheduler = Scheduler(
+                    engine, self.max_batch, row_floor=self.row_floor, kv_budget=self._kv_budget()
+                )
         return self._scheduler
+
+    def _kv_budget(self) -> int | None:
+        """Bytes of KV the batch may hold, with the model loaded (its weights count)."""
+        return kv_budget(self.kv_memory)
+
+    @property
+    def kv_memory_use(self) -> dict | None:
+        """The batch's KV bound and what its rows and kept prefixes may come to hold, in
+        GB (None while no batch runs)."""
+        scheduler = self._scheduler
+        if scheduler is None:
+            return None
+        budget = scheduler.kv_budget
+        return {
+            "budget_gb": None if budget is None else round(budget / GB, 2),
+            "reserved_gb": round(scheduler.kv_reserved() / GB, 3),
+        }
 
     def _round(self) -> None:
         scheduler = self._scheduler

@@ -146,8 +146,11 @@ class ShardedBatchedWorker(ShardedWorker, BatchedWorker):
         preload: str,
         max_batch: int,
         row_floor: float = ROW_FLOOR,
+        kv_memory: float | None = None,
     ):
-        BatchedWorker.__init__(self, provider, max_waiting, max_batch, preload, row_floor)
+        BatchedWorker.__init__(
+            self, provider, max_waiting, max_batch, preload, row_floor, kv_memory
+        )
         self._attach(session)
 
     def _scheduler_for(self, engine) -> Scheduler | None:
@@ -155,7 +158,9 @@ class ShardedBatchedWorker(ShardedWorker, BatchedWorker):
         the same way whether there is one (`batches`), and calibrate with it."""
         if self._scheduler is None and batches(engine.target.model, self.max_batch):
             caches = PlannedCaches(engine.target.model, self.max_batch, self.session.collectives)
-            self._scheduler = Scheduler(engine, self.max_batch, caches, self.row_floor)
+            self._scheduler = Scheduler(
+                engine, self.max_batch, caches, self.row_floor, self._kv_budget()
+            )
         return self._scheduler
 
     def _fail_all(self, err: Exception) -> None:

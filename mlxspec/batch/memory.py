@@ -1,0 +1,53 @@
+"""How much KV a batch may hold, so that many clients cannot push a Mac into swap.
+
+A row's cache is bounded by its request's context, but B rows of long contexts are not
+bounded by anything a client sees: 8 rows x 8k tokens of a 12B model's KV is over 20 GB
+next to its weights. The batch therefore admits a waiting request only while the KV it
+may come to hold fits a budget (`Scheduler.kv_budget`), counted as the batch cache lays
+it out: rows are right-aligned, so the cache is rows x the longest row's context
+(prompt + max_tokens), plus the finished rows kept for prefix reuse, which give way
+first. A request alone always runs: its own context bounds it, as without batching.
+
+The bytes a token takes are read off the first joined row's cache (its dtype, heads and
+layers as loaded, a shard's on a sharded rank), not computed from a config.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+# Of the device's memory, the share weights and KV may take together by default; the
+# rest is the system's and the activations'.
+DEFAULT_SHARE = 0.75
+GB = 1 << 30
+
+
+def device_memory() -> int | None:
+    """Bytes of memory the accelerator may use: Metal's recommended working set, else
+    the machine's physical memory (None where neither is known)."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size"):
+        if info.get(key):
+            return int(info[key])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_kv_budget(share: float = DEFAULT_SHARE) -> int | None:
+    """`share` of the device's memory, less what is allocated now (the loaded weights):
+    the KV bytes a batch may hold when `serve --kv-memory` is not given."""
+    total = device_memory()
+    if total is None:
+        return None
+    return max(0, int(total * share) - mx.get_active_memory())
+
+
+def kv_budget(gigabytes: float | None) -> int | None:
+    """`serve --kv-memory GB` in bytes: None (not given) for the default, 0 for none."""
+    if gigabytes is None:
+        return default_kv_budget()
+    return int(gigabytes * GB) if gigabytes > 0 else None
