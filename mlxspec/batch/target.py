@@ -12,10 +12,11 @@ over its unkept tail and the left padding grows past them (`_move_tails`): atten
 does not care where in the cache a key sits (its position is rotated into it), so only
 `extract`, which hands a row's entries on in token order, has to undo the shuffle.
 
-Sliding-window layers (gemma3's local layers) are held as full histories in the same
-batch caches, the window being their mask (`batch_prompt_cache`). That mask counts
-cache positions, so for such models a ragged keep rolls each row (mlx-lm's `finalize`)
-and the rows stay in token order.
+Sliding-window layers (gemma3's local layers) are held as plain histories in the same
+batch caches, the window being their mask (`batch_prompt_cache`), and cut to the
+window as the rows grow (`_cut_windows`). That mask counts cache positions, so for
+such models a ragged keep rolls each row (mlx-lm's `finalize`) and the rows stay in
+token order.
 
 Recurrent layers (conv or gated-delta state in mlx-lm's `ArraysCache`, as in LFM2 and
 Qwen3-Next) cannot be trimmed at all. As the single-sequence target does, the batch
@@ -72,8 +73,8 @@ def batch_prompt_cache(model: nn.Module) -> list:
     for each sliding-window layer. A ring cannot drop a row's refused drafts once it
     has wrapped; a full history can, and the window is then the layer's mask (mlx-lm's
     `window_size`, by cache index, which holds while each row stays in token order:
-    see `BatchTarget._trim_rows`). The cost is memory: these layers keep the whole
-    context, as the global ones do."""
+    see `BatchTarget._trim_rows`). Once joined, the columns older than the window are
+    cut (`BatchTarget._cut_windows`); a prefill holds its whole prompt."""
     return [KVCache() if is_window(c) else c for c in make_prompt_cache(model)]
 
 
