@@ -173,7 +173,13 @@ class BatchedWorker(Worker):
 
     def _kv_budget(self) -> int | None:
         """Bytes of KV the batch may hold, with the model loaded (its weights count)."""
-        return kv_budget(self.kv_memory)
+        budget = kv_budget(self.kv_memory)
+        if budget == 0:  # the weights took the default's share: say why nothing batches
+            log.warning(
+                "no memory left for a batch's KV beside the weights: requests run one at a "
+                "time (serve --kv-memory GB sets the budget)"
+            )
+        return budget
 
     @property
     def kv_memory_use(self) -> dict | None:
