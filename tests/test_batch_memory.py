@@ -5,6 +5,7 @@ and a request alone always runs."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -15,22 +16,40 @@ from test_lossless import MAX_TOKENS
 from test_server import ECHO, TinyProvider, direct_answer, serving
 from tiny_models import VOCAB
 
+from mlxspec.batch import target as batch_target
 from mlxspec.batch.memory import GB, kv_budget
+from mlxspec.batch.target import cache_columns
 from mlxspec.engine import GenerationSettings
 from mlxspec.events import Done
 from mlxspec.server import ServerLimits
 
 
-def learned_scheduler(budget_rows: float, seed: int = 4):
+def row_bytes(scheduler, tokens: int) -> float:
+    """What the batch reserves for one row of `tokens` (prompt + max_tokens)."""
+    columns = cache_columns(tokens)
+    return sum(
+        b * (columns if cap is None else min(columns, cap)) for b, cap in scheduler.kv_layout
+    )
+
+
+def learned_scheduler(budget_rows: float, seed: int = 4, family: str = "llama"):
     """A batch that has learned the bytes a token takes (from one short request), its
     budget then set to `budget_rows` rows of MAX_TOKENS + 30 tokens."""
-    scheduler = scheduler_for("llama", seed=seed)
+    scheduler = scheduler_for(family, seed=seed)
     scheduler.kv_budget = 1 << 40
     scheduler.submit([1, 2, 3], GenerationSettings(max_tokens=2))
     list(scheduler.drain())
-    assert scheduler.kv_per_token and scheduler.kv_per_token > 0
-    scheduler.kv_budget = int(budget_rows * (MAX_TOKENS + 30) * scheduler.kv_per_token)
+    assert scheduler.kv_per_token > 0
+    scheduler.kv_budget = int(budget_rows * row_bytes(scheduler, MAX_TOKENS + 30))
     return scheduler
+
+
+def held_bytes(scheduler) -> int:
+    """The bytes the batch's KV caches and kept prefixes really hold."""
+    target = scheduler.target
+    layers = [target.cache[i] for i in target.attention] if target.cache else []
+    kept = [layer for k in scheduler.prefixes.kept for layer in k.cache]
+    return sum(c.keys.nbytes + c.values.nbytes for c in [*layers, *kept] if c.keys is not None)
 
 
 def run_under_budget(scheduler, prompts) -> tuple[dict, int]:
@@ -44,6 +63,7 @@ def run_under_budget(scheduler, prompts) -> tuple[dict, int]:
         most = max(most, rows)
         if rows > 1:
             assert scheduler.kv_reserved() <= scheduler.kv_budget
+            assert held_bytes(scheduler) <= scheduler.kv_reserved()  # the count is true
         for request_id, events in out.items():
             if isinstance(events[-1], Done):
                 outputs[request_id] = list(events[-1].token_ids)
@@ -64,12 +84,30 @@ def test_requests_wait_for_kv_room_and_none_is_lost():
 
 
 def test_kept_prefixes_give_way_to_a_waiting_request():
-    scheduler = learned_scheduler(2.5, seed=5)
+    scheduler = learned_scheduler(2.05, seed=5)  # two rows, and little room besides
+    evicted = []
+    evict = scheduler.caches.evict
+    scheduler.caches.evict = lambda tokens: (evicted.append(tokens), evict(tokens))
     prompts = [p[:25] for p in sample_prompts(4)]
     run_under_budget(scheduler, prompts[:2])  # both finish: their rows are kept
     assert scheduler.prefixes.kept
     run_under_budget(scheduler, prompts[2:4])  # two rows fill the budget: the pool yields
-    assert scheduler.prefixes.tokens * scheduler.kv_per_token <= scheduler.kv_budget
+    assert evicted, "no kept prefix had to go: the test tests nothing"
+
+
+def test_window_layers_are_counted_as_the_columns_they_keep(monkeypatch):
+    """A sliding-window layer keeps its window (and slack), not the context: a long row
+    reserves little more in it than a short one, the global layers grow with the
+    context, and what the batch really holds stays within what it reserved."""
+    monkeypatch.setattr(batch_target, "WINDOW_SLACK", 3)
+    scheduler = learned_scheduler(2.5, seed=8, family="gemma3_text")
+    windowed = [cap for _, cap in scheduler.kv_layout if cap is not None]
+    assert windowed and len(windowed) < len(scheduler.kv_layout)
+    full = scheduler.kv_per_token * cache_columns(5000)
+    long_row = SimpleNamespace(run=SimpleNamespace(sequence=[0] * 4000, left=1000))
+    assert scheduler.kv_reserved(long_row) < 0.6 * full  # 2 of 3 tiny gemma layers: windows
+    _, most = run_under_budget(scheduler, [p[:25] for p in sample_prompts(3)])
+    assert most == 2
 
 
 def test_a_request_bigger_than_the_budget_still_runs_alone():
@@ -101,7 +139,6 @@ def test_a_sharded_batchs_ranks_let_the_same_prefixes_go():
     through JSON as on the wire), or a later prompt would reuse a prefix on one rank
     and prefill it on another."""
     import json
-    from types import SimpleNamespace
 
     from mlxspec.batch.scheduler import Scheduler
     from mlxspec.distributed.batch import BatchFollower, PlannedCaches
@@ -121,7 +158,7 @@ def test_a_sharded_batchs_ranks_let_the_same_prefixes_go():
     scheduler = Scheduler(engine, 4, PlannedCaches(model, 4, Loopback()), kv_budget=1 << 40)
     prompts = [p[:25] for p in sample_prompts(8)]
     run_under_budget(scheduler, prompts[:2])  # learns the bytes a token takes; rows kept
-    scheduler.kv_budget = int(2.5 * (MAX_TOKENS + 30) * scheduler.kv_per_token)
+    scheduler.kv_budget = int(2.05 * row_bytes(scheduler, MAX_TOKENS + 30))
     run_under_budget(scheduler, prompts[2:4])
     assert evictions, "no kept prefix had to go: the test tests nothing"
     kept = [k.tokens for k in scheduler.prefixes.kept]

@@ -69,8 +69,8 @@ class BatchCaches:
     def lengths(self) -> list[int]:
         return self.target.lengths()
 
-    def kv_bytes_per_token(self) -> float:
-        return self.target.kv_bytes_per_token()
+    def kv_layout(self) -> list[tuple[float, int | None]]:
+        return self.target.kv_layout()
 
     def start(
         self, request_id: int, tokens: list[int], capture: tuple[int, ...] | None = None

@@ -43,6 +43,7 @@ import mlx.core as mx
 
 from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.single import SingleCaches
+from mlxspec.batch.target import cache_columns
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
 from mlxspec.events import Event
 from mlxspec.proposers.base import (
@@ -171,7 +172,8 @@ class Scheduler:
             None if self.solo else PassCost(engine.verify_cost, grid=pass_grid_for(engine))
         )
         self.kv_budget = None if self.solo else kv_budget
-        self.kv_per_token: float | None = None  # bytes, read off the first joined row
+        # Per attention layer (bytes a token, most columns kept), from the first joined row.
+        self.kv_layout: list[tuple[float, int | None]] = []
         self.waiting: deque[Slot] = deque()
         self.joining: list[Slot] = []
         self.active: list[Slot] = []  # in the order of the target's rows
@@ -247,8 +249,8 @@ class Scheduler:
         for slot in list(self.joining):
             if self.caches.advance(slot.request_id, self.prefill_chunk):
                 self.caches.join(slot.request_id)
-                if self.kv_budget is not None and not self.kv_per_token:
-                    self.kv_per_token = self.caches.kv_bytes_per_token()
+                if self.kv_budget is not None and not self.kv_layout:
+                    self.kv_layout = self.caches.kv_layout()
                 slot.run.record.prefill_seconds = time.perf_counter() - slot.admitted_at
                 self.joining.remove(slot)
                 self.active.append(slot)
@@ -261,13 +263,23 @@ class Scheduler:
         self._leave([s for s in self.active if s.run.finished is not None or s.error])
         return out
 
+    @property
+    def kv_per_token(self) -> float:
+        """Bytes a token takes over every attention layer (0 until a row joined)."""
+        return sum(per_token for per_token, _ in self.kv_layout)
+
     def kv_reserved(self, joining: Slot | None = None) -> float:
         """Bytes of KV the batch may come to hold (with `joining` admitted too): rows x
-        the longest row's context, as the right-aligned batch cache lays them out, plus
-        the kept prefixes. 0 until a row's cache told the bytes a token takes."""
+        the longest row's context in each layer (a window layer: at most the columns it
+        keeps), as the right-aligned batch cache lays them out, plus the kept prefixes.
+        0 until a row's cache told the bytes a token takes."""
         rows = [*self.joining, *self.active, *([joining] if joining else [])]
         span = max((len(s.run.sequence) + s.run.left for s in rows), default=0)
-        return (len(rows) * span + self.prefixes.tokens) * (self.kv_per_token or 0.0)
+        columns = cache_columns(span)
+        per_row = sum(
+            b * (columns if cap is None else min(columns, cap)) for b, cap in self.kv_layout
+        )
+        return len(rows) * per_row + self.prefixes.tokens * self.kv_per_token
 
     def _fits(self, slot: Slot) -> bool:
         """Whether `slot` may join within the KV budget, once kept prefixes have made

@@ -57,6 +57,13 @@ COMPACT_AT = 64
 WINDOW_SLACK = 256
 
 
+def cache_columns(tokens: int) -> int:
+    """The most columns a batch cache holds per row while its longest row holds `tokens`:
+    besides them, left padding short of COMPACT_AT, a verify's width (at most 64), and
+    the step mlx-lm grows its buffer by (256), which a trim does not give back."""
+    return tokens + COMPACT_AT + 64 + BatchKVCache.step
+
+
 def has_recurrent_layers(model: nn.Module) -> bool:
     """Whether any layer keeps recurrent state (`ArraysCache`) rather than a KV history."""
     return any(isinstance(c, ArraysCache) for c in make_prompt_cache(model))
@@ -250,14 +257,20 @@ class BatchTarget:
         """Tokens each row's cache holds."""
         return self._kv.offset.tolist() if self.cache else []
 
-    def kv_bytes_per_token(self) -> float:
-        """Bytes one token of one row takes over the attention layers, read off the cache
-        as allocated (its dtype and heads as loaded; 0 before any row joined)."""
-        total = 0.0
-        for c in (self.cache[i] for i in self.attention) if self.cache else ():
+    def kv_layout(self) -> list[tuple[float, int | None]]:
+        """Per attention layer: the bytes one token of one row takes, read off the cache
+        as allocated (its dtype and heads as loaded), and the most columns the layer
+        may hold per row (a window layer: `cache_columns` of its window and twice the
+        slack, `_cut_windows`; None: as the context). Empty before any row joined."""
+        layout = []
+        for i in self.attention if self.cache else ():
+            c = self.cache[i]
             if c.keys is not None:
-                total += (c.keys.nbytes + c.values.nbytes) / (c.keys.shape[0] * c.keys.shape[2])
-        return total
+                per_token = (c.keys.nbytes + c.values.nbytes) / (c.keys.shape[0] * c.keys.shape[2])
+                window = self.windows.get(i)
+                cap = None if window is None else cache_columns(window + 2 * WINDOW_SLACK)
+                layout.append((per_token, cap))
+        return layout
 
     def join(self, prefill: Prefill) -> None:
         """Append a prefilled sequence as the last row."""
