@@ -158,7 +158,7 @@ class BatchCaches:
         they are its first n_keep[i]). The trims and rolls are evaluated here, so that
         the round that caused them is the one whose time they count in."""
         self.target.keep(n_keep, width)
-        self._keep_hidden([list(range(n)) for n in n_keep])
+        self._keep_hidden([slice(0, n) for n in n_keep])
         self.target.settle()
 
     def keep_tree(self, paths: list[list[int]], width: int) -> None:
@@ -167,17 +167,18 @@ class BatchCaches:
         those nodes' hidden states."""
         kept = [[0, *path] for path in paths]
         self.target.keep_tree(kept, width)
-        self._keep_hidden(kept)
+        self._keep_hidden([mx.array(nodes) for nodes in kept])
         self.target.settle()
 
-    def _keep_hidden(self, kept: list[list[int]]) -> None:
-        """Each capturing row's hidden states of the verify's columns kept[i]."""
+    def _keep_hidden(self, kept: list[slice | mx.array]) -> None:
+        """Each capturing row's hidden states of the verify's columns kept[i] (a line's
+        first n, a slice; a tree's root and path, gathered)."""
         if self._verified_hidden is None:
             return
         hidden, union = self._verified_hidden
         self._verified_hidden = None
         self.hidden = [
-            None if capture is None else own_columns(hidden[i, mx.array(columns)], union, capture)
+            None if capture is None else own_columns(hidden[i, columns], union, capture)
             for i, (columns, capture) in enumerate(zip(kept, self.captures))
         ]
         mx.eval([h for h in self.hidden if h is not None])

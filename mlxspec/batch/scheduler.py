@@ -269,17 +269,21 @@ class Scheduler:
         return sum(per_token for per_token, _ in self.kv_layout)
 
     def kv_reserved(self, joining: Slot | None = None) -> float:
-        """Bytes of KV the batch may come to hold (with `joining` admitted too): rows x
-        the longest row's context in each layer (a window layer: at most the columns it
-        keeps), as the right-aligned batch cache lays them out, plus the kept prefixes.
-        0 until a row's cache told the bytes a token takes."""
+        """Bytes of KV the batch may come to hold (with `joining` admitted too): its rows'
+        (`_rows_kv`) and the kept prefixes'. 0 until a row's cache told the bytes a
+        token takes."""
+        return self._rows_kv(joining) + self.prefixes.tokens * self.kv_per_token
+
+    def _rows_kv(self, joining: Slot | None = None) -> float:
+        """Rows x the longest row's context in each layer (a window layer: at most the
+        columns it keeps), as the right-aligned batch cache lays them out."""
         rows = [*self.joining, *self.active, *([joining] if joining else [])]
         span = max((len(s.run.sequence) + s.run.left for s in rows), default=0)
         columns = cache_columns(span)
         per_row = sum(
             b * (columns if cap is None else min(columns, cap)) for b, cap in self.kv_layout
         )
-        return len(rows) * per_row + self.prefixes.tokens * self.kv_per_token
+        return len(rows) * per_row
 
     def _fits(self, slot: Slot) -> bool:
         """Whether `slot` may join within the KV budget, once kept prefixes have made
@@ -289,10 +293,10 @@ class Scheduler:
             return True
         if not self.kv_per_token:
             return False
-        rows_only = self.kv_reserved(slot) - self.prefixes.tokens * self.kv_per_token
-        if rows_only > self.kv_budget:
+        rows = self._rows_kv(slot)
+        if rows > self.kv_budget:
             return False
-        room = int((self.kv_budget - rows_only) / self.kv_per_token)
+        room = int((self.kv_budget - rows) / self.kv_per_token)
         if self.prefixes.tokens > room:
             self.caches.evict(room)
         return True

@@ -214,7 +214,6 @@ class BatchTarget:
         # Sliding-window layers (by index, their window) mask by cache index: rows must
         # stay in token order; the columns older than every row's window are cut.
         self.windows = {i: c.max_size for i, c in enumerate(layers) if is_window(c)}
-        self.windowed = bool(self.windows)
         # The layer whose cache the rows' lengths and padding are read from: one that
         # keeps every token, where the model has one.
         self._kv_at = next((i for i in self.attention if i not in self.windows), self.attention[0])
@@ -429,7 +428,7 @@ class BatchTarget:
                 c.trim(common)
         if not any(extra):
             return
-        if not self.windowed:
+        if not self.windows:
             self._move_tails(layers, extra)
             return
         for c in layers:  # mlx-lm's own roll: each row right by its extra tail
