@@ -92,10 +92,10 @@ def cut_tree(tree: DraftTree, n: int) -> DraftTree:
 def first_guess(tree: DraftTree) -> int:
     """The draft's first token: of a tree, its likeliest child of the root (a tree's
     nodes of one depth come in no order of likelihood)."""
-    children = [i for i, parent in enumerate(tree.parents) if parent == 0]
+    children = tree.children()[0]  # node numbers: node n's token is tokens[n - 1]
     if tree.scores is not None:
-        children.sort(key=lambda i: -tree.scores[i])
-    return tree.tokens[children[0]]
+        children.sort(key=lambda node: -tree.scores[node - 1])
+    return tree.tokens[children[0] - 1]
 
 
 def private_copy(proposer: Proposer) -> Proposer:
