@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
-
-if TYPE_CHECKING:
-    from mlxspec.tree import DraftTree
 
 # Logit margin under which greedy choices are not guaranteed to match plain decoding: a
 # batched verify (and a cache filled by one) rounds differently from one-token steps, by
@@ -58,6 +55,14 @@ class SamplingSettings:
         return asdict(self)
 
 
+class TreePaths(Protocol):
+    """What scoring a tree verify needs of a draft tree (mlxspec.tree.DraftTree): the tokens
+    from the root to each node. A protocol, so this module stays below the tree that samples
+    through it."""
+
+    def path_tokens(self, node: int) -> list[int]: ...
+
+
 class TokenScorer:
     """Applies the sampling settings to rows of logits.
 
@@ -76,7 +81,7 @@ class TokenScorer:
         """Logits (m, V) → processed logits (m, V); m-1 <= len(continuation)."""
         return self.process_rows(logits, lambda i: history + continuation[:i])
 
-    def process_tree(self, logits: mx.array, history: list[int], tree: DraftTree) -> mx.array:
+    def process_tree(self, logits: mx.array, history: list[int], tree: TreePaths) -> mx.array:
         """Rows of a tree verify: row i follows the path from the root to node i."""
         return self.process_rows(logits, lambda i: history + tree.path_tokens(i))
 

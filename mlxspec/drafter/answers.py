@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mlxspec.chat_template import encode_chat
 from mlxspec.drafter.prompts import chat_prompts
 
 SHIPPED = Path(__file__).parent / "answers"
@@ -199,6 +200,11 @@ def check_matches(answers: AnswerSet, tokenizer, max_tokens: int | None = None) 
         )
 
 
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A user turn, ready for the answer."""
+    return encode_chat(tokenizer, [{"role": "user", "content": prompt}], generation_prompt=True)
+
+
 def add_answers(
     model,
     tokenizer,
@@ -213,8 +219,6 @@ def add_answers(
     """Answer the `prompts` not answered yet (greedy), saving after every batch, so a
     run stopped at any point keeps what it finished and a later run goes on."""
     from mlx_lm.generate import batch_generate
-
-    from mlxspec.drafter.data import encode_prompt
 
     answers = read_answers(name, split, folder) or AnswerSet(
         new_manifest(name, tokenizer, max_tokens)
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     package, so the answers can be committed)."""
     import argparse
 
-    from mlxspec.drafter.command import _bar
+    from mlxspec.drafter.progress import progress_bar
     from mlxspec.loading import load_model
     from mlxspec.registry import load_registry
 
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         args.folder,
         args.max_tokens,
         args.batch,
-        _bar(f"{entry.name} {args.split}"),
+        progress_bar(f"{entry.name} {args.split}"),
     )
 
 

@@ -13,7 +13,6 @@ Three kinds share the data, the draft vocabulary and the training loop:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from mlxspec.drafter.data import DataStore, add_file, add_text, self_distill
 from mlxspec.drafter.exit import ExitStudent, build_exit, save_exit
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
 from mlxspec.drafter.medusa import MedusaHeads, MedusaStudent, save_medusa
+from mlxspec.drafter.progress import progress_bar
 from mlxspec.drafter.prompts import DEFAULT_PROMPTS, chat_prompts
 from mlxspec.drafter.train import (
     TEACHER_TOP,
@@ -97,21 +97,6 @@ def train_settings(kind: str, budget_minutes: float, unroll: int | None = None) 
     return settings
 
 
-def _bar(description: str) -> Callable[[int, int], None]:
-    """A progress callback (done, total) drawing a tqdm bar; the bar starts at the first
-    report, at what an earlier run already did, so its rate counts only this run."""
-    bar: list[tqdm] = []
-
-    def update(done: int, total: int) -> None:
-        if not bar:
-            bar.append(tqdm(total=total, initial=done, desc=description, unit="seq"))
-        bar[0].update(done - bar[0].n)
-        if done >= total:
-            bar[0].close()
-
-    return update
-
-
 def make_data(
     entry: ModelEntry, loaded: LoadedModel, decoder: Decoder, job: DrafterJob, say
 ) -> DataStore:
@@ -133,7 +118,7 @@ def make_data(
             held_out,
             HELD_OUT,
             job.answer_tokens,
-            progress=_bar("held-out"),
+            progress=progress_bar("held-out"),
             answered=committed["held-out"],
         )
     if job.self_distill:
@@ -148,14 +133,16 @@ def make_data(
                 prompts,
                 "self-distill",
                 job.answer_tokens,
-                progress=_bar("self-distill"),
+                progress=progress_bar("self-distill"),
                 answered=committed["train"],
             )
     if job.text_tokens and store.tokens("text") < job.text_tokens:
         say(f"teacher states on up to {job.text_tokens} tokens of offline documentation")
-        add_text(decoder, tokenizer, store, job.text_tokens, progress=_bar("text"))
+        add_text(decoder, tokenizer, store, job.text_tokens, progress=progress_bar("text"))
     if job.extra_text is not None:
-        add_file(decoder, tokenizer, store, job.extra_text, progress=_bar(job.extra_text.name))
+        add_file(
+            decoder, tokenizer, store, job.extra_text, progress=progress_bar(job.extra_text.name)
+        )
     return store
 
 

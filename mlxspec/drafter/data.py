@@ -28,7 +28,7 @@ import numpy as np
 
 from mlxspec.anatomy import Decoder
 from mlxspec.chat_template import encode_chat
-from mlxspec.drafter.answers import AnswerSet
+from mlxspec.drafter.answers import AnswerSet, encode_prompt
 
 MANIFEST = "manifest.json"
 
@@ -148,11 +148,6 @@ class DataStore:
                 with np.load(self.directory / entry["file"]) as f:
                     out.append(Shard(f["tokens"], f["hidden"], f["offsets"], f["prompt_lengths"]))
         return out
-
-
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """A user turn, ready for the answer."""
-    return encode_chat(tokenizer, [{"role": "user", "content": prompt}], generation_prompt=True)
 
 
 def self_distill(
