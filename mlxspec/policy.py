@@ -287,7 +287,7 @@ class Policy:
         (most lines rest on one or two); the share only says how many others went
         elsewhere. Counting agreeing occurrences as evidence *above* the rate (a
         pseudo-count blend) drafted longer after a shared template and measured worse
-        on the held-out agent stream (docs/suffix.md). [] when there is no evidence."""
+        on the held-out agent stream (docs/design/suffix.md). [] when there is no evidence."""
         if not situation.evidence or not self.read_evidence:
             return []
         totals, survive = [1.0], 1.0

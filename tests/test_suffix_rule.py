@@ -3,7 +3,7 @@
 Requests of one kind end their prompts alike (the instruction, the chat template's
 assistant header) and begin their answers alike, so an earlier request matches the
 context longer than the request's own copy of its input does, but only through the
-prompt (measured on the agent suite: docs/suffix.md).
+prompt (measured on the agent suite: docs/design/suffix.md).
 """
 
 from __future__ import annotations

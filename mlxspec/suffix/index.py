@@ -7,7 +7,7 @@ match is found by narrowing one range a token at a time (a binary search over th
 token at depth m), and each position's key never changes when tokens are appended
 after it, so a new document is inserted without re-sorting the rest. Two int32 per
 token (the stream and the order) make it compact enough to load from disk as is:
-measured against a hashed n-gram pool in docs/suffix.md.
+measured against a hashed n-gram pool in docs/design/suffix.md.
 
 Documents are separated by SENTINEL (the stream starts with one, and a stored document
 ends with one); no pattern contains
