@@ -1,5 +1,6 @@
 """What `mlxspec bench` does between parsing its options and printing: check the request,
-run it with progress, and write the outputs. Kept out of cli.py so it stays testable."""
+run it with progress, and write the outputs. Kept out of the `bench` command so it stays
+testable."""
 
 from __future__ import annotations
 

@@ -1,0 +1,266 @@
+"""`mlxspec bench`: timed rows side by side (sharded with --ranks), `--concurrency`
+against the in-process server, or `--from-history` over saved chats."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import click
+
+# Only the suite names, for --help; the bench itself is imported when it runs.
+from mlxspec.bench.suites import SUITES
+from mlxspec.cli.errors import fail_cleanly
+from mlxspec.cli.options import model_option
+from mlxspec.console import say, warn_if_slow_blas
+from mlxspec.distributed.options import distributed_options
+from mlxspec.registry import load_registry
+
+
+@click.command()
+@model_option()
+@click.option(
+    "--suite",
+    type=click.Choice(SUITES),
+    help="Prompt suite (default: quick; with --concurrency: all, a mix of every class).",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(dir_okay=False),
+    help='Your own JSONL instead of a suite: {"prompt": ..., "class": ...} a line.',
+)
+@click.option(
+    "--replay",
+    is_flag=True,
+    help="Run the --prompts file in order, each method with its own history building up "
+    "from one request to the next (as the agent suite); default methods: plain, "
+    "prompt-lookup, suffix.",
+)
+@click.option(
+    "--proposers",
+    help="Comma-separated methods, e.g. 'core,prompt-lookup@k=8' ('core': plain-mlx-lm, "
+    "mlx-lm-speculative, none, the default proposer, draft-model@k=3; 'all': core plus every "
+    "proposer; default: core for quick, else all).",
+)
+@click.option(
+    "--max-tokens",
+    "-n",
+    default=128,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most tokens per answer.",
+)
+@click.option(
+    "--repeats",
+    "-r",
+    type=click.IntRange(min=1),
+    help="Timed runs of each prompt and method (default: 1 for quick, else 3).",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), help="Write machine, rows and summary."
+)
+@click.option(
+    "--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Write the tables."
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="PNG of speedup per prompt class (needs the 'plot' extra).",
+)
+@click.option(
+    "--from-history",
+    "history",
+    is_flag=True,
+    help="Estimate each proposer's acceptance on your saved chats instead (fast, no timing).",
+)
+@click.option(
+    "--tree/--no-tree",
+    default=None,
+    help="--tree: beside every speculative mlxspec row, the same proposer verifying draft "
+    "trees (NAME@tree); --no-tree: lines only.",
+)
+@click.option(
+    "--concurrency",
+    "-c",
+    multiple=True,
+    type=click.IntRange(min=1, max=64),
+    help="N clients at once against the in-process server: one at a time vs batched (plain "
+    "and each proposer in --proposers, names only) vs mlx-lm's batch_generate. Repeatable.",
+)
+@click.option(
+    "--row-floor",
+    "row_floors",
+    multiple=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="With --concurrency: the batched proposer rows at this serve --row-floor "
+    "(default: serve's, 0.95). Repeatable, to compare floors in one run.",
+)
+@distributed_options
+@fail_cleanly
+def bench(
+    model,
+    suite,
+    prompts_file,
+    replay,
+    proposers,
+    max_tokens,
+    repeats,
+    json_path,
+    markdown_path,
+    plot_path,
+    history,
+    tree,
+    concurrency,
+    row_floors,
+):
+    """Side by side, same prompts, greedy: mlx-lm, mlx-lm's speculative decoding, mlxspec.
+
+    Prints a table (tokens/s after the first round, time to first token, acceptance,
+    speedup vs plain-mlx-lm, and whether the tokens equal plain-mlx-lm's) and a
+    per-class summary. Methods are interleaved per prompt so machine noise hits all.
+
+    \b
+    Examples:
+      mlxspec bench --suite quick
+      mlxspec bench --suite all --json bench.json --markdown bench.md --plot bench.png
+      mlxspec bench --prompts mine.jsonl --proposers prompt-lookup,prompt-lookup@k=8
+      mlxspec bench --prompts my-stream.jsonl --replay   # history builds up, as for an agent
+      mlxspec bench --suite chat --proposers head,medusa,lookahead --tree   # line vs tree
+      mlxspec bench --from-history --json history.json
+      mlxspec bench --concurrency 4 --concurrency 8 --proposers prompt-lookup
+      mlxspec bench -c 8 --proposers prompt-lookup --row-floor 0.95 --row-floor 0
+      mlxspec bench --ranks 3 --proposers prompt-lookup   # every row on the sharded target
+    """
+    from mlxspec.bench import BenchError
+    from mlxspec.bench.report import markdown
+    from mlxspec.bench.session import Interrupted, execute, plan, write_outputs
+    from mlxspec.distributed.rank import current_rank
+    from mlxspec.runtime import open_runtime
+
+    rank = current_rank()  # None unless launched with --ranks/--hostfile
+    if rank is not None and (concurrency or history):
+        raise click.UsageError(
+            "--ranks/--hostfile runs the timed bench only; leave out --concurrency and "
+            "--from-history"
+        )
+    notify = rank.notify(say) if rank else say
+
+    def progress(index, total, prompt, method):
+        notify(f"[{index + 1}/{total}] {prompt.id} ({prompt.kind}): {method.name}")
+
+    entry = load_registry().including(model).get(model)
+    warn_if_slow_blas()
+    if row_floors and not concurrency:
+        raise click.UsageError("--row-floor goes with --concurrency")
+    if concurrency:
+        if history or tree or plot_path or replay:
+            raise click.UsageError(
+                "--concurrency draws no plot and runs lines only; leave out "
+                "--from-history, --tree, --plot and --replay"
+            )
+        levels = list(concurrency)
+        outputs = (json_path, markdown_path)
+        _bench_concurrency(
+            entry,
+            suite,
+            prompts_file,
+            proposers,
+            max_tokens,
+            levels,
+            repeats or 1,
+            outputs,
+            row_floors,
+        )
+        return
+    suite = suite or "quick"
+    if history:
+        from mlxspec.bench.history import history_markdown, replay_history
+        from tui.store import conversations_dir
+
+        try:
+            result = replay_history(open_runtime(entry, notify=say), conversations_dir(), say)
+        except BenchError as err:
+            raise click.ClickException(str(err)) from None
+        click.echo(history_markdown(result))
+        if json_path:
+            Path(json_path).write_text(json.dumps(result, indent=2))
+        return
+    try:
+        # Everything checkable is checked before the weights load.
+        plot = plot_path is not None and (rank is None or rank.front)
+        request = plan(
+            entry,
+            suite,
+            prompts_file,
+            proposers,
+            max_tokens,
+            repeats,
+            plot,
+            tree,
+            rank is not None,
+            replay,
+        )
+        if request.left_out:
+            notify(f"left out {', '.join(request.left_out)}: a sharded target verifies lines only")
+        if rank is None:
+            result = execute(request, open_runtime(entry, notify=say), say, progress)
+        else:
+            runtime = rank.open_runtime(entry, say)
+            sharded = (rank.setup(), partial(rank.run, runtime))
+            result = execute(request, runtime, notify, progress, sharded)
+            if not rank.front:
+                return  # rank 0 prints and writes
+        click.echo(markdown(result))
+        written = write_outputs(result, json_path, markdown_path, plot_path)
+    except Interrupted as stop:
+        if rank is not None and not rank.front:
+            raise click.ClickException(str(stop)) from None
+        click.echo(markdown(stop.result))
+        raise click.ClickException(f"{stop}; the rows above are partial") from None
+    except BenchError as err:
+        raise click.ClickException(str(err)) from None
+    if written:
+        say(f"wrote {', '.join(map(str, written))}")
+
+
+def _bench_concurrency(
+    entry, suite, prompts_file, proposers, max_tokens, levels, repeats, outputs, row_floors
+) -> None:
+    """`bench --concurrency`: see mlxspec/bench/concurrency.py."""
+    from mlxspec.batch.width import ROW_FLOOR
+    from mlxspec.bench import BenchError
+    from mlxspec.bench.concurrency import concurrency_markdown, run_concurrency
+    from mlxspec.bench.machine import describe_machine
+    from mlxspec.bench.suites import load_suite, read_prompts
+    from mlxspec.runtime import ProposerError, open_runtime
+
+    try:
+        prompts = read_prompts(Path(prompts_file)) if prompts_file else load_suite(suite or "all")
+        names = proposers.split(",") if proposers else list(entry.proposer_names)
+        for name in names:
+            entry.proposer(name.strip())  # an unknown name fails here, before the weights load
+        runtime = open_runtime(entry, notify=say)
+        names = [n.strip() for n in names]
+        floors = tuple(dict.fromkeys(row_floors)) or (ROW_FLOOR,)  # each floor once
+        result = run_concurrency(runtime, prompts, levels, names, max_tokens, say, repeats, floors)
+    except (BenchError, ProposerError) as err:
+        raise click.ClickException(str(err)) from None
+    result.update(
+        machine=describe_machine(),
+        settings={
+            "model": entry.name,
+            "prompts": len(prompts),
+            "max_tokens": max_tokens,
+            "repeats": repeats,
+        },
+    )
+    table = concurrency_markdown(result)
+    click.echo(table)
+    json_path, markdown_path = outputs
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    if markdown_path:
+        Path(markdown_path).write_text(table + "\n")

