@@ -10,7 +10,6 @@ problem is one `RegistryError` line naming the file, the entry and the fix.
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import os
 import re
@@ -239,7 +238,7 @@ def _toml_type(value: Any) -> str:
     return _TOML_TYPES.get(type(value), "a date/time")
 
 
-def _section(*keys: str) -> str:
+def table_header(*keys: str) -> str:
     """A table header as written in TOML, e.g. [models."qwen2.5-7b".defaults]."""
     return (
         "[" + ".".join(k if _BARE_KEY.fullmatch(k) else f'"{k}"' for k in ("models", *keys)) + "]"
@@ -371,7 +370,7 @@ def _entry(name: str, table: Any, source: Path, base: ModelEntry | None = None) 
     `target` of its own, it extends `base`: its proposers and defaults are added on top."""
     where = _Where(source, name)
     _check_name(name, "model", where)
-    extends = base is not None and "target" not in _table(table, where, _section(name))
+    extends = base is not None and "target" not in _table(table, where, table_header(name))
     entry_options = _ENTRY_OPTIONS
     if extends:
         inherited = {
@@ -380,22 +379,23 @@ def _entry(name: str, table: Any, source: Path, base: ModelEntry | None = None) 
             "default_proposer": base.default_proposer,
         }
         entry_options = {k: replace(v, default=inherited[k]) for k, v in _ENTRY_OPTIONS.items()}
-    values = _options(table, entry_options, where, _section(name), also_known=_ENTRY_TABLES)
+    values = _options(table, entry_options, where, table_header(name), also_known=_ENTRY_TABLES)
     defaults = _options(
-        table.get("defaults", {}), _DEFAULTS_OPTIONS, where, _section(name, "defaults")
+        table.get("defaults", {}), _DEFAULTS_OPTIONS, where, table_header(name, "defaults")
     )
-    proposer_tables = _table(table.get("proposers", {}), where, _section(name, "proposers"))
+    proposer_tables = _table(table.get("proposers", {}), where, table_header(name, "proposers"))
     proposers = dict(base.proposers) if extends else {}
     proposers.update(
-        (key, _proposer(key, value, where, _section(name, "proposers", key)))
+        (key, _proposer(key, value, where, table_header(name, "proposers", key)))
         for key, value in proposer_tables.items()
     )
     for always in (FALLBACK, SUFFIX):
         if always not in proposers:
-            proposers[always] = _proposer(always, {}, where, _section(name, "proposers", always))
+            section = table_header(name, "proposers", always)
+            proposers[always] = _proposer(always, {}, where, section)
     for proposer in proposers.values():
         if proposer.kind == "chain":
-            _check_chain(proposer, proposers, where, _section(name, "proposers", proposer.name))
+            _check_chain(proposer, proposers, where, table_header(name, "proposers", proposer.name))
     default_proposer = values["default_proposer"]
     if default_proposer != NONE and default_proposer not in proposers:
         raise where.error(
@@ -485,9 +485,10 @@ def _user_file(explicit: Path | None) -> Path | None:
     return path if path.is_file() else None
 
 
-def _parse_file(
+def parse_registry_file(
     path: Path, base: Mapping[str, ModelEntry] | None = None
 ) -> tuple[dict[str, ModelEntry], str | None]:
+    """`parse_registry_text` of a file; one that cannot be read is one line too."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -497,11 +498,11 @@ def _parse_file(
 
 def load_registry(user_file: Path | None = None) -> Registry:
     """The shipped entries extended by the user file (`user_file`, else env, else XDG)."""
-    entries, default = _parse_file(SHIPPED_FILE)
+    entries, default = parse_registry_file(SHIPPED_FILE)
     default_source, files = SHIPPED_FILE, [SHIPPED_FILE]
     user = _user_file(user_file)
     if user is not None:
-        user_entries, user_default = _parse_file(user, entries)
+        user_entries, user_default = parse_registry_file(user, entries)
         entries.update(user_entries)  # same name: replaced, or extended when it has no target
         files.append(user)
         if user_default is not None:
@@ -513,41 +514,3 @@ def load_registry(user_file: Path | None = None) -> Registry:
             f"default = {default!r} names no entry; use one of: {', '.join(entries)}"
         )
     return Registry(MappingProxyType(entries), default, tuple(files), user or user_file_path())
-
-
-def register_proposer(
-    model: str,
-    proposer: str,
-    options: Mapping[str, Any],
-    note: str,
-    target: str | None = None,
-) -> Path:
-    """Add (or replace) `[models.MODEL.proposers.PROPOSER]` in the user's models.toml.
-
-    Written as an extension of the entry (no target), so the shipped entry keeps its
-    other proposers; with `target`, as a whole new entry drafting with it by default.
-    The result is validated before it is kept.
-    """
-    path = user_file_path()
-    old = path.read_text(encoding="utf-8") if path.is_file() else ""
-    header = _section(model, "proposers", proposer)
-    replaced = {header, _section(model)} if target is not None else {header}
-    kept, skipping = [], False
-    for line in old.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("["):
-            skipping = stripped in replaced
-        if not skipping:
-            kept.append(line)
-    body = "\n".join(f"{key} = {json.dumps(value)}" for key, value in options.items())
-    if target is not None:
-        entry = {"target": target, "default_proposer": proposer}
-        lines = "\n".join(f"{key} = {json.dumps(value)}" for key, value in entry.items())
-        header = f"{_section(model)}\n{lines}\n\n{header}"
-    new = "\n".join(kept).rstrip() + f"\n\n# {note}\n{header}\n{body}\n"
-    parse_registry_text(new.lstrip(), path, _parse_file(SHIPPED_FILE)[0])  # raises if wrong
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(new.lstrip(), encoding="utf-8")
-    tmp.replace(path)
-    return path

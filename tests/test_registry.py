@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import mlxspec
+from mlxspec.register import register_proposer
 from mlxspec.registry import (
     SHIPPED_FILE,
     Defaults,
@@ -14,7 +15,6 @@ from mlxspec.registry import (
     RegistryError,
     load_registry,
     parse_registry_text,
-    register_proposer,
 )
 
 ENTRY = '[models.foo]\ntarget = "owner/name"\n'

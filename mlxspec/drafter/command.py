@@ -42,7 +42,8 @@ from mlxspec.drafter.train import (
     train,
 )
 from mlxspec.loading import LoadedModel
-from mlxspec.registry import ModelEntry, register_proposer
+from mlxspec.register import register_proposer
+from mlxspec.registry import ModelEntry
 
 HELD_OUT = "held-out"
 HELD_OUT_PROMPTS = 80  # ~10k answer tokens: enough for the agreement measure (EVAL_POSITIONS)

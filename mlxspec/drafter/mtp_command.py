@@ -11,7 +11,8 @@ from mlxspec.console import say
 from mlxspec.drafter.mtp_pull import mtp_folder, pull_mtp
 from mlxspec.loading import fetch_weights
 from mlxspec.pull import PullError, is_packaged
-from mlxspec.registry import ModelEntry, register_proposer
+from mlxspec.register import register_proposer
+from mlxspec.registry import ModelEntry
 
 PROPOSER = "mtp"
 
