@@ -11,8 +11,9 @@ from mlxspec.distributed.options import distributed_options
 from mlxspec.registry import load_registry
 
 # `serve`: requests that share a target pass by default (docs/batching.md, measured).
-# Measured: docs/batching.md (8 clients: ~3x one at a time), and sharded over 3 ranks
-# docs/distributed.md (4 clients: 3.1x one at a time; 8 clients: --max-batch 8 >= 4).
+# Measured: docs/batching.md (8 clients: 1.74x one at a time plain, 1.91x with prompt
+# lookup), and sharded over 3 ranks docs/distributed.md (4 clients: 3.1x one at a time;
+# 8 clients: --max-batch 8 >= 4).
 DEFAULT_MAX_BATCH = 8
 
 ROW_FLOOR_OPTION = click.option(
