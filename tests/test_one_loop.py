@@ -172,3 +172,16 @@ def test_a_prefill_evaluates_the_cache_and_never_the_logits(monkeypatch, family)
     logits, _ = target.forward([7])
     reference = model(mx.array([[*prompt, 7]]))[0, -1]
     assert mx.allclose(logits[-1], reference, atol=1e-4)
+
+
+def test_the_engine_is_what_the_scheduler_asks_of_its_owner():
+    """The scheduler types its owner by `RoundOwner` rather than importing the engine (no
+    import circle); the engine must still hold everything that protocol names."""
+    from mlxspec.batch.owner import RoundOwner
+
+    engine = engine_with(tiny_model())
+    asked = set(RoundOwner.__annotations__) | {
+        name for name in vars(RoundOwner) if not name.startswith("_")
+    }
+    missing = sorted(name for name in asked if not hasattr(engine, name))
+    assert not missing, f"Engine lacks what RoundOwner names: {missing}"

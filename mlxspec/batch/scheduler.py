@@ -37,11 +37,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from mlxspec.batch.caches import BatchCaches
+from mlxspec.batch.owner import RoundOwner
 from mlxspec.batch.single import SingleCaches
 from mlxspec.batch.target import cache_columns
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
@@ -60,9 +60,6 @@ from mlxspec.settings import GenerationError, GenerationSettings
 from mlxspec.speedup import round_steps
 from mlxspec.target import PREFILL_CHUNK
 from mlxspec.tree import DraftTree, chain, keep_best
-
-if TYPE_CHECKING:
-    from mlxspec.engine import Engine
 
 
 def unbatchable_reason(proposer: Proposer, capture_unsupported: str | None) -> str | None:
@@ -140,7 +137,7 @@ class Round:
 class Scheduler:
     def __init__(
         self,
-        engine: Engine,
+        engine: RoundOwner,
         max_batch: int = 8,
         caches: BatchCaches | SingleCaches | None = None,
         row_floor: float = ROW_FLOOR,

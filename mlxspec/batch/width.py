@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxspec.batch.owner import RoundOwner
 from mlxspec.batch.target import BatchTarget, Prefill
 from mlxspec.events import ProgressNote
 from mlxspec.policy import VerifyCost, cached_verify_cost, calibration_key, expected_tokens
@@ -169,7 +170,7 @@ def monotone_cells(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int
     return {cell: round(max(t / unit, 1.0), 4) for cell, t in sorted(least.items())}
 
 
-def pass_grid_for(engine) -> PassGrid | None:
+def pass_grid_for(engine: RoundOwner) -> PassGrid | None:
     """The engine's measured pass grid (once per model and machine, then cached), or None
     where the engine was handed its costs."""
     if not engine.measures_costs:

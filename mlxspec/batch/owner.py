@@ -1,0 +1,63 @@
+"""What the scheduler's round asks of the engine that owns the target.
+
+The engine builds a one-row `Scheduler` for `Engine.stream` and hands itself over; the
+scheduler calls back for the request helpers (check, new run, policies, draft trees,
+finish). Typing that hand-over by this protocol, not by importing `Engine`, keeps the
+imports one way: engine → batch.scheduler → batch.owner, and the engine stays the owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from mlxspec.events import Done
+from mlxspec.policy import Policy, VerifyCost
+from mlxspec.proposers.base import ProposalContext, Proposer
+from mlxspec.request import RequestRun
+from mlxspec.settings import GenerationSettings
+from mlxspec.target import Target
+from mlxspec.tree import DraftTree
+
+
+class RoundOwner(Protocol):
+    """The engine, as a round sees it (mlxspec.engine.Engine implements it)."""
+
+    name: str
+    target: Target
+    proposers: dict[str, Proposer]
+    vocab_size: int
+    # False where costs were handed in (tests, a sharded rank): then nothing is measured.
+    measures_costs: bool
+    notify: Callable
+
+    @property
+    def verify_cost(self) -> VerifyCost: ...
+
+    def check_request(
+        self,
+        prompt: str | list[int] | list[dict],
+        settings: GenerationSettings,
+        proposer: str | None,
+    ) -> tuple[list[int], int]: ...
+
+    def kept_policy(self, proposer: Proposer | None, fixed_k: int | None) -> Policy: ...
+
+    def new_policy(self, proposer: Proposer | None, fixed_k: int | None) -> Policy: ...
+
+    def new_run(
+        self,
+        prompt_tokens: list[int],
+        settings: GenerationSettings,
+        proposer: Proposer | None,
+        max_tokens: int,
+        policy: Policy,
+    ) -> RequestRun: ...
+
+    def draft_tree(
+        self, source: Proposer, ctx: ProposalContext, depth: int, budget: int, policy: Policy
+    ) -> DraftTree: ...
+
+    def round_cost(self, policy: Policy, m: int) -> float: ...
+
+    def finish(self, run: RequestRun) -> Done: ...
