@@ -1,6 +1,6 @@
 """Block drafters (z-lab DFlash, DeepSeek DSpark) in their published layouts: tiny
 checkpoints written here with the exact tensor names and config fields of the reference
-code (see docs/drafters.md), loaded through the real loader, checked against the
+code (see docs/design/drafters.md), loaded through the real loader, checked against the
 published forward pass written out by hand, then drafting in the engine: greedy output
 equal to plain greedy (lines and trees), sampled output distributed as the target's
 (chi-square), drafts accepted where the drafter is made to agree with the target, and

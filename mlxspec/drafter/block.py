@@ -13,7 +13,7 @@ would take. The final norm's output goes through an LM head:
   anchor's slot too: B drafts), and a low-rank Markov head adds to slot j's logits a
   bias read from the token before it, so its drafts are drawn left to right.
 
-Weight names, config fields and their sources: docs/drafters.md.
+Weight names, config fields and their sources: docs/design/drafters.md.
 """
 
 from __future__ import annotations
