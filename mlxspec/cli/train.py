@@ -109,7 +109,8 @@ from mlxspec.registry import load_registry
 @click.option(
     "--name",
     "proposer_name",
-    help="Proposer name to register it under (default: head, distilled or self-spec-exit).",
+    help="Proposer name to register it under (default: the kind's own: head, distilled, "
+    "self-spec-exit, medusa or block).",
 )
 @fail_cleanly
 def train_drafter(
