@@ -36,10 +36,12 @@ def check_same_vocabulary(target_name: str, target_tok, draft_name: str, draft_t
 
 
 def truncated_model(model: nn.Module, n_layers: int) -> nn.Module:
-    """A standalone mlx-lm model made of `model`'s first n layers, sharing its weights.
+    """A standalone mlx-lm model made of `model`'s first n layers, sharing its modules.
 
     It is an ordinary mlx-lm model (own cache, `make_cache`, saveable), so mlx-lm's
-    own speculative decoding can use it as a draft as well.
+    own speculative decoding can use it as a draft as well. The source's leaf modules
+    themselves are shared, not only their parameters: a fresh model has float layers,
+    with no place for the scales of quantized ones (what Metal keeps).
     """
     args = model.args
     total = args.num_hidden_layers
@@ -49,12 +51,18 @@ def truncated_model(model: nn.Module, n_layers: int) -> nn.Module:
     if getattr(args, "layer_types", None):
         changes["layer_types"] = list(args.layer_types[:n_layers])
     small = type(model)(dataclasses.replace(args, **changes))
-    keep = [
-        (name, value)
-        for name, value in tree_flatten(model.parameters())
-        if not name.startswith("model.layers.") or int(name.split(".")[2]) < n_layers
-    ]
-    small.update(tree_unflatten(keep))
+
+    def first_layers(items: list) -> list:
+        return [
+            (name, value)
+            for name, value in items
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < n_layers
+        ]
+
+    leaves = tree_flatten(model.leaf_modules(), is_leaf=lambda value: isinstance(value, nn.Module))
+    small.update_modules(tree_unflatten(first_layers(leaves)))
+    # Arrays held beside child modules (a Mamba mixer's A_log) are not in any leaf.
+    small.update(tree_unflatten(first_layers(tree_flatten(model.parameters()))))
     try:
         small(mx.array([[0]]), cache=small.make_cache() if hasattr(small, "make_cache") else None)
     except (IndexError, ValueError) as err:
