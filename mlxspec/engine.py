@@ -38,6 +38,7 @@ from mlxspec.settings import GenerationError, GenerationSettings
 from mlxspec.suffix.store import HistoryStore
 from mlxspec.target import Target
 from mlxspec.tree import DraftTree, best_size, chain, keep_best
+from mlxspec.weights import WeightsChoice, weights_record
 
 
 class Engine:
@@ -52,9 +53,13 @@ class Engine:
         verify_cost: VerifyCost | None = None,
         notify: Callable[[str], None] = lambda _: None,
         history: HistoryStore | None = None,
+        weights: WeightsChoice | None = None,
     ):
         self.name, self.tokenizer = name, tokenizer
         self.target = Target(model)
+        # The form the target's weights were loaded in, and what they are in memory:
+        # for the run record, and the calibration key (a curve prices one form only).
+        self.weights = weights_record(model, weights)
         self.proposers = {p.name: p for p in proposers}
         self._verify_cost = verify_cost
         # Costs handed in (tests, a sharded rank's own calibration) fix the machine model:
@@ -69,7 +74,7 @@ class Engine:
     def verify_cost(self) -> VerifyCost:
         """Measured once per model and machine (a few seconds), then read from the cache."""
         if self._verify_cost is None:
-            key = calibration_key(self.name)
+            key = calibration_key(self.name, self.weights["held"])
 
             def progress(done: int, total: int, size: int) -> None:
                 self.notify(
@@ -187,6 +192,7 @@ class Engine:
             k_policy=policy.label if proposer else "off",
             cache_strategy=self.target.strategy,
             device=device.describe(),
+            weights=self.weights,
         )
         return RequestRun(
             self.tokenizer,

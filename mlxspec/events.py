@@ -117,6 +117,8 @@ class RunRecord:
     # `lossless`): where rounding alone could have picked another token than plain decoding.
     near_ties: int = 0
     device: dict[str, Any] = field(default_factory=dict)
+    # The target's weights: the form chosen (--weights), why, and what they are in memory.
+    weights: dict[str, str] = field(default_factory=dict)
     # Distributed runs (--ranks/--hostfile): the target sharded over `ranks` processes.
     ranks: int = 1
     backend: str = "none"  # ring, jaccl, mpi

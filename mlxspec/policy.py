@@ -363,11 +363,15 @@ def measure_verify_cost(
     return calibrate(forward, reset, progress=progress, **how)
 
 
-def calibration_key(model: str, setup: str = "") -> str:
-    """Where a calibration is kept: per model, machine, BLAS and mlx version, plus the
-    `setup` it ran in (e.g. a sharded target's split)."""
+def calibration_key(model: str, weights: str, setup: str = "") -> str:
+    """Where a calibration is kept: per model and the form of its weights in memory
+    (`weights.held_weights`: a quantized curve never prices float weights), machine, BLAS
+    and mlx version, plus the `setup` it ran in (e.g. a sharded target's split)."""
     facts = device.describe()
-    key = f"{model}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}|{CALIBRATION_METHOD}"
+    key = (
+        f"{model}|{weights}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
+        f"|{CALIBRATION_METHOD}" + ("|tf32" if facts["tf32"] else "")
+    )
     return f"{key}|{setup}" if setup else key
 
 

@@ -26,6 +26,7 @@ else:  # pragma: no cover - Python 3.10 needs the backport
     import tomli as tomllib
 
 from mlxspec.paths import config_dir
+from mlxspec.weights import CHOICES
 
 # The folder that holds the mlxspec package: the repository root in a checkout (where the
 # shipped models.toml lives), site-packages once installed. The shipped file's relative paths
@@ -60,6 +61,7 @@ class Defaults:
     tree: bool = False  # draft trees instead of lines (where the model supports them)
     tree_nodes: int = 32
     history: bool = True  # keep and read the model's history of requests (suffix decoding)
+    weights: str = "auto"  # auto, quantized or dequantized (mlxspec/weights.py); --weights
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,7 @@ _DEFAULTS_OPTIONS = {
     "tree": _Option(bool, "true or false", None),
     "tree_nodes": _int(1, None),
     "history": _Option(bool, "true or false", None),
+    "weights": _Option(str, "'auto', 'quantized' or 'dequantized'", None, lambda v: v in CHOICES),
 }
 _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
     kind: {**options, "k_max": _int(1, 32)}

@@ -37,6 +37,7 @@ from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.registry import ModelEntry, ProposerConfig
 from mlxspec.suffix.seed import seed_index
 from mlxspec.suffix.store import HistoryStore, history_store
+from mlxspec.weights import WeightsChoice, resolve_weights
 
 
 class ProposerError(ValueError):
@@ -48,14 +49,23 @@ def parameter_count(model: nn.Module) -> int:
 
 
 class Runtime:
-    def __init__(self, entry: ModelEntry, loaded: LoadedModel, notify: Callable[[str], None]):
+    def __init__(
+        self,
+        entry: ModelEntry,
+        loaded: LoadedModel,
+        notify: Callable[[str], None],
+        weights: WeightsChoice | None = None,
+    ):
+        """`weights`: the form `loaded` was loaded in (default: the entry's choice)."""
         self.entry, self.loaded, self.notify = entry, loaded, notify
+        self.weights = weights or target_weights(entry)
         self.engine = Engine(
             loaded.model,
             loaded.tokenizer,
             entry.name,
             notify=notify,
             history=history_store(entry.name),
+            weights=self.weights,
         )
 
     def proposer(self, name: str | None) -> str:
@@ -163,7 +173,7 @@ class Runtime:
             model = self.loaded.model
         else:
             self.notify(f"loading draft model {reference}")
-            draft = load_model(reference)
+            draft = load_model(reference, dequantize=self.weights.dequantize)
             check_same_vocabulary(
                 self.entry.target, self.loaded.tokenizer, reference, draft.tokenizer
             )
@@ -175,6 +185,13 @@ class Runtime:
         return DraftModel(model, config.name, config.options["k_max"], cost_hint=cost_hint)
 
 
+def target_weights(entry: ModelEntry) -> WeightsChoice:
+    """The form the entry's target (and its draft models) load in (`--weights`)."""
+    return resolve_weights(entry.defaults.weights, entry.target)
+
+
 def open_runtime(entry: ModelEntry, notify: Callable[[str], None] = lambda _: None) -> Runtime:
-    notify(f"loading {entry.name} ({entry.target})")
-    return Runtime(entry, load_model(entry.target), notify)
+    weights = target_weights(entry)
+    notify(f"loading {entry.name} ({entry.target}), weights {weights.form}")
+    loaded = load_model(entry.target, dequantize=weights.dequantize)
+    return Runtime(entry, loaded, notify, weights)

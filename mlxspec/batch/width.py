@@ -182,7 +182,9 @@ def pass_grid_for(engine: RoundOwner) -> PassGrid | None:
         engine.notify(ProgressNote("measured batched pass costs", 1, 1))
         return grid
 
-    key = calibration_key(engine.name, "batch pass grid v2")  # v1 grids lifted outliers
+    key = calibration_key(
+        engine.name, engine.weights["held"], "batch pass grid v2"
+    )  # v1 grids lifted outliers
     return cached_verify_cost(key, measure, load=PassGrid.from_json)
 
 

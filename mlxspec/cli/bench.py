@@ -12,7 +12,7 @@ import click
 # Only the suite names, for --help; the bench itself is imported when it runs.
 from mlxspec.bench.suites import SUITES
 from mlxspec.cli.errors import fail_cleanly
-from mlxspec.cli.options import model_option
+from mlxspec.cli.options import WEIGHTS_OPTION, model_option
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
 from mlxspec.registry import load_registry
@@ -98,6 +98,7 @@ from mlxspec.registry import load_registry
     help="With --concurrency: the batched proposer rows at this serve --row-floor "
     "(default: serve's, 0.95). Repeatable, to compare floors in one run.",
 )
+@WEIGHTS_OPTION
 @distributed_options
 @fail_cleanly
 def bench(
@@ -115,6 +116,7 @@ def bench(
     tree,
     concurrency,
     row_floors,
+    weights,
 ):
     """Side by side, same prompts, greedy: mlx-lm, mlx-lm's speculative decoding, mlxspec.
 
@@ -151,7 +153,7 @@ def bench(
     def progress(index, total, prompt, method):
         notify(f"[{index + 1}/{total}] {prompt.id} ({prompt.kind}): {method.name}")
 
-    entry = load_registry().including(model).get(model)
+    entry = load_registry().including(model).with_defaults(weights=weights).get(model)
     warn_if_slow_blas()
     if row_floors and not concurrency:
         raise click.UsageError("--row-floor goes with --concurrency")

@@ -8,7 +8,13 @@ from functools import partial
 import click
 
 from mlxspec.cli.errors import fail_cleanly
-from mlxspec.cli.options import NO_HISTORY_OPTION, PROPOSER_OPTION, TREE_OPTION, model_option
+from mlxspec.cli.options import (
+    NO_HISTORY_OPTION,
+    PROPOSER_OPTION,
+    TREE_OPTION,
+    WEIGHTS_OPTION,
+    model_option,
+)
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.options import distributed_options
@@ -26,9 +32,10 @@ from mlxspec.registry import load_registry
 )
 @TREE_OPTION
 @NO_HISTORY_OPTION
+@WEIGHTS_OPTION
 @distributed_options
 @fail_cleanly
-def chat(model, proposer, plain, color, tree, no_history):
+def chat(model, proposer, plain, color, tree, no_history, weights):
     """Chat with a model and watch speculation at work.
 
     Accepted drafts are coloured as they stream in; the status bar shows the proposer,
@@ -46,7 +53,7 @@ def chat(model, proposer, plain, color, tree, no_history):
     registry = (
         load_registry()
         .including(model)
-        .with_defaults(tree=tree, history=False if no_history else None)
+        .with_defaults(tree=tree, history=False if no_history else None, weights=weights)
     )
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights

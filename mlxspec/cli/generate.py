@@ -12,6 +12,7 @@ from mlxspec.cli.options import (
     NO_HISTORY_OPTION,
     PROPOSER_OPTION,
     TREE_OPTION,
+    WEIGHTS_OPTION,
     model_option,
     sampling_options,
 )
@@ -38,6 +39,7 @@ from mlxspec.registry import load_registry
     "--color/--no-color", default=None, help="Colour accepted drafts (default: on a TTY)."
 )
 @NO_HISTORY_OPTION
+@WEIGHTS_OPTION
 @distributed_options
 @fail_cleanly
 def generate(
@@ -56,6 +58,7 @@ def generate(
     as_json,
     color,
     no_history,
+    weights,
 ):
     """Generate an answer to PROMPT ('-' reads stdin), streaming it to stdout.
 
@@ -76,7 +79,7 @@ def generate(
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
     warn_if_slow_blas()
-    entry = load_registry().including(model).get(model)
+    entry = load_registry().including(model).with_defaults(weights=weights).get(model)
     defaults = entry.defaults
     proposer_name = entry.proposer(proposer)  # validate before loading weights
     rank = current_rank()  # None unless launched with --ranks/--hostfile

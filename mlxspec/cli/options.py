@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import click
 
+from mlxspec.weights import CHOICES as WEIGHT_CHOICES
+from mlxspec.weights import ENV_VAR as WEIGHTS_ENV
+
 MODEL_HELP = (
     "A models.toml entry (`mlxspec models`), a hub repo id (owner/name) or a local "
     "mlx-lm folder or .gguf file (default: the registry's default)."
@@ -30,6 +33,14 @@ NO_HISTORY_OPTION = click.option(
     "--no-history",
     is_flag=True,
     help="Neither read nor add to the model's history of earlier requests (suffix decoding).",
+)
+
+WEIGHTS_OPTION = click.option(
+    "--weights",
+    type=click.Choice(WEIGHT_CHOICES),
+    envvar=WEIGHTS_ENV,
+    help="quantized: keep the weights as stored (what Metal runs); dequantized: float32; "
+    "auto: by device (env: MLXSPEC_WEIGHTS; default: the model's `weights`, else auto).",
 )
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from mlxspec.cli.errors import fail_cleanly
-from mlxspec.cli.options import MODEL_HELP, TREE_OPTION, model_option
+from mlxspec.cli.options import MODEL_HELP, TREE_OPTION, WEIGHTS_OPTION, model_option
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
 from mlxspec.registry import load_registry
@@ -62,10 +62,21 @@ ROW_FLOOR_OPTION = click.option(
     "(default: 75% of the device's memory less the weights; 0: no bound).",
 )
 @TREE_OPTION
+@WEIGHTS_OPTION
 @distributed_options
 @fail_cleanly
 def serve(
-    model, host, port, api_key, max_waiting, max_tokens_limit, max_batch, row_floor, kv_memory, tree
+    model,
+    host,
+    port,
+    api_key,
+    max_waiting,
+    max_tokens_limit,
+    max_batch,
+    row_floor,
+    kv_memory,
+    tree,
+    weights,
 ):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
@@ -93,7 +104,7 @@ def serve(
         run_server,
     )
 
-    registry = load_registry().including(model).with_defaults(tree=tree)
+    registry = load_registry().including(model).with_defaults(tree=tree, weights=weights)
     max_batch = max_batch or DEFAULT_MAX_BATCH
     rank = current_rank()  # None unless launched with --ranks/--hostfile
     if rank is None:

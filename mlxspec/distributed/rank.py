@@ -154,7 +154,7 @@ class RankSession:
         Runtime whose engine keeps every rank in step. `calibrate`: agree on the verify
         cost now, on every rank (the chat does it while "loading" shows)."""
         from mlxspec.loading import load_model
-        from mlxspec.runtime import Runtime
+        from mlxspec.runtime import Runtime, target_weights
 
         notify = self.notify(say)
         notify(
@@ -165,7 +165,10 @@ class RankSession:
         mx.reset_peak_memory()
         # Split before any weight is read: each rank reads (and dequantizes) its slices only.
         split = partial(shard, group=self.group, parallel=self.config.parallel)
-        loaded = load_model(entry.target, progress=self.front, shard=split)
+        weights = target_weights(entry)
+        loaded = load_model(
+            entry.target, progress=self.front, dequantize=weights.dequantize, shard=split
+        )
         mine = fingerprint(loaded.path)
         if self._fault.get("weights") is not None:
             mine ^= 1
@@ -191,17 +194,21 @@ class RankSession:
         if width:
             self.allreduce_seconds = self.collectives.allreduce_latency(width)
         self.allreduces = allreduces_per_forward(loaded.model, self.config.parallel)
-        runtime = Runtime(entry, loaded, notify)
+        runtime = Runtime(entry, loaded, notify, weights)
         # No history store (suffix decoding drafts from the request only): each host keeps
         # its own history, and a proposer reading it would draft differently on each rank,
         # while every rank must verify the same tokens.
-        engine = RankEngine(loaded.model, loaded.tokenizer, entry.name, notify=notify)
+        engine = RankEngine(
+            loaded.model, loaded.tokenizer, entry.name, notify=notify, weights=weights
+        )
         engine.collectives = self.collectives
         # Costs are measured by all ranks together (`verify_cost`); a batch's pass grid is
         # not (it would be rank 0's passes alone): its passes are priced from that curve.
         engine.measures_costs = False
         engine.cost_key = calibration_key(
-            entry.name, rank_setup(self.config.parallel, self.size, self.config.backend)
+            entry.name,
+            engine.weights["held"],
+            rank_setup(self.config.parallel, self.size, self.config.backend),
         )
         # Tree shapes are pruned by each rank's own cost estimates, which may differ.
         engine.target.refuse_trees("a sharded target verifies lines only, for now")
