@@ -16,6 +16,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
+from mlxspec.device import tf32_matmuls
+
 # Logit margin under which greedy choices are not guaranteed to match plain decoding: a
 # batched verify (and a cache filled by one) rounds differently from one-token steps, by
 # ~1e-5 on the models measured (tests/test_lossless.py keeps it 10x below this bound).
@@ -26,6 +28,14 @@ NEAR_TIE = 1e-3
 # larger logit; 1-2 ulps each). At logit 30 that is 7e-6 in fp32, so fp32 keeps NEAR_TIE,
 # and 0.47 in bf16 (whose ulp there is 0.125). Not measured on Metal: no Mac here.
 NEAR_TIE_EPS = 2
+# Where float32 GEMMs run as TF32 (MLX's CUDA backend unless MLX_ENABLE_TF32=0,
+# device.tf32_matmuls), a verify's GEMM inputs keep 10 mantissa bits while a one-token
+# step's GEMV keeps 23. Rounding the batched pass's GEMM inputs to TF32 on the CPU
+# (tests/tf32.py) moved the tiny test models' logits by up to 0.96 TF32 epsilons of the
+# top logit (0.02 at logit 24): 16 epsilons keeps that 10x below the bound, as NEAR_TIE
+# does for float32 (1.6% of the top logit: about 0.4 at logit 25).
+TF32_EPS = 2.0**-10
+TF32_NEAR_TIE_EPS = 16
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class TokenScorer:
 
     def __init__(self, settings: SamplingSettings):
         self.settings = settings
+        self.tf32 = tf32_matmuls()  # a verify's GEMMs round coarser: a wider near tie
         self.processors = make_logits_processors(
             repetition_penalty=settings.repetition_penalty,
             repetition_context_size=settings.repetition_context_size,
@@ -105,7 +116,7 @@ class TokenScorer:
         """How many of `rows` have their best two logits within `near_tie_bound`: there
         rounding alone may make speculation pick another token than plain decoding."""
         top2 = mx.topk(processed[mx.array(rows)], 2, axis=-1)
-        bound = near_tie_bound(top2, processed.dtype)
+        bound = near_tie_bound(top2, processed.dtype, self.tf32)
         return int(mx.sum(mx.abs(top2[:, 1] - top2[:, 0]) < bound).item())
 
     def probabilities(self, processed: mx.array) -> mx.array:
@@ -120,11 +131,14 @@ class TokenScorer:
         return mx.softmax(logprobs * (1.0 / self.settings.temperature), axis=-1)
 
 
-def near_tie_bound(top: mx.array, dtype: mx.Dtype) -> mx.array:
+def near_tie_bound(top: mx.array, dtype: mx.Dtype, tf32: bool = False) -> mx.array:
     """The logit gap below which a batched verify and one-token steps may disagree: NEAR_TIE
     (measured on fp32), or NEAR_TIE_EPS epsilons of the larger logit where the logits' own
-    precision is coarser than that (half precision)."""
+    precision is coarser than that (half precision), or TF32_NEAR_TIE_EPS TF32 epsilons
+    where float32 GEMMs run as TF32 (`tf32`)."""
     scale = mx.abs(top.astype(mx.float32)).max(axis=-1)
+    if tf32 and dtype == mx.float32:
+        return mx.maximum(NEAR_TIE, TF32_NEAR_TIE_EPS * TF32_EPS * scale)
     return mx.maximum(NEAR_TIE, NEAR_TIE_EPS * mx.finfo(dtype).eps * scale)
 
 

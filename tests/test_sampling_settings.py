@@ -18,7 +18,6 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 import pytest
-from lossless import NEAR_TIE
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from test_lossless import CPU_LIKE_COST, prompts_for
@@ -38,7 +37,7 @@ from mlxspec.proposers import (
     Situation,
     truncated_model,
 )
-from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample, sample_from
+from mlxspec.sampling import NEAR_TIE, SamplingSettings, TokenScorer, rejection_sample, sample_from
 
 EOS = set(byte_tokenizer().eos_token_ids)
 
