@@ -400,7 +400,8 @@ def seed_flat_calibration(root: Path, model: str, ranks: int) -> None:
     from mlxspec.distributed.rank import rank_setup
     from mlxspec.policy import VerifyCost, calibration_key
 
-    key = calibration_key(model, rank_setup("tensor", ranks, "ring"))
+    # The tiny targets are float32 folders, loaded as float32 on the CPU.
+    key = calibration_key(model, "float32", rank_setup("tensor", ranks, "ring"))
     flat = VerifyCost({1: 1.0, 64: 1.0}, step_seconds=0.01)
     (root / "cache").mkdir(exist_ok=True)
     (root / "cache" / "calibration.json").write_text(json.dumps({key: flat.to_json()}))
