@@ -194,6 +194,7 @@ def test_the_tf32_bound_holds_where_a_verify_rounds_like_tf32(monkeypatch):
     no longer holds them, the TF32 one does, 10x over; and a greedy run whose choice flipped
     at such a gap (an H100 showed it on gemma3_text) is a tolerated, flagged near tie."""
     emulate_tf32(monkeypatch)
+    monkeypatch.setattr(lossless, "tolerated_in_session", [])  # this one is made on purpose
     worst = max(verify_rounding(family) for family in FAMILIES)
     print(f"TF32: max |batched - single-step| logit difference: {worst:.2e} of the bound")
     assert worst * 10 < 1
