@@ -17,14 +17,13 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.anatomy import split_decoder
 from mlxspec.drafter.data import DataStore, Shard, teacher_hidden
-from mlxspec.drafter.formats import convert_published
+from mlxspec.drafter.formats import convert_published, load_head
 from mlxspec.drafter.head import (
     HeadError,
     HeadSpec,
     build_head,
     head_cache,
     lm_rows,
-    load_head,
     save_head,
 )
 from mlxspec.drafter.train import (
