@@ -470,8 +470,12 @@ def test_published_layouts_map_into_the_head(layout, tmp_path):
     if layout == "eagle-1":
         assert "input_layernorm" not in mine and "input_layernorm.weight" not in mine
 
-    # The fusion in front of the block, written out by hand from the raw weights.
-    h, e = mx.random.normal((1, 3, 64)), mx.random.normal((1, 3, 64))
+    # The fusion in front of the block, written out by hand from the raw weights; vLLM's
+    # MTP layers read zeros for the embedding at position 0.
+    h, given = mx.random.normal((1, 3, 64)), mx.random.normal((1, 3, 64))
+    e = given
+    if layout != "eagle-1":
+        e = mx.concatenate([mx.zeros((1, 1, 64)), e[:, 1:]], axis=1)
     if layout == "eagle-1":
         fused = mx.concatenate([e, h], -1) @ weights["fc.weight"].T + weights["fc.bias"]
     else:
@@ -488,10 +492,10 @@ def test_published_layouts_map_into_the_head(layout, tmp_path):
         parts = [e_n, h_n] if layout == "deepseek-mtp" else [h_n, e_n]
         fused = mx.concatenate(parts, -1) @ weights[f"{p}{names[2]}.weight"].T
     expected = head.block(fused, "causal")
-    assert mx.allclose(head(h, e, "causal"), expected, atol=1e-4)
+    assert mx.allclose(head(h, given, "causal"), expected, atol=1e-4)
 
     # Draft logits: MTP normalises and may use its own LM head; EAGLE-1 the target's.
-    g = head(h, e, "causal")
+    g = head(h, given, "causal")
     rows = lm_rows(decoder, head.vocab)
     if layout == "deepseek-mtp":
         ref = (

@@ -206,14 +206,20 @@ def _layouts(model: nn.Module) -> list[Layout]:
             f"model.layers.{n}.",
             f"model.layers.{n}.",
             deepseek,
-            {**mtp, "block_layer": n},
+            {**mtp, "block_layer": n, "zero_first_embedding": True},
         ),
         Layout(
             "mimo-mtp",
             "model.mtp_layers.0.",
             "model.mtp_layers.0.",
             mimo,
-            {**mtp, "embedding_first": False, "feed_normed": True, "prenorm_input": True},
+            {
+                **mtp,
+                "embedding_first": False,
+                "feed_normed": True,
+                "prenorm_input": True,
+                "zero_first_embedding": True,
+            },
         ),
         Layout(
             "qwen3-next-mtp",
@@ -239,12 +245,23 @@ def _misfit(err: Exception, model: nn.Module, layout: Layout) -> str:
     return " ".join(str(err).split())
 
 
-def _later_mtp_layers(layout: Layout, names) -> list[str]:
-    """The tensors of MTP layers after the first, which mlxspec does not use: every
-    draft step runs the first (vLLM's MiMo MTP drafts one step; DeepSeek's cycles)."""
+def _not_the_heads(layout: Layout, names, model: nn.Module) -> list[str]:
+    """Tensors of an MTP checkpoint folder that are not the head's but harmless: the
+    target's own (a whole checkpoint rather than `pull --mtp`'s extract) and the MTP
+    layers after the first, which mlxspec does not use (every draft step runs the
+    first; vLLM's MiMo MTP drafts one step, its DeepSeek MTP cycles through them)."""
     stem, _, index = layout.block.rstrip(".").rpartition(".")
     later = re.compile(rf"^{re.escape(stem)}\.(\d+)\.")
-    return [n for n in names if (m := later.match(n)) and int(m.group(1)) > int(index)]
+    target = re.compile(r"^(model\.(layers\.(\d+)\.|embed_tokens\.|norm\.)|lm_head\.)")
+    n = len(model.layers)
+
+    def skipped(name: str) -> bool:
+        if (m := later.match(name)) and int(m.group(1)) > int(index):
+            return True
+        m = target.match(name)
+        return bool(m) and (m.group(3) is None or int(m.group(3)) < n)
+
+    return [name for name in names if skipped(name)]
 
 
 def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
@@ -285,8 +302,8 @@ def convert_published(
         if f"{layout.prefix}{next(iter(layout.renames))}weight" not in weights:
             continue
         triples = _split(weights, layout.prefix, layout.block, layout.renames)
-        later = _later_mtp_layers(layout, weights) if layout.name != "eagle-1" else []
-        _check_folder(directory, layout.name, weights, [t[2] for t in triples], later)
+        skipped = [] if layout.name == "eagle-1" else _not_the_heads(layout, weights, model)
+        _check_folder(directory, layout.name, weights, [t[2] for t in triples], skipped)
         pairs = [(name, value) for name, value, _ in triples]
         own_head = any(k.startswith("lm_head.") for k, _ in pairs)
         d, vocab_size = decoder.width, decoder.embed.weight.shape[0]

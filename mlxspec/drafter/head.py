@@ -52,6 +52,9 @@ class HeadSpec:
     feed_normed: bool = False  # later draft steps read norm(g) instead of g (our heads)
     # h is the last layer's output before the target's final norm (MiMo), not after it.
     prenorm_input: bool = False
+    # The embedding at sequence position 0 reads as zeros (vLLM's deepseek_mtp and
+    # mimo_mtp: "masking inputs at position 0, as not needed by MTP").
+    zero_first_embedding: bool = False
     layers: int = 1  # decoder layers after the fusion (published heads have one)
     # The target layer index the block is built as (None: its last attention layer).
     # DeepSeek-V3 / GLM-4.5 MTP layers are layer N of an N-layer target, and their
@@ -201,6 +204,8 @@ class DraftHead(nn.Module):
 
     def __call__(self, hidden: mx.array, embeds: mx.array, mask: Any = None, cache=None):
         """g (B, L, d) from hidden states h (B, L, d) and next-token embeddings (B, L, d)."""
+        if self.spec.zero_first_embedding and _first_position(cache) == 0:
+            embeds = mx.concatenate([mx.zeros_like(embeds[:, :1]), embeds[:, 1:]], axis=1)
         if self.spec.input_norms:
             embeds, hidden = self.enorm(embeds), self.hnorm(hidden)
         parts = [embeds, hidden] if self.spec.embedding_first else [hidden, embeds]
@@ -224,6 +229,13 @@ class DraftHead(nn.Module):
         if self.spec.own_lm_head:
             return self.lm_head(g)
         return g @ rows.T
+
+
+def _first_position(cache) -> int | None:
+    """The sequence position of the rows a head call takes in (its cache's offset; 0
+    without a cache); None where the cache holds a position per row."""
+    offset = 0 if cache is None else cache.offset
+    return offset if isinstance(offset, int) else None
 
 
 def save_head(head: DraftHead, directory: Path, dtype=mx.float16) -> None:
