@@ -139,7 +139,7 @@ def test_an_eagle3_checkpoint_maps_onto_the_published_forward_pass(target, tmp_p
     assert head.spec.source_format == "eagle-3" and head.target_layers == CAPTURED
     assert head.vocab.tolist() == w["used"].tolist()  # draft id i -> target id i + d2t[i]
 
-    tokens = [random.Random(3).randrange(256) for _ in range(12)]
+    tokens = random.Random(3).choices(range(256), k=12)
     rows = decoder.hidden(mx.array([tokens]), [None] * LAYERS, capture=head.target_layers)
     assert rows.shape == (1, 12, 4 * D)
     states = captured_states(model, tokens)
@@ -160,7 +160,7 @@ def test_eagle3_drafts_feed_back_the_pre_norm_output(target, tmp_path):
     w = eagle3_checkpoint(tmp_path)
     engine = Engine(model, byte_tokenizer(), "tiny")
     proposer = HeadProposer(convert_published(tmp_path, model, decoder), engine.target)
-    prompt = [random.Random(5).randrange(256) for _ in range(10)]
+    prompt = random.Random(5).choices(range(256), k=10)
     _, hidden = engine.target.prepare(prompt, capture=proposer.target_layers)
     ctx = ProposalContext(prompt, TokenScorer(SamplingSettings()), None, engine.target, hidden)
     assert proposer.situation(ctx) is not None

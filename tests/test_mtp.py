@@ -748,7 +748,7 @@ def test_mimo_mtp_drafts_what_vllms_mimo_mtp_computes(tmp_path):
     decoder = split_decoder(model)
     head = convert_published(tmp_path, model, decoder)
 
-    tokens = [random.Random(12).randrange(256) for _ in range(9)]
+    tokens = random.Random(12).choices(range(256), k=9)
     h = model.model.embed_tokens(mx.array([tokens[:-1]]))
     for layer in model.model.layers:  # MiMoModel.forward: the stream before model.norm
         h = layer(h, "causal")
