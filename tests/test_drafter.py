@@ -509,6 +509,34 @@ def test_published_layouts_map_into_the_head(layout, tmp_path):
     assert mx.allclose(head.logits(g, rows), ref, atol=1e-3)
 
 
+BLOCK_PREFIX = {
+    "eagle-1": "layers.0.",
+    "deepseek-mtp": "model.layers.3.",
+    "mimo-mtp": "model.mtp_layers.0.",
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("extra", ["tensor", "flag"])
+def test_a_published_tensor_or_flag_mlxspec_does_not_read_is_named(layout, extra, tmp_path):
+    """One extra tensor (an attention sink) or one config field mlxspec does not act on
+    is refused in one line naming it, where the loader used to drop it silently."""
+    model = tiny_model("llama", seed=1)
+    mx.random.seed(7)
+    weights = LAYOUTS[layout](model)
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3}
+    if extra == "tensor":
+        weights[BLOCK_PREFIX[layout] + "self_attn.sinks"] = mx.zeros((4,))
+    else:
+        config["attention_sink_bias"] = True
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    named = "self_attn.sinks" if extra == "tensor" else "attention_sink_bias"
+    with pytest.raises(HeadError, match=named) as err:
+        convert_published(tmp_path, model, split_decoder(model))
+    assert "\n" not in str(err.value)
+
+
 def test_unknown_checkpoints_get_a_clear_refusal(tmp_path):
     model = tiny_model("llama", seed=1)
     decoder = split_decoder(model)
