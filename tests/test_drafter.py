@@ -509,6 +509,26 @@ def test_published_layouts_map_into_the_head(layout, tmp_path):
     assert mx.allclose(head.logits(g, rows), ref, atol=1e-3)
 
 
+VICUNA_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 2048,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 1,
+    "pad_token_id": 0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "transformers_version": "4.28.1",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
 BLOCK_PREFIX = {
     "eagle-1": "layers.0.",
     "deepseek-mtp": "model.layers.3.",
@@ -524,7 +544,13 @@ def test_a_published_tensor_or_flag_mlxspec_does_not_read_is_named(layout, extra
     model = tiny_model("llama", seed=1)
     mx.random.seed(7)
     weights = LAYOUTS[layout](model)
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3}
+    # EAGLE-1: SafeAILab's Vicuna-7B config (SafeAILab/EAGLE @ cb7e084,
+    # eagle/train/vicuna_7B_config.json), sizes shrunk; MTP: what `pull --mtp` keeps.
+    config = (
+        VICUNA_7B | {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+        if layout == "eagle-1"
+        else {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3}
+    ) | {"vocab_size": VOCAB}
     if extra == "tensor":
         weights[BLOCK_PREFIX[layout] + "self_attn.sinks"] = mx.zeros((4,))
     else:

@@ -12,7 +12,7 @@ layer config's `model_type` is qwen3) and MLP, the attention widened to read 2d;
 cache and RoPE are ordinary ones, so draft trees work unchanged.
 
 Three config layouts, as their references read them:
-- SafeAILab (EAGLE `model/cnets.py`): a flat llama config with `draft_vocab_size`.
+- SafeAILab (EAGLE `eagle/traineagle3/cnets.py`): a flat llama config, `draft_vocab_size`.
 - SpecForge/SGLang: the same, with `eagle_config.eagle_aux_hidden_state_layer_ids`, the
   captured layers' OUTPUTS (SpecForge `model_providers.resolve_eagle_capture_layers`:
   default [1, N//2 - 1, N - 4], the layers entering 2, N//2, N-3).
