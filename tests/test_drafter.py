@@ -539,8 +539,8 @@ BLOCK_PREFIX = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("extra", ["tensor", "flag"])
 def test_a_published_tensor_or_flag_mlxspec_does_not_read_is_named(layout, extra, tmp_path):
-    """One extra tensor (an attention sink) or one config field mlxspec does not act on
-    is refused in one line naming it, where the loader used to drop it silently."""
+    """One extra tensor (a norm the layout does not have) or one config field mlxspec does
+    not act on is refused in one line naming it, where the loader used to drop both."""
     model = tiny_model("llama", seed=1)
     mx.random.seed(7)
     weights = LAYOUTS[layout](model)
@@ -552,12 +552,12 @@ def test_a_published_tensor_or_flag_mlxspec_does_not_read_is_named(layout, extra
         else {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3}
     ) | {"vocab_size": VOCAB}
     if extra == "tensor":
-        weights[BLOCK_PREFIX[layout] + "self_attn.sinks"] = mx.zeros((4,))
+        weights[BLOCK_PREFIX[layout] + "extra_norm.weight"] = mx.ones((64,))
     else:
         config["attention_sink_bias"] = True
     mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    named = "self_attn.sinks" if extra == "tensor" else "attention_sink_bias"
+    named = "extra_norm.weight" if extra == "tensor" else "attention_sink_bias"
     with pytest.raises(HeadError, match=named) as err:
         convert_published(tmp_path, model, split_decoder(model))
     assert "\n" not in str(err.value)
