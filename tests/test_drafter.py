@@ -563,6 +563,18 @@ def test_a_published_tensor_or_flag_mlxspec_does_not_read_is_named(layout, extra
     assert "\n" not in str(err.value)
 
 
+def test_a_whole_checkpoints_own_tensors_are_named_in_one_warning(tmp_path, caplog):
+    """A folder holding the target's own layers beside the MTP layer (a whole checkpoint,
+    not `pull --mtp`'s extract): they are not the head's, and a one-line warning says so."""
+    model = tiny_model("llama", seed=1)
+    mx.random.seed(7)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), LAYOUTS["deepseek-mtp"](model))
+    with caplog.at_level("WARNING", logger="mlxspec.drafter"):
+        convert_published(tmp_path, model, split_decoder(model))
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "not used (harmless): model.layers.0.mlp.up_proj.weight" in line and "\n" not in line
+
+
 def test_unknown_checkpoints_get_a_clear_refusal(tmp_path):
     model = tiny_model("llama", seed=1)
     decoder = split_decoder(model)

@@ -9,9 +9,10 @@ harmless (a one-line warning names what is skipped), or an error naming it.
 from __future__ import annotations
 
 import fnmatch
-import warnings
+import logging
 from collections.abc import Iterable
 
+log = logging.getLogger("mlxspec.drafter")
 # Fields every Hugging Face config may carry that say nothing about the forward pass.
 HF_METADATA = frozenset(
     {
@@ -60,7 +61,7 @@ def unread_tensors(
     if unknown:
         return f"{what} has {len(unknown)} tensor(s) mlxspec does not read: {_listed(unknown)}"
     if skipped:
-        warnings.warn(f"{what}: not used (harmless): {_listed(skipped)}", stacklevel=3)
+        log.warning("%s: not used (harmless): %s", what, _listed(skipped))
     return None
 
 
