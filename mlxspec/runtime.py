@@ -14,7 +14,8 @@ from mlx.utils import tree_flatten
 from mlxspec.anatomy import UnsupportedModel
 from mlxspec.drafter.block import BLOCK_PATTERNS, load_block_drafter
 from mlxspec.drafter.exit import EXIT_PATTERNS, load_exit
-from mlxspec.drafter.head import HEAD_PATTERNS, HeadError, load_head
+from mlxspec.drafter.formats import load_head
+from mlxspec.drafter.head import HEAD_PATTERNS, HeadError
 from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
 from mlxspec.drafter.mtp_pull import mtp_folder
 from mlxspec.engine import Engine

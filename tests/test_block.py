@@ -48,6 +48,7 @@ MASK = 0  # a byte the prompts below never use
 # (index N-1), DSpark the embedding output (-1): both ends of the capture path.
 DFLASH_IDS, DSPARK_IDS = [0, 2], [-1, 1]
 DFLASH_BLOCK, DSPARK_BLOCK, MARKOV_RANK = 5, 4, 64
+DFLASH_CONFIG = {"mask_token_id": MASK, "target_layer_ids": DFLASH_IDS}
 
 
 def _normal(*shape, scale=0.2):
@@ -198,7 +199,7 @@ def drafter_layer(
 ):
     """Layer i over the block x (1, B, D) at positions start.., keys and values from
     [context, block] at positions 0..: every query sees everything, or with a `window`
-    (a sliding layer, causal by default: z-lab's _attention_mask) the keys less than
+    (a sliding layer, causal by default: SpecForge's create_dflash_sdpa_mask) the keys less than
     `window` before it and no later block slot."""
     p, b, c = f"layers.{i}.", x.shape[1], context.shape[1]
     normed = rms(x, w[p + "input_layernorm.weight"])
@@ -283,7 +284,7 @@ def test_a_published_checkpoint_drafts_what_the_reference_forward_pass_drafts(
     engine = Engine(model, byte_tokenizer(), "tiny")
     proposer = block_proposer(engine, tmp_path)
     assert proposer.k_max == (DFLASH_BLOCK - 1 if fmt == "dflash" else DSPARK_BLOCK)
-    sequence = [random.Random(1).randrange(1, 256) for _ in range(11)]
+    sequence = random.Random(1).choices(range(1, 256), k=11)
     ctx = greedy_ctx(engine, sequence, proposer.target_layers)
     assert proposer.situation(ctx) is not None
     expected = reference_drafts(fmt, w, model, sequence)
@@ -308,7 +309,7 @@ def test_a_dspark_tree_offers_each_node_the_top_tokens_of_its_own_markov_row(tar
     w = dspark_checkpoint(tmp_path)
     engine = Engine(model, byte_tokenizer(), "tiny")
     proposer = block_proposer(engine, tmp_path)
-    sequence = [random.Random(2).randrange(1, 256) for _ in range(9)]
+    sequence = random.Random(2).choices(range(1, 256), k=9)
     ctx = greedy_ctx(engine, sequence, proposer.target_layers)
     proposer.situation(ctx)
     tree = proposer.propose_tree(ctx, 3, 20)
@@ -459,12 +460,32 @@ def test_sampled_block_drafts_leave_every_token_distributed_as_the_target(tmp_pa
         ("dflash", {"architectures": ["DFlash2DraftModel"]}, ["DFlash2"]),
         ("dspark", {"markov_head_type": "rnn"}, ["'rnn'"]),
         ("dspark", {"model_type": "gemma4_text"}, ["Gemma-style dspark"]),
+        # What the loader does not read is named, never dropped (vLLM's qwen3_dflash
+        # options included: sliding-window block decoding, attention sinks).
+        ("dflash", {"extra": "layers.0.self_attn.sinks"}, ["does not read", "self_attn.sinks"]),
+        ("dspark", {"extra": "layers.1.self_attn.sinks"}, ["does not read", "self_attn.sinks"]),
+        ("dflash", {"logit_scale": 2.0}, ["logit_scale", "does not understand"]),
+        ("dspark", {"logit_scale": 2.0}, ["logit_scale", "does not understand"]),
+        ("dflash", {"dflash_config": DFLASH_CONFIG | {"new_flag": 1}}, ["new_flag"]),
+        (
+            "dflash",
+            {"dflash_config": DFLASH_CONFIG | {"use_swa": True, "swa_window_size": 2048}},
+            ["use_swa", "not supported"],
+        ),
+        (
+            "dflash",
+            {"dflash_config": DFLASH_CONFIG | {"attention_sink_bias": True}},
+            ["attention_sink_bias", "not supported"],
+        ),
     ],
 )
 def test_checkpoints_that_cannot_fit_get_one_line(fmt, change, needles, target, tmp_path):
     _, decoder = target
-    drop = change.pop("drop", "")
+    drop, extra = change.pop("drop", ""), change.pop("extra", "")
     WRITERS[fmt](tmp_path, drop=drop, **change)
+    if extra:
+        weights = mx.load(str(tmp_path / "model.safetensors"))
+        mx.save_safetensors(str(tmp_path / "model.safetensors"), weights | {extra: mx.zeros((4,))})
     with pytest.raises(BlockDrafterError) as error:
         load_block_drafter(tmp_path, decoder)
     message = str(error.value)
@@ -517,7 +538,7 @@ def test_sliding_layers_see_a_window_of_the_context_and_earlier_slots_only(targe
     w = dflash_checkpoint(tmp_path, **kinds)
     engine = Engine(model, byte_tokenizer(), "tiny")
     proposer = block_proposer(engine, tmp_path)
-    sequence = [random.Random(4).randrange(1, 256) for _ in range(10)]
+    sequence = random.Random(4).choices(range(1, 256), k=10)
     ctx = greedy_ctx(engine, sequence, proposer.target_layers)
     proposer.situation(ctx)
     expected = reference_logits("dflash", w, model, sequence, windows=(4, None))
@@ -598,7 +619,7 @@ def test_a_qwen35_dflash_drafter_reads_a_hybrid_target_and_stays_lossless(tmp_pa
     assert engine.target.strategy == "snapshot"
     proposer = block_proposer(engine, tmp_path)
     assert proposer.k_max == DFLASH_BLOCK - 1
-    sequence = [random.Random(5).randrange(1, 256) for _ in range(10)]
+    sequence = random.Random(5).choices(range(1, 256), k=10)
     ctx = greedy_ctx(engine, sequence, proposer.target_layers)
     assert proposer.situation(ctx) is not None
     expected = reference_logits("dflash", w, model, sequence, (4, None), QWEN35_THETA)
@@ -629,3 +650,83 @@ def test_a_qwen35_dflash_drafter_reads_a_hybrid_target_and_stays_lossless(tmp_pa
     record = run(tmp_path / "agrees", prompt, 3)
     assert 0 < record.accepted < record.drafted, (record.accepted, record.drafted)
     assert min(record.accepted_by_position) > 0  # whole blocks of 3 accepted too
+
+
+# SpecForge's DFlash config for Qwen3.6-27B (sgl-project/SpecForge @ a6b6b02,
+# configs/qwen3.6-27b-dflash.json), quoted whole; test_a_specforge_dflash_config_... shrinks
+# its sizes: two layers (a sliding one, the full last one), window 4, the tiny target's layers.
+SPECFORGE_QWEN36_27B = {
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "block_size": 16,
+    "bos_token_id": None,
+    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+    "dtype": "bfloat16",
+    "eos_token_id": 248044,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "initializer_range": 0.02,
+    "intermediate_size": 17408,
+    "layer_types": [
+        "sliding_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "sliding_attention",
+        "full_attention",
+    ],
+    "max_position_embeddings": 262144,
+    "max_window_layers": 5,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 64,
+    "pad_token_id": 248044,
+    "rms_norm_eps": 1e-06,
+    "sliding_window": 2048,
+    "tie_word_embeddings": False,
+    "transformers_version": "5.5.3",
+    "use_cache": True,
+    "use_sliding_window": True,
+    "vocab_size": 248320,
+    "rope_theta": 10000000,
+    "rope_scaling": None,
+}
+
+
+def test_a_specforge_dflash_config_drafts_as_the_reference(target, tmp_path):
+    """SpecForge's published Qwen3.6-27B drafter config, sizes shrunk, loads and drafts
+    the reference forward pass's law (sliding layer masked as SpecForge trains it,
+    RoPE at theta 1e7)."""
+    model, _ = target
+    mx.random.seed(13)
+    w = backbone(DFLASH_IDS)
+    config = SPECFORGE_QWEN36_27B | {
+        "block_size": DFLASH_BLOCK,
+        "dflash_config": {"mask_token_id": MASK, "target_layer_ids": DFLASH_IDS},
+        "head_dim": HEAD_DIM,
+        "hidden_size": D,
+        "intermediate_size": FFN,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "max_window_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": LAYERS,
+        "num_key_value_heads": KV_HEADS,
+        "num_target_layers": 3,
+        "sliding_window": 4,
+        "vocab_size": VOCAB,
+    }
+    save(tmp_path, w, config)
+    engine = Engine(model, byte_tokenizer(), "tiny")
+    proposer = block_proposer(engine, tmp_path)
+    sequence = random.Random(6).choices(range(1, 256), k=10)
+    ctx = greedy_ctx(engine, sequence, proposer.target_layers)
+    assert proposer.situation(ctx) is not None
+    expected = reference_logits("dflash", w, model, sequence, (4, None), 1e7)
+    sampled = replace(ctx, scorer=TokenScorer(SamplingSettings(temperature=1.0)))
+    rows = mx.array(np.asarray(proposer.propose(sampled, 4).probs))
+    law = mx.softmax(expected, axis=-1)
+    assert mx.allclose(rows, law, atol=1e-5), float((rows - law).abs().max())

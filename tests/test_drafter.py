@@ -17,14 +17,13 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.anatomy import split_decoder
 from mlxspec.drafter.data import DataStore, Shard, teacher_hidden
-from mlxspec.drafter.formats import convert_published
+from mlxspec.drafter.formats import convert_published, load_head
 from mlxspec.drafter.head import (
     HeadError,
     HeadSpec,
     build_head,
     head_cache,
     lm_rows,
-    load_head,
     save_head,
 )
 from mlxspec.drafter.train import (
@@ -471,8 +470,12 @@ def test_published_layouts_map_into_the_head(layout, tmp_path):
     if layout == "eagle-1":
         assert "input_layernorm" not in mine and "input_layernorm.weight" not in mine
 
-    # The fusion in front of the block, written out by hand from the raw weights.
-    h, e = mx.random.normal((1, 3, 64)), mx.random.normal((1, 3, 64))
+    # The fusion in front of the block, written out by hand from the raw weights; vLLM's
+    # MTP layers read zeros for the embedding at position 0.
+    h, given = mx.random.normal((1, 3, 64)), mx.random.normal((1, 3, 64))
+    e = given
+    if layout != "eagle-1":
+        e = mx.concatenate([mx.zeros((1, 1, 64)), e[:, 1:]], axis=1)
     if layout == "eagle-1":
         fused = mx.concatenate([e, h], -1) @ weights["fc.weight"].T + weights["fc.bias"]
     else:
@@ -489,10 +492,10 @@ def test_published_layouts_map_into_the_head(layout, tmp_path):
         parts = [e_n, h_n] if layout == "deepseek-mtp" else [h_n, e_n]
         fused = mx.concatenate(parts, -1) @ weights[f"{p}{names[2]}.weight"].T
     expected = head.block(fused, "causal")
-    assert mx.allclose(head(h, e, "causal"), expected, atol=1e-4)
+    assert mx.allclose(head(h, given, "causal"), expected, atol=1e-4)
 
     # Draft logits: MTP normalises and may use its own LM head; EAGLE-1 the target's.
-    g = head(h, e, "causal")
+    g = head(h, given, "causal")
     rows = lm_rows(decoder, head.vocab)
     if layout == "deepseek-mtp":
         ref = (
@@ -504,6 +507,72 @@ def test_published_layouts_map_into_the_head(layout, tmp_path):
     else:
         ref = g @ rows.T
     assert mx.allclose(head.logits(g, rows), ref, atol=1e-3)
+
+
+VICUNA_7B = {
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 2048,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 1,
+    "pad_token_id": 0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "transformers_version": "4.28.1",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+BLOCK_PREFIX = {
+    "eagle-1": "layers.0.",
+    "deepseek-mtp": "model.layers.3.",
+    "mimo-mtp": "model.mtp_layers.0.",
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("extra", ["tensor", "flag"])
+def test_a_published_tensor_or_flag_mlxspec_does_not_read_is_named(layout, extra, tmp_path):
+    """One extra tensor (a norm the layout does not have) or one config field mlxspec does
+    not act on is refused in one line naming it, where the loader used to drop both."""
+    model = tiny_model("llama", seed=1)
+    mx.random.seed(7)
+    weights = LAYOUTS[layout](model)
+    # EAGLE-1: SafeAILab's Vicuna-7B config (SafeAILab/EAGLE @ cb7e084,
+    # eagle/train/vicuna_7B_config.json), sizes shrunk; MTP: what `pull --mtp` keeps.
+    config = (
+        VICUNA_7B | {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+        if layout == "eagle-1"
+        else {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3}
+    ) | {"vocab_size": VOCAB}
+    if extra == "tensor":
+        weights[BLOCK_PREFIX[layout] + "extra_norm.weight"] = mx.ones((64,))
+    else:
+        config["attention_sink_bias"] = True
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    named = "extra_norm.weight" if extra == "tensor" else "attention_sink_bias"
+    with pytest.raises(HeadError, match=named) as err:
+        convert_published(tmp_path, model, split_decoder(model))
+    assert "\n" not in str(err.value)
+
+
+def test_a_whole_checkpoints_own_tensors_are_named_in_one_warning(tmp_path, caplog):
+    """A folder holding the target's own layers beside the MTP layer (a whole checkpoint,
+    not `pull --mtp`'s extract): they are not the head's, and a one-line warning says so."""
+    model = tiny_model("llama", seed=1)
+    mx.random.seed(7)
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), LAYOUTS["deepseek-mtp"](model))
+    with caplog.at_level("WARNING", logger="mlxspec.drafter"):
+        convert_published(tmp_path, model, split_decoder(model))
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "not used (harmless): model.layers.0.mlp.up_proj.weight" in line and "\n" not in line
 
 
 def test_unknown_checkpoints_get_a_clear_refusal(tmp_path):

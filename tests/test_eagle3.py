@@ -31,6 +31,32 @@ CAPTURED = (2, 4, 5)
 EOS = VOCAB - 1
 
 
+# SafeAILab's EAGLE-3 config for Llama-3.1-8B (SafeAILab/EAGLE @ cb7e084,
+# eagle/traineagle3/config.json), its sizes shrunk by eagle3_checkpoint.
+SAFEAILAB_LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 2048,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 1,
+    "pad_token_id": 0,
+    "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "transformers_version": "4.28.1",
+    "use_cache": True,
+    "vocab_size": 128256,
+    "draft_vocab_size": 32000,
+}
+
+
 def eagle3_checkpoint(folder, seed: int = 7, **config_changes) -> dict[str, mx.array]:
     """A random EAGLE-3 head for the tiny llama, saved as SafeAILab publishes it."""
     mx.random.seed(seed)
@@ -58,13 +84,11 @@ def eagle3_checkpoint(folder, seed: int = 7, **config_changes) -> dict[str, mx.a
         "t2d": mx.array([t in used for t in range(VOCAB)]),
     }
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
+    config = SAFEAILAB_LLAMA3_8B | {
         "hidden_size": D,
         "intermediate_size": FFN,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
-        "rms_norm_eps": 1e-5,
         "vocab_size": VOCAB,
         "draft_vocab_size": DRAFT_VOCAB,
         **config_changes,
@@ -139,7 +163,7 @@ def test_an_eagle3_checkpoint_maps_onto_the_published_forward_pass(target, tmp_p
     assert head.spec.source_format == "eagle-3" and head.target_layers == CAPTURED
     assert head.vocab.tolist() == w["used"].tolist()  # draft id i -> target id i + d2t[i]
 
-    tokens = [random.Random(3).randrange(256) for _ in range(12)]
+    tokens = random.Random(3).choices(range(256), k=12)
     rows = decoder.hidden(mx.array([tokens]), [None] * LAYERS, capture=head.target_layers)
     assert rows.shape == (1, 12, 4 * D)
     states = captured_states(model, tokens)
@@ -160,7 +184,7 @@ def test_eagle3_drafts_feed_back_the_pre_norm_output(target, tmp_path):
     w = eagle3_checkpoint(tmp_path)
     engine = Engine(model, byte_tokenizer(), "tiny")
     proposer = HeadProposer(convert_published(tmp_path, model, decoder), engine.target)
-    prompt = [random.Random(5).randrange(256) for _ in range(10)]
+    prompt = random.Random(5).choices(range(256), k=10)
     _, hidden = engine.target.prepare(prompt, capture=proposer.target_layers)
     ctx = ProposalContext(prompt, TokenScorer(SamplingSettings()), None, engine.target, hidden)
     assert proposer.situation(ctx) is not None

@@ -650,3 +650,127 @@ def test_the_mtp_layer_is_modelled_on_an_attention_layer_of_a_hybrid():
 def test_pull_mtp_from_a_gguf_says_so_at_once(hub, source):
     result = cli("pull", "tiny", "--mtp", "--from", source)
     assert result.exit_code != 0 and "keeps no MTP layer" in result.output, result.output
+
+
+# --- MiMo against its reference forward pass ---------------------------------------------
+
+# XiaomiMiMo/MiMo-7B-Base's config.json as quoted in NVIDIA-NeMo/Megatron-Bridge
+# tests/unit_tests/models/mimo/test_mimo_bridge.py (9cbb207), its sizes shrunk.
+MIMO_7B = {
+    "architectures": ["MiMoForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 32768,
+    "model_type": "mimo",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 640000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151680,
+}
+MIMO_TINY = MIMO_7B | {
+    "hidden_size": D,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+}
+
+
+def qwen2_layer(w: dict, x: mx.array, theta: float, heads: int, kv_heads: int) -> mx.array:
+    """vLLM's Qwen2DecoderLayer (MiMo's mtp_block) over x (1, L, d), causal, positions
+    0..L-1: q/k/v with biases, rotate-half RoPE, GQA, SiLU-gated MLP, both residuals."""
+    n, head_dim = x.shape[1], x.shape[2] // heads
+    normed = rms(x, w["input_layernorm.weight"], 1e-5)
+
+    def project(name, count, rope):
+        y = normed @ w[f"self_attn.{name}_proj.weight"].T + w[f"self_attn.{name}_proj.bias"]
+        y = y.reshape(1, n, count, head_dim).transpose(0, 2, 1, 3)
+        if not rope:
+            return y
+        angles = mx.arange(n)[:, None] * theta ** (-mx.arange(0, head_dim, 2) / head_dim)
+        cos, sin = (mx.concatenate([f(angles)] * 2, -1) for f in (mx.cos, mx.sin))
+        half = head_dim // 2
+        return y * cos + mx.concatenate([-y[..., half:], y[..., :half]], -1) * sin
+
+    q, k, v = project("q", heads, True), project("k", kv_heads, True), project("v", kv_heads, 0)
+    k, v = (mx.repeat(t, heads // kv_heads, axis=1) for t in (k, v))
+    future = mx.triu(mx.ones((n, n)), k=1) * -1e9
+    scores = mx.softmax(q @ k.transpose(0, 1, 3, 2) / head_dim**0.5 + future, axis=-1)
+    attended = (scores @ v).transpose(0, 2, 1, 3).reshape(1, n, heads * head_dim)
+    h = x + attended @ w["self_attn.o_proj.weight"].T
+    m = rms(h, w["post_attention_layernorm.weight"], 1e-5)
+    gate, up = m @ w["mlp.gate_proj.weight"].T, m @ w["mlp.up_proj.weight"].T
+    return h + (gate * mx.sigmoid(gate) * up) @ w["mlp.down_proj.weight"].T
+
+
+def rms(x, w, eps):
+    return x * mx.rsqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def test_mimo_mtp_drafts_what_vllms_mimo_mtp_computes(tmp_path):
+    """One draft step over a sequence, by vLLM's MiMoMultiTokenPredictorLayer.forward
+    (mimo_mtp.py @ 0bb55d6) written out by hand: it reads `MiMoModel.forward`'s output,
+    `hidden_states + residual` BEFORE the final norm (mimo.py @ 1b55f1e; the target's
+    norm weight is made uneven so that the normed state would differ after
+    hidden_layernorm), [hidden_layernorm(h), token_layernorm(e)] through input_proj, the
+    embedding zeroed at position 0, a Qwen2 layer, final_layernorm, the target's LM head."""
+    from mlx_lm.models import mimo
+
+    mx.random.seed(11)
+    model = mimo.Model(mimo.ModelArgs.from_dict(MIMO_TINY))
+    model.model.norm.weight = 1 + 0.5 * mx.random.normal((D,))
+    mx.eval(model.parameters())
+    p = "model.mtp_layers.0."
+    block, w = hf_block(model, p, zero_centred=False)
+    fusion = {
+        "input_proj.weight": 0.1 * mx.random.normal((D, 2 * D)),
+        "token_layernorm.weight": 1 + 0.2 * mx.random.normal((D,)),
+        "hidden_layernorm.weight": 1 + 0.2 * mx.random.normal((D,)),
+        "final_layernorm.weight": 1 + 0.2 * mx.random.normal((D,)),
+    }
+    mx.save_safetensors(
+        str(tmp_path / "model.safetensors"), {**block} | {p + k: v for k, v in fusion.items()}
+    )
+    kept = ("model_type", "hidden_size", "num_hidden_layers", "rms_norm_eps", "vocab_size")
+    pulled = {k: MIMO_TINY[k] for k in (*kept, "num_nextn_predict_layers")}
+    (tmp_path / "config.json").write_text(json.dumps(pulled | {"mtp_source": "mimo-7b"}))
+    decoder = split_decoder(model)
+    head = convert_published(tmp_path, model, decoder)
+
+    tokens = random.Random(12).choices(range(256), k=9)
+    h = model.model.embed_tokens(mx.array([tokens[:-1]]))
+    for layer in model.model.layers:  # MiMoModel.forward: the stream before model.norm
+        h = layer(h, "causal")
+    e = model.model.embed_tokens(mx.array([tokens[1:]]))
+    e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)  # positions == 0
+    x = (
+        mx.concatenate(
+            [
+                rms(h, fusion["hidden_layernorm.weight"], 1e-5),
+                rms(e, fusion["token_layernorm.weight"], 1e-5),
+            ],
+            axis=-1,
+        )
+        @ fusion["input_proj.weight"].T
+    )
+    x = qwen2_layer(w, x, MIMO_7B["rope_theta"], 4, 2)
+    expected = rms(x, fusion["final_layernorm.weight"], 1e-5) @ model.lm_head.weight.T
+
+    rows = decoder.hidden(mx.array([tokens[:-1]]), [None] * 2, capture=head.target_layers)
+    embeds = decoder.embed(mx.array([tokens[1:]]))
+    g = head(head.from_target(rows), embeds, "causal")
+    logits = head.logits(g, lm_rows(decoder, head.vocab))
+    assert mx.allclose(logits, expected, atol=1e-3, rtol=1e-3), float(
+        (logits - expected).abs().max()
+    )

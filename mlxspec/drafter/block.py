@@ -30,10 +30,50 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from mlxspec.anatomy import Decoder
+from mlxspec.drafter.strict import unknown_fields, unread_tensors
 
 CONFIG = "config.json"
 BLOCK_PATTERNS = ["*.json", "*.safetensors"]  # hub files of a published block drafter
 DFLASH, DSPARK = "dflash", "dspark"  # the formats (models.toml's `format`)
+# config.json fields read below (or checked to hold what mlxspec runs); the rest of a
+# published config must be Hugging Face metadata (`strict.HF_METADATA`).
+CONFIG_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "vocab_size",
+    "attention_bias",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "layer_types",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",  # Qwen3's default for layer_types, which the configs spell out
+    "is_causal",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "num_target_layers",  # the target's depth, checked through target_layer_ids
+    "dflash_config",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "num_anchors",  # DSpark training only
+    "mlxspec_training",  # our trainer's record
+)
+DFLASH_FIELDS = ("mask_token_id", "target_layer_ids", "block_size", "causal")
+# vLLM's qwen3_dflash options mlxspec does not run: each is refused in one line when on.
+UNSUPPORTED_OPTIONS = {
+    "use_swa": "sliding-window block decoding",
+    "attention_sink_bias": "attention sinks",
+}
 
 
 class BlockDrafterError(ValueError):
@@ -118,7 +158,11 @@ class Attention(nn.Module):
     def _mask(self, position: int, n_context: int, L: int) -> mx.array | None:
         """Which keys each block query sees: those less than the window before it (if
         the layer slides), and no later block slot (if causal); None: all of them. As
-        z-lab's dflash/model.py `_attention_mask` (what the drafters were trained with)."""
+        SpecForge trains DFlash drafters (`create_dflash_sdpa_mask` in
+        specforge/algorithms/common/dflash_family_model.py: a sliding layer's query at
+        slot j sees context from `anchor + j - (window - 1)` and block slots <= j);
+        z-lab/dflash's model.py attends without a mask (`is_causal=False`) and hands the
+        window to the attention kernel."""
         if not self.causal and (self.window is None or n_context + L <= self.window):
             return None
         query = position + mx.arange(L)[:, None]
@@ -263,6 +307,25 @@ def detect_format(config: dict[str, Any], names: set[str]) -> str:
     )
 
 
+def _check_fields(config: dict[str, Any]) -> None:
+    """Every config field understood, and no option on that mlxspec does not run."""
+    nested = config.get("dflash_config") or {}
+    allowed = DFLASH_FIELDS + tuple(UNSUPPORTED_OPTIONS) + ("swa_window_size",)
+    problem = unknown_fields(config, CONFIG_FIELDS, f"its {CONFIG}") or unknown_fields(
+        nested, allowed, "its dflash_config"
+    )
+    if problem:
+        raise BlockDrafterError(problem)
+    for option, what in UNSUPPORTED_OPTIONS.items():
+        if nested.get(option):
+            raise BlockDrafterError(f"dflash_config.{option} ({what}) is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise BlockDrafterError(f"hidden_act {config['hidden_act']!r} is not supported")
+    sliding = "sliding_attention" in (config.get("layer_types") or [])
+    if sliding and config.get("use_sliding_window") is False:
+        raise BlockDrafterError("it has sliding_attention layers but use_sliding_window false")
+
+
 def _spec(config: dict[str, Any], fmt: str) -> BlockSpec:
     nested = config.get("dflash_config") or {}
 
@@ -304,7 +367,7 @@ def _spec(config: dict[str, Any], fmt: str) -> BlockSpec:
             intermediate_size=int(field("intermediate_size")),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             windows=tuple(window if kind == "sliding_attention" else None for kind in kinds),
-            # z-lab: a layer is causal where the config says so, else where it slides.
+            # Causal where the config says so, else where it slides (SpecForge's mask).
             causal=tuple(
                 bool(causal) if causal is not None else kind == "sliding_attention"
                 for kind in kinds
@@ -360,6 +423,7 @@ def load_block_drafter(directory: Path, decoder: Decoder, fmt: str | None = None
                 f"it is a Gemma-style {fmt} drafter (k=v attention, sandwich norms); "
                 "mlxspec loads Qwen3-style drafter layers only"
             )
+        _check_fields(config)
         spec = _spec(config, fmt)
         head = weights.get("lm_head.weight")
         _check_fits(spec, decoder, None if head is None else head.shape[0])
@@ -390,6 +454,11 @@ def load_block_drafter(directory: Path, decoder: Decoder, fmt: str | None = None
             f"the {fmt} drafter in {directory} does not fit this target: {name} is "
             f"{tuple(weights[name].shape)}, expected {tuple(expected[name])}"
         )
+    problem = unread_tensors(
+        weights, expected, ("*rotary_emb.inv_freq",), f"the {fmt} drafter in {directory}"
+    )
+    if problem is not None:
+        raise BlockDrafterError(problem)
     drafter.load_weights([(n, weights[n]) for n in expected], strict=True)
     drafter.eval()
     mx.eval(drafter.parameters())

@@ -9,8 +9,10 @@ files where a folder has none: read without torch, see `torch_bin.py`):
   built as layer N (vLLM's deepseek_mtp.py / glm4_moe_mtp.py: dense or MoE by that index);
   without `shared_head.head` (GLM-4.6) the target's LM head reads it.
 - MiMo MTP: `model.mtp_layers.0.{token_layernorm,hidden_layernorm,input_proj,
-  final_layernorm}` plus a decoder block; [hidden, embedding] order; its output is
-  final-normed and fed back normed.
+  final_layernorm}` plus a decoder block; [hidden, embedding] order; it reads the target's
+  last layer output before the final norm (vLLM's mimo.py `MiMoModel.forward` returns
+  `hidden_states + residual`, and `hidden_layernorm` was trained on that; mimo_mtp.py);
+  its output is final-normed and fed back normed.
 - Qwen3-Next / Qwen3.5 / Qwen3.6 MTP: `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,
   norm}` plus `mtp.layers.0.*` (a full-attention layer); zero-centred norms (the stored
   weight is w - 1); output normed and fed back normed; the target's LM head.
@@ -21,10 +23,14 @@ they stay quantized where the target does (`stored_quantized.py`).
 - EAGLE-3 (SafeAILab; `fc`, `midlayer.*`, `d2t`; or vLLM speculators' `layers.0.*` with
   `hidden_norm`): three target layers and a wider attention, a module of its own
   (`eagle3.py`).
+Every tensor of the folder is read, or known harmless and named in a warning, or the
+load fails naming it (`strict.py`); so are the fields of the folder's config.json.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +40,14 @@ import mlx.nn as nn
 from mlxspec.anatomy import Decoder, last_attention_layer
 from mlxspec.device import prefers_dequantized_weights
 from mlxspec.drafter.eagle3 import load_eagle3
-from mlxspec.drafter.head import DraftHead, Head, HeadError, HeadSpec
+from mlxspec.drafter.head import (
+    DraftHead,
+    Head,
+    HeadError,
+    HeadSpec,
+    is_saved_head,
+    load_saved_head,
+)
 from mlxspec.drafter.stored_quantized import (
     as_loaded,
     dequantized,
@@ -43,9 +56,47 @@ from mlxspec.drafter.stored_quantized import (
     settings,
     stacked_experts,
 )
+from mlxspec.drafter.strict import unknown_fields, unread_tensors
 from mlxspec.drafter.torch_bin import TorchCheckpointError, read_torch_bin
 
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
+# Copies of the target's embedding that the layouts ship (EAGLE-1's; DeepSeek-V3's MTP
+# layer's): the target's own is used, as vLLM does.
+EMBEDDING_COPY = re.compile(r"^(model\.layers\.\d+\.)?embed_tokens\.weight$")
+HARMLESS = ("*rotary_emb.inv_freq",)  # RoPE tables: a warning names them
+# config.json fields: `pull --mtp` writes the target's (`mtp_pull.KEPT_CONFIG`), EAGLE-1
+# ships its layer's llama config (the layer is built as the target's own, so those
+# fields only have to agree with the weights' shapes, which load strictly).
+MTP_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "vocab_size",
+    "num_nextn_predict_layers",
+    "mtp_num_hidden_layers",
+    "mtp_use_dedicated_embeddings",
+    "quantization",
+    "mtp_source",
+)
+EAGLE1_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "hidden_act",
+    "rms_norm_eps",
+    "vocab_size",
+    "rope_theta",
+    "rope_scaling",
+)
+
+
+def load_head(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
+    """Any head folder for `model`: ours (`save_head`) or a published checkpoint."""
+    if is_saved_head(directory):
+        return load_saved_head(directory, model, decoder)
+    return convert_published(directory, model, decoder)
 
 
 def read_weights(directory: Path, dequantize: bool = True) -> dict[str, mx.array]:
@@ -71,20 +122,41 @@ def _torch_bin(file: Path) -> dict[str, mx.array]:
 
 
 def _split(weights: dict[str, mx.array], prefix: str, block: str, renames: dict[str, str]):
-    """(our name, array) pairs: the block's layer parts under `block`, and the `renames`
-    parts under `prefix`; anything else (embedding copies, the target's layers) is left."""
-    pairs = []
+    """(our name, array, its checkpoint name) triples: the block's layer parts under
+    `block`, and the `renames` parts under `prefix`; anything else is not taken."""
+    triples = []
     for key, value in weights.items():
         if key.startswith(block) and key[len(block) :].startswith(BLOCK_PARTS):
-            pairs.append((f"block.{key[len(block) :]}", value))
+            triples.append((f"block.{key[len(block) :]}", value, key))
         elif key.startswith(prefix):
             rest = key[len(prefix) :]
             name = next(
                 (o + rest[len(t) :] for t, o in renames.items() if rest.startswith(t)), None
             )
             if name is not None:
-                pairs.append((name, value))
-    return pairs
+                triples.append((name, value, key))
+    return triples
+
+
+def _check_folder(directory: Path, layout: str, names, used, harmless=()) -> None:
+    """Every tensor and config field of a published head folder accounted for."""
+    what = f"the {layout} head in {directory}"
+    used = [*used, *(n for n in names if EMBEDDING_COPY.match(n))]
+    problem = unread_tensors(names, used, HARMLESS + tuple(harmless), what)
+    config_file = directory / "config.json"
+    if problem is None and config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except ValueError as err:
+            raise HeadError(f"{config_file} is not JSON: {err}") from None
+        fields = EAGLE1_FIELDS if layout == "eagle-1" else MTP_FIELDS
+        problem = unknown_fields(config, fields, f"{what}: its config.json")
+        if problem is None and config.get("mtp_use_dedicated_embeddings"):
+            problem = f"{what}: mtp_use_dedicated_embeddings is not supported"
+        if problem is None and config.get("hidden_act", "silu") != "silu":
+            problem = f"{what}: hidden_act {config['hidden_act']!r} is not supported"
+    if problem is not None:
+        raise HeadError(problem)
 
 
 @dataclass(frozen=True)
@@ -134,14 +206,20 @@ def _layouts(model: nn.Module) -> list[Layout]:
             f"model.layers.{n}.",
             f"model.layers.{n}.",
             deepseek,
-            {**mtp, "block_layer": n},
+            {**mtp, "block_layer": n, "zero_first_embedding": True},
         ),
         Layout(
             "mimo-mtp",
             "model.mtp_layers.0.",
             "model.mtp_layers.0.",
             mimo,
-            {**mtp, "embedding_first": False, "feed_normed": True},
+            {
+                **mtp,
+                "embedding_first": False,
+                "feed_normed": True,
+                "prenorm_input": True,
+                "zero_first_embedding": True,
+            },
         ),
         Layout(
             "qwen3-next-mtp",
@@ -165,6 +243,25 @@ def _misfit(err: Exception, model: nn.Module, layout: Layout) -> str:
     if isinstance(err, KeyError):
         return "missing " + str(err.args[0]).replace(_sanitize_marker(model), layout.block)
     return " ".join(str(err).split())
+
+
+def _not_the_heads(layout: Layout, names, model: nn.Module) -> list[str]:
+    """Tensors of an MTP checkpoint folder that are not the head's but harmless: the
+    target's own (a whole checkpoint rather than `pull --mtp`'s extract) and the MTP
+    layers after the first, which mlxspec does not use (every draft step runs the
+    first; vLLM's MiMo MTP drafts one step, its DeepSeek MTP cycles through them)."""
+    stem, _, index = layout.block.rstrip(".").rpartition(".")
+    later = re.compile(rf"^{re.escape(stem)}\.(\d+)\.")
+    target = re.compile(r"^(model\.(layers\.(\d+)\.|embed_tokens\.|norm\.)|lm_head\.)")
+    n = len(model.layers)
+
+    def skipped(name: str) -> bool:
+        if (m := later.match(name)) and int(m.group(1)) > int(index):
+            return True
+        m = target.match(name)
+        return bool(m) and (m.group(3) is None or int(m.group(3)) < n)
+
+    return [name for name in names if skipped(name)]
 
 
 def _family_names(model: nn.Module, pairs: list, zero_centred: bool) -> list:
@@ -204,7 +301,10 @@ def convert_published(
     for layout in _layouts(model):
         if f"{layout.prefix}{next(iter(layout.renames))}weight" not in weights:
             continue
-        pairs = _split(weights, layout.prefix, layout.block, layout.renames)
+        triples = _split(weights, layout.prefix, layout.block, layout.renames)
+        skipped = [] if layout.name == "eagle-1" else _not_the_heads(layout, weights, model)
+        _check_folder(directory, layout.name, weights, [t[2] for t in triples], skipped)
+        pairs = [(name, value) for name, value, _ in triples]
         own_head = any(k.startswith("lm_head.") for k, _ in pairs)
         d, vocab_size = decoder.width, decoder.embed.weight.shape[0]
         spec = HeadSpec(

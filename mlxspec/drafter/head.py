@@ -1,9 +1,10 @@
 """A drafter head: a transformer layer (or a few) that reads the target's hidden state.
 
-EAGLE/MTP style. Input at position i: the target's (final-normed) hidden state h_i and
-the embedding of the next token x_{i+1}; output g_i, a guess of h_{i+1}, from which the
-target's own LM head rows give the draft distribution of x_{i+2}. Drafting further
-feeds g back in place of h. The block is a layer of the target's own family (built by
+EAGLE/MTP style. Input at position i: the target's hidden state h_i (final-normed; MiMo's
+MTP reads the last layer's output before the final norm, as vLLM's `MiMoModel.forward`
+returns it) and the embedding of the next token x_{i+1}; output g_i, a guess of h_{i+1},
+from which the target's own LM head rows give the draft distribution of x_{i+2}. Drafting
+further feeds g back in place of h. The block is a layer of the target's own family (built by
 mlx-lm's class), so its KV cache is an ordinary mlx-lm cache (one per layer where a head
 has more than one: `head_cache`).
 
@@ -49,6 +50,11 @@ class HeadSpec:
     own_lm_head: bool = False  # EAGLE-3/MTP checkpoints may ship their own LM head rows
     embedding_first: bool = True  # fc input order: [embedding, hidden] (MiMo: reversed)
     feed_normed: bool = False  # later draft steps read norm(g) instead of g (our heads)
+    # h is the last layer's output before the target's final norm (MiMo), not after it.
+    prenorm_input: bool = False
+    # The embedding at sequence position 0 reads as zeros (vLLM's deepseek_mtp and
+    # mimo_mtp: "masking inputs at position 0, as not needed by MTP").
+    zero_first_embedding: bool = False
     layers: int = 1  # decoder layers after the fusion (published heads have one)
     # The target layer index the block is built as (None: its last attention layer).
     # DeepSeek-V3 / GLM-4.5 MTP layers are layer N of an N-layer target, and their
@@ -157,13 +163,14 @@ def head_cache(head: Head, factory=KVCache):
 
 
 class DraftHead(nn.Module):
-    target_layers: tuple[int, ...] = ()  # it reads the target's final hidden state only
-
     def __init__(self, spec: HeadSpec, model: nn.Module, vocab: mx.array):
         """Fresh weights; the layers are `spec.layers` new layers of `model`'s family."""
         super().__init__()
         d = spec.hidden_size
         self.spec = spec
+        # Besides the final normed state: the last layer's own output (`Decoder.hidden`'s
+        # capture index len(layers)) where the head reads h before the final norm.
+        self.target_layers = (len(model.layers),) if spec.prenorm_input else ()
         self.fc = nn.Linear(2 * d, d, bias=spec.fc_bias)
         if spec.input_norms:
             self.enorm = nn.RMSNorm(d, eps=spec.norm_eps)
@@ -190,11 +197,15 @@ class DraftHead(nn.Module):
 
     def from_target(self, rows: mx.array) -> mx.array:
         """What the first draft step reads from the target's rows (`Decoder.hidden`): the
-        final normed state, their last d columns (EAGLE-3 heads read other layers)."""
-        return rows[..., -self.spec.hidden_size :]
+        final normed state, their last d columns, or (`prenorm_input`) the captured
+        state before the final norm, their first d."""
+        d = self.spec.hidden_size
+        return rows[..., :d] if self.spec.prenorm_input else rows[..., -d:]
 
     def __call__(self, hidden: mx.array, embeds: mx.array, mask: Any = None, cache=None):
         """g (B, L, d) from hidden states h (B, L, d) and next-token embeddings (B, L, d)."""
+        if self.spec.zero_first_embedding and _first_position(cache) == 0:
+            embeds = mx.concatenate([mx.zeros_like(embeds[:, :1]), embeds[:, 1:]], axis=1)
         if self.spec.input_norms:
             embeds, hidden = self.enorm(embeds), self.hnorm(hidden)
         parts = [embeds, hidden] if self.spec.embedding_first else [hidden, embeds]
@@ -218,6 +229,13 @@ class DraftHead(nn.Module):
         if self.spec.own_lm_head:
             return self.lm_head(g)
         return g @ rows.T
+
+
+def _first_position(cache) -> int | None:
+    """The sequence position of the rows a head call takes in (its cache's offset; 0
+    without a cache); None where the cache holds a position per row."""
+    offset = 0 if cache is None else cache.offset
+    return offset if isinstance(offset, int) else None
 
 
 def save_head(head: DraftHead, directory: Path, dtype=mx.float16) -> None:
@@ -256,13 +274,14 @@ def _copy_layer(source: nn.Module, block: nn.Module) -> None:
         block.load_weights([(k, v.astype(mx.float32)) for k, v in same], strict=False)
 
 
-def load_head(directory: Path, model: nn.Module, decoder: Decoder) -> Head:
-    """A head saved by `save_head` (or converted from a published format) for `model`."""
-    spec_file, weights_file = directory / HEAD_FILE, directory / WEIGHTS_FILE
-    if not spec_file.is_file() or not weights_file.is_file():
-        from mlxspec.drafter.formats import convert_published  # a published checkpoint?
+def is_saved_head(directory: Path) -> bool:
+    """Whether `directory` holds a head in our own format (else maybe a published one)."""
+    return (directory / HEAD_FILE).is_file() and (directory / WEIGHTS_FILE).is_file()
 
-        return convert_published(directory, model, decoder)
+
+def load_saved_head(directory: Path, model: nn.Module, decoder: Decoder) -> DraftHead:
+    """A head saved by `save_head` for `model` (published formats: `formats.load_head`)."""
+    spec_file, weights_file = directory / HEAD_FILE, directory / WEIGHTS_FILE
     try:
         raw = json.loads(spec_file.read_text())
         if raw.pop("format", None) != FORMAT:
