@@ -95,6 +95,12 @@ def first_guess(tree: DraftTree) -> int:
     return tree.tokens[children[0] - 1]
 
 
+def one_step(round_seconds: float) -> float:
+    """The price of a plain round whose pass was launched the round before: one plain
+    step (the wait for it is not what the pass cost)."""
+    return 1.0
+
+
 def private_copy(proposer: Proposer) -> Proposer:
     """`proposer` for one request alone: its own caches and indexes, weights shared."""
     if hasattr(proposer, "members"):
@@ -220,6 +226,14 @@ class Scheduler:
         slot = Slot(next(self._ids), run, proposer, trees=trees, tree_nodes=settings.tree_nodes)
         self.waiting.append(slot)
         return slot.request_id
+
+    def close(self) -> None:
+        """Every request leaves now, with no further events (its reader stopped): a pass
+        launched for a next round is taken back, so each cache holds its request's
+        tokens so far (`Engine.stream` closed between rounds)."""
+        for slot in [*self.waiting, *self.joining, *self.active]:
+            slot.cancelled = True
+        self._drop_cancelled()
 
     def cancel(self, request_id: int) -> None:
         """The request leaves at the next round boundary, with no further events."""
@@ -392,11 +406,19 @@ class Scheduler:
         trees = [r.tree for r in rounds]
         lines = all(tree.is_chain for tree in trees)
         round_start = time.perf_counter()
-        logits = self.caches.verify(rows) if lines else self.caches.verify_tree(rows, trees)
+        # Alone, the pass may have been launched last round (`_launches_next`).
+        logits = self.caches.take_launched(rows) if self.solo else None
+        launched = logits is not None
+        if logits is None:
+            logits = self.caches.verify(rows) if lines else self.caches.verify_tree(rows, trees)
         processed = [
             slot.run.scorer.process_tree(logits[i, : len(row)], slot.run.sequence, r.tree)
             for i, (slot, r, row) in enumerate(zip(self.active, rounds, rows))
         ]
+        if self._launches_next(rows):
+            # The next round's input is this one's argmax, still lazy: its pass computes
+            # while the host accepts, detokenizes and hands out this round's events.
+            self.caches.launch(mx.argmax(processed[0][-1:], axis=-1))
         mx.eval(processed)
         verify_seconds = time.perf_counter() - round_start
         accepted = [
@@ -421,13 +443,32 @@ class Scheduler:
                 slot.run.record.tree_rounds += 1
                 slot.run.record.tree_nodes += len(r.tree)
             price = None
-            if self.solo:
+            if launched:
+                price = one_step
+            elif self.solo:
                 price = self._price_alone(slot.run, r.tree, verify_seconds)
             else:
                 sizes = slot.run.record.batch_sizes
                 sizes.extend([0] * (batch + 1 - len(sizes)))
                 sizes[batch] += 1
             self._guarded(slot, self._advance, slot, r, path, own_token, round_start, price)
+
+    def _launches_next(self, rows: list[list[int]]) -> bool:
+        """Whether the next round's pass may start before this round's token is known on
+        the host (mlx-lm's `generate_step` pipelines every step so): alone, on caches that
+        can take it back, for a greedy request that drafts nothing this round nor the
+        next (k fixed at 0) and that this round does not end by its length. A round that
+        ends it otherwise (EOS, a stop string, a cancel) takes the pass back."""
+        if not (self.solo and self.caches.can_launch):
+            return False
+        (slot,) = self.active
+        run = slot.run
+        return (
+            rows == [[run.sequence[-1]]]
+            and run.sampling.greedy
+            and run.policy.fixed_k == 0
+            and len(run.produced) + 1 < run.max_tokens
+        )
 
     def _price_alone(
         self, run: RequestRun, tree: DraftTree, verify_seconds: float
