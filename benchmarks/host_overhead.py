@@ -143,21 +143,30 @@ def single(shapes: list[tuple[int, int]], tokens: int, repeats: int, profile: bo
         )
         report(f"single, hidden {hidden} x {layers} layers, {tokens} tokens", tokens, mine, other)
         if profile:
-            profiler = cProfile.Profile()
-            profiler.runcall(mlxspec_single, engine, prompt, tokens)
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+            print_profile(partial(mlxspec_single, engine, prompt, tokens))
 
 
-def batch(hidden: int, layers: int, prompts: int, clients: int, tokens: int, repeats: int) -> None:
+def batch(
+    hidden: int, layers: int, prompts: int, clients: int, tokens: int, repeats: int, profile: bool
+) -> None:
     model, tokenizer, engine = tiny_llama(hidden, layers)
     asked = batch_prompts(prompts)
+    ours = partial(mlxspec_batched, engine, asked, tokens, clients)
     mine, other = take_turns(
-        partial(mlxspec_batched, engine, asked, tokens, clients),
-        partial(mlx_lm_batched, model, tokenizer, asked, tokens, clients),
-        repeats,
+        ours, partial(mlx_lm_batched, model, tokenizer, asked, tokens, clients), repeats
     )
     label = f"batch of {clients}, hidden {hidden} x {layers} layers, {prompts} prompts"
     report(f"{label} x {tokens} tokens", prompts * tokens, mine, other)
+    if profile:
+        print_profile(ours)
+
+
+def print_profile(run: Callable[[], object]) -> None:
+    """Where one more of mlxspec's turns spends its time, by function (own time first:
+    the waits for MLX show as the caller of `mx.eval`, `async_eval` or `.item()`)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -180,7 +189,15 @@ def main() -> None:
         single(args.shape, args.tokens, args.repeats, args.profile)
     if args.part in ("batch", "both"):
         hidden, layers = args.shape[0]
-        batch(hidden, layers, args.prompts, args.clients, args.batch_tokens, args.repeats)
+        batch(
+            hidden,
+            layers,
+            args.prompts,
+            args.clients,
+            args.batch_tokens,
+            args.repeats,
+            args.profile,
+        )
 
 
 if __name__ == "__main__":

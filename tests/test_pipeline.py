@@ -11,9 +11,11 @@ from lossless import plain_greedy
 from test_lossless import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
+from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Step
+from mlxspec.proposers import PromptLookup
 from mlxspec.sampling import SamplingSettings
 from mlxspec.target import Target
 
@@ -144,3 +146,26 @@ def test_a_launched_pass_over_another_token_is_dropped():
     taken = target.take_launched([9])
     assert mx.array_equal(taken, plain.verify([9])[0]).item()
     assert target.cached_tokens == plain.cached_tokens and consistent(target)
+
+
+def test_near_ties_read_with_the_logits_count_every_kept_row(monkeypatch):
+    """In a batch, each row's near ties are read in the round's one evaluation
+    (`greedy_reads`); with every choice a near tie (NEAR_TIE raised), a request's count
+    is every token it kept: drafts accepted and its own, a round's refused drafts not."""
+    from mlxspec import sampling
+
+    monkeypatch.setattr(sampling, "NEAR_TIE", 1e9)
+    model = tiny_model("llama", seed=7)
+    engine = Engine(model, byte_tokenizer(), "llama", verify_cost=CPU_LIKE_COST)
+    engine.add_proposer(PromptLookup("lookup", ngram_max=3, ngram_min=1, k_max=4))
+    scheduler = Scheduler(engine, max_batch=2)
+    repeated = [*PROMPT, *PROMPT]
+    ids = [
+        scheduler.submit(PROMPT, GenerationSettings(max_tokens=12), "none"),
+        scheduler.submit(repeated, GenerationSettings(max_tokens=24, k=3), "lookup"),
+    ]
+    done = {i: e for out in scheduler.drain() for i, es in out.items() for e in es}
+    records = [done[i].record for i in ids]
+    assert records[1].drafted > records[1].accepted > 0  # kept and refused drafts both
+    for record, i in zip(records, ids):
+        assert record.near_ties == len(done[i].token_ids) > 0
