@@ -122,12 +122,16 @@ def take_turns(
 
 
 def report(label: str, tokens: int, mine: list[float], other: list[float]) -> None:
+    """ms a token of each side's fastest turn, and the ratio of tokens/s (mlxspec over
+    mlx-lm) three ways: fastest turns, median turns, and the median over pairs of
+    adjacent turns (the steadiest where the machine's load drifts)."""
     fast = min(other) / min(mine)
     typical = statistics.median(other) / statistics.median(mine)
+    paired = statistics.median(theirs / ours for ours, theirs in zip(mine, other))
     print(
         f"{label}: mlxspec {1000 * min(mine) / tokens:.2f} ms/token, "
-        f"mlx-lm {1000 * min(other) / tokens:.2f} ms/token; "
-        f"tokens/s ratio {fast:.2f}x (fastest turns), {typical:.2f}x (median)",
+        f"mlx-lm {1000 * min(other) / tokens:.2f} ms/token; tokens/s ratio "
+        f"{fast:.2f}x (fastest turns), {typical:.2f}x (median), {paired:.2f}x (median pair)",
         flush=True,
     )
 
