@@ -139,11 +139,14 @@ class Engine:
         settings = settings or GenerationSettings()
         solo = Scheduler(self, max_batch=1, caches=SingleCaches(self.target))
         request_id = solo.submit(prompt, settings, proposer)
-        while solo.busy:
-            events = solo.step().get(request_id, [])
-            if request_id in solo.failed:  # its proposer or its text failed: as raised there
-                raise solo.failed[request_id]
-            yield from events
+        try:
+            while solo.busy:
+                events = solo.step().get(request_id, [])
+                if request_id in solo.failed:  # its proposer or its text failed: as raised
+                    raise solo.failed[request_id]
+                yield from events
+        finally:
+            solo.close()  # closed early: a pass launched for the next round is taken back
 
     def check_request(
         self,

@@ -66,6 +66,11 @@ class RequestRun:
         return [*self.prompt_tokens, *self.produced]
 
     @property
+    def counts_near_ties(self) -> bool:
+        """Whether its greedy rounds count near ties: a plain round alone is exact."""
+        return self.proposer is not None or self.shared_pass
+
+    @property
     def left(self) -> int:
         """Most drafts worth proposing: one token of every round is the target's own."""
         return self.max_tokens - len(self.produced) - 1
@@ -76,15 +81,20 @@ class RequestRun:
         processed: mx.array,
         draft: Draft | None,
         choices: list[int] | None = None,
+        ties: list[bool] | None = None,
     ) -> tuple[list[int], int]:
         """(accepted nodes, the target's own next token) from the verify's processed
         logits: the greedy walk (over `choices`, the argmax rows, when already known),
         rejection sampling against a drafter's q, or multi-candidate rejection for
-        drafts without q."""
+        drafts without q. `ties`: which rows are near ties, when already known."""
         if self.sampling.greedy:
             path, own_token = greedy_walk(tree, choices or self.scorer.greedy_tokens(processed))
-            if self.proposer is not None or self.shared_pass:  # a plain round alone is exact
-                self.record.near_ties += self.scorer.near_ties(processed, [0, *path])
+            if self.counts_near_ties:
+                kept = [0, *path]
+                if ties is None:
+                    self.record.near_ties += self.scorer.near_ties(processed, kept)
+                else:
+                    self.record.near_ties += sum(ties[row] for row in kept)
             return path, own_token
         target_probs = np.asarray(self.scorer.probabilities(processed))
         if draft is not None and draft.probs is not None:  # a drafter's own q

@@ -115,9 +115,13 @@ class TokenScorer:
     def near_ties(self, processed: mx.array, rows: list[int]) -> int:
         """How many of `rows` have their best two logits within `near_tie_bound`: there
         rounding alone may make speculation pick another token than plain decoding."""
-        top2 = mx.topk(processed[mx.array(rows)], 2, axis=-1)
+        return int(mx.sum(self.near_tie_rows(processed[mx.array(rows)])).item())
+
+    def near_tie_rows(self, processed: mx.array) -> mx.array:
+        """Per row of `processed` (m, V), whether it is a near tie (lazy, (m,) bool)."""
+        top2 = mx.topk(processed, 2, axis=-1)
         bound = near_tie_bound(top2, processed.dtype, self.tf32)
-        return int(mx.sum(mx.abs(top2[:, 1] - top2[:, 0]) < bound).item())
+        return mx.abs(top2[:, 1] - top2[:, 0]) < bound
 
     def probabilities(self, processed: mx.array) -> mx.array:
         """The distribution plain sampling draws from, as float32 rows (m, V)."""

@@ -123,6 +123,9 @@ class Target:
         ]
         self._decoder: Decoder | None = None
         self._snapshot: list[Any] | None = None
+        # A one-token pass started before its input token was known on the host
+        # (`launch`): (that token, its logits), both lazy; its KV is in the cache.
+        self._launched: tuple[mx.array, mx.array] | None = None
         self._tree_reason: str | None | bool = False  # False: not checked yet
 
     @property
@@ -150,6 +153,44 @@ class Target:
     def reset(self) -> None:
         self.cache = make_prompt_cache(self.model)
         self.cached_tokens = []
+        self._launched = None
+
+    @property
+    def can_launch(self) -> bool:
+        """Whether a launched pass can be taken back (`drop_launched`): a trim, so every
+        layer's cache must be trimmable."""
+        return not self.snapshot_layers
+
+    def launch(self, token: mx.array) -> None:
+        """Start the next one-token verify over `token` (shape (1,), lazy: e.g. the argmax
+        of the pass still computing), so that MLX computes it while the host handles the
+        current round (as mlx-lm's `generate_step` does with `mx.async_eval`). The next
+        `verify` of exactly that token takes it (`take_launched`); anything else first
+        drops it, so a launch changes no result, only when the work is done."""
+        logits = self.model(token[None], cache=self.cache)
+        mx.async_eval(logits)
+        self._launched = token, logits
+
+    def take_launched(self, tokens: list[int]) -> mx.array | None:
+        """The launched pass's logits (1, V) if it ran over exactly `tokens`; None (and
+        the pass dropped) otherwise, or if none was launched."""
+        if self._launched is None:
+            return None
+        token, logits = self._launched
+        if tokens != [token.item()]:
+            self.drop_launched()
+            return None
+        self._launched = None
+        self.cached_tokens.extend(tokens)
+        return logits[0]
+
+    def drop_launched(self) -> None:
+        """Take a launched pass back: its token's KV leaves the cache (the request ended,
+        or the next round is not that one-token pass)."""
+        if self._launched is not None:
+            self._launched = None
+            for c in self.cache:
+                c.trim(1)
 
     def forward(
         self,

@@ -55,8 +55,8 @@ def test_a_change_to_the_shared_round_changes_the_engine_and_the_batch(monkeypat
     lookup = PromptLookup("lookup", ngram_max=3, ngram_min=1, k_max=4)
     assert min(accepted(engine_with(model, lookup))) > 0
 
-    def refusing(self, slot, r, processed):
-        return [], slot.run.scorer.greedy_tokens(processed)[0]  # the target's own token
+    def refusing(self, slot, r, processed, reads):
+        return [], reads["argmax"].tolist()[0]  # the target's own token
 
     monkeypatch.setattr(Scheduler, "_accept", refusing)
     lookup = PromptLookup("lookup", ngram_max=3, ngram_min=1, k_max=4)

@@ -95,6 +95,25 @@ def first_guess(tree: DraftTree) -> int:
     return tree.tokens[children[0] - 1]
 
 
+def greedy_reads(run: RequestRun, processed: mx.array) -> dict[str, mx.array]:
+    """What the host reads of a greedy row's processed logits (m, V), lazy: the argmax of
+    each row and, where the run counts them, its near ties. Evaluated with the logits in
+    one go: read one by one, each is an evaluation per row (1.3 ms each over 8 rows of a
+    tiny model here) and, after a launch, waits behind the launched pass. Sampling: {}."""
+    if not run.sampling.greedy:
+        return {}
+    reads = {"argmax": mx.argmax(processed, axis=-1)}
+    if run.counts_near_ties:
+        reads["near_ties"] = run.scorer.near_tie_rows(processed)
+    return reads
+
+
+def one_step(round_seconds: float) -> float:
+    """The price of a plain round whose pass was launched the round before: one plain
+    step (the wait for it is not what the pass cost)."""
+    return 1.0
+
+
 def private_copy(proposer: Proposer) -> Proposer:
     """`proposer` for one request alone: its own caches and indexes, weights shared."""
     if hasattr(proposer, "members"):
@@ -220,6 +239,14 @@ class Scheduler:
         slot = Slot(next(self._ids), run, proposer, trees=trees, tree_nodes=settings.tree_nodes)
         self.waiting.append(slot)
         return slot.request_id
+
+    def close(self) -> None:
+        """Every request leaves now, with no further events (its reader stopped): a pass
+        launched for a next round is taken back, so each cache holds its request's
+        tokens so far (`Engine.stream` closed between rounds)."""
+        for slot in [*self.waiting, *self.joining, *self.active]:
+            slot.cancelled = True
+        self._drop_cancelled()
 
     def cancel(self, request_id: int) -> None:
         """The request leaves at the next round boundary, with no further events."""
@@ -392,16 +419,25 @@ class Scheduler:
         trees = [r.tree for r in rounds]
         lines = all(tree.is_chain for tree in trees)
         round_start = time.perf_counter()
-        logits = self.caches.verify(rows) if lines else self.caches.verify_tree(rows, trees)
+        # Alone, the pass may have been launched last round (`_launches_next`).
+        logits = self.caches.take_launched(rows) if self.solo else None
+        launched = logits is not None
+        if logits is None:
+            logits = self.caches.verify(rows) if lines else self.caches.verify_tree(rows, trees)
         processed = [
             slot.run.scorer.process_tree(logits[i, : len(row)], slot.run.sequence, r.tree)
             for i, (slot, r, row) in enumerate(zip(self.active, rounds, rows))
         ]
-        mx.eval(processed)
+        reads = [greedy_reads(slot.run, p) for slot, p in zip(self.active, processed)]
+        if self._launches_next(rows):
+            # The next round's input is this one's argmax, still lazy: its pass computes
+            # while the host accepts, detokenizes and hands out this round's events.
+            self.caches.launch(reads[0]["argmax"][-1:])
+        mx.eval(processed, reads)
         verify_seconds = time.perf_counter() - round_start
         accepted = [
-            self._guarded(slot, self._accept, slot, r, rows_processed) or ([], -1)
-            for slot, r, rows_processed in zip(self.active, rounds, processed)
+            self._guarded(slot, self._accept, slot, r, rows_processed, read) or ([], -1)
+            for slot, r, rows_processed, read in zip(self.active, rounds, processed, reads)
         ]
         if lines:
             # The price of a width includes the cache work after a ragged acceptance
@@ -421,13 +457,32 @@ class Scheduler:
                 slot.run.record.tree_rounds += 1
                 slot.run.record.tree_nodes += len(r.tree)
             price = None
-            if self.solo:
+            if launched:
+                price = one_step
+            elif self.solo:
                 price = self._price_alone(slot.run, r.tree, verify_seconds)
             else:
                 sizes = slot.run.record.batch_sizes
                 sizes.extend([0] * (batch + 1 - len(sizes)))
                 sizes[batch] += 1
             self._guarded(slot, self._advance, slot, r, path, own_token, round_start, price)
+
+    def _launches_next(self, rows: list[list[int]]) -> bool:
+        """Whether the next round's pass may start before this round's token is known on
+        the host (mlx-lm's `generate_step` pipelines every step so): alone, on caches that
+        can take it back, for a greedy request that drafts nothing this round nor the
+        next (k fixed at 0) and that this round does not end by its length. A round that
+        ends it otherwise (EOS, a stop string, a cancel) takes the pass back."""
+        if not (self.solo and self.caches.can_launch):
+            return False
+        (slot,) = self.active
+        run = slot.run
+        return (
+            rows == [[run.sequence[-1]]]
+            and run.sampling.greedy
+            and run.policy.fixed_k == 0
+            and len(run.produced) + 1 < run.max_tokens
+        )
 
     def _price_alone(
         self, run: RequestRun, tree: DraftTree, verify_seconds: float
@@ -438,14 +493,18 @@ class Scheduler:
         cost = self.engine.round_cost(run.policy, len(tree) + 1)
         return partial(round_steps, verify_seconds=verify_seconds, verify_cost=cost)
 
-    def _accept(self, slot: Slot, r: Round, processed: mx.array) -> tuple[list[int], int]:
+    def _accept(
+        self, slot: Slot, r: Round, processed: mx.array, reads: dict[str, mx.array]
+    ) -> tuple[list[int], int]:
         """A proposer that learns from the target's choices (suffix's history hits,
-        lookahead's pool) sees them, then the run accepts."""
+        lookahead's pool) sees them, then the run accepts. `reads`: `greedy_reads`,
+        evaluated."""
         run = slot.run
-        choices = run.scorer.greedy_tokens(processed) if run.sampling.greedy else None
+        choices = reads["argmax"].tolist() if "argmax" in reads else None
+        ties = reads["near_ties"].tolist() if "near_ties" in reads else None
         if r.tree.tokens and hasattr(r.situation.source, "verified"):
             r.situation.source.verified(r.tree, choices or run.scorer.greedy_tokens(processed))
-        return run.accept(r.tree, processed, r.draft, choices)
+        return run.accept(r.tree, processed, r.draft, choices, ties)
 
     def _width(self, rows: list[tuple[Slot, Situation | None, int]]) -> int:
         """The round's one width W for rows of (request, source, draft length): the pass

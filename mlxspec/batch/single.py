@@ -73,7 +73,29 @@ class SingleCaches:
         """Nothing to free: the cache holds a prefix of the prompt, reusable as such."""
 
     def leave(self, keep_rows: list[int], kept: list[tuple[int, list[int]]]) -> None:
+        """The request left: a pass launched for a round it will not run is taken back,
+        so the cache holds its tokens but the pending one, for the next request."""
+        self.target.drop_launched()
         self._rows = len(keep_rows)
+
+    @property
+    def can_launch(self) -> bool:
+        """Whether the next round's one-token pass may start early (`launch`): a cache
+        that can take it back, and no hidden states to hand over (the round's own)."""
+        return self.target.can_launch and self.capture is None
+
+    def launch(self, token: mx.array) -> None:
+        """Start the next round's pass over `token` (1,), still lazy (`Target.launch`)."""
+        self.target.launch(token)
+
+    def take_launched(self, rows: list[list[int]]) -> mx.array | None:
+        """`verify`'s logits (1, 1, V) from the launched pass if it ran over exactly
+        `rows`; None (the launched pass dropped) otherwise."""
+        logits = self.target.take_launched(rows[0])
+        if logits is None:
+            return None
+        (self._verified,) = rows
+        return logits[None]
 
     def verify(self, rows: list[list[int]]) -> mx.array:
         """One pass over the row's [pending] + drafts: logits (1, width, V)."""

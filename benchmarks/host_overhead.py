@@ -1,0 +1,208 @@
+"""What mlxspec's own loop costs on top of the passes, where a pass is cheap: a tiny random
+llama (mlx-lm's classes, the tests' byte tokenizer), greedy, no drafts.
+
+    python benchmarks/host_overhead.py                      # both parts, 5 repeats
+    python benchmarks/host_overhead.py --part single --profile
+
+- single: `Engine.stream` at k = 0 against mlx-lm's `generate_step` on the same model and
+  prompt, `--tokens` tokens, at each `--shape` (hidden size x layers); ms a token and the
+  ratio of tokens/s (mlxspec / mlx-lm).
+- batch: the scheduler's batched plain (`Scheduler(engine, C)`, what `serve --max-batch C`
+  and `bench -c C`'s "batched plain" row run, without the server) against mlx-lm's
+  `batch_generate` at C sequences at a time, `--prompts` prompts of mixed lengths.
+
+Every row runs in this one process on a shared machine: the two sides take turns
+`--repeats` times (their order alternating) and each keeps its fastest turn; the median
+turn is printed beside it. Both sides must produce the same tokens (checked).
+`--profile` runs mlxspec's single side once more under cProfile and prints where its
+host time went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import mlxspec  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
+
+# isort: split
+import mlx.core as mx
+from mlx_lm.generate import batch_generate, generate_step
+
+from mlxspec.batch.scheduler import Scheduler
+from mlxspec.engine import Engine
+from mlxspec.events import Done
+from mlxspec.policy import VerifyCost
+from mlxspec.settings import GenerationSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tiny_models import FAMILIES, byte_tokenizer, tiny_model  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog. "
+
+
+def tiny_llama(hidden: int, layers: int):
+    """A random llama of `hidden` x `layers` (4x wide MLP, 4 heads, 2 KV heads) and an
+    engine over it. Its fixed verify cost skips calibration (k = 0 never uses it)."""
+    config = dict(FAMILIES["llama"], hidden_size=hidden, intermediate_size=4 * hidden)
+    model = tiny_model("llama", config=config, layers=layers)
+    tokenizer = byte_tokenizer()
+    tokenizer.eos_token_ids = []  # both sides generate every token asked for
+    engine = Engine(model, tokenizer, "tiny-llama", verify_cost=VerifyCost({1: 1.0}, 1.0))
+    return model, tokenizer, engine
+
+
+def mlxspec_single(engine: Engine, prompt: list[int], tokens: int) -> tuple[float, tuple]:
+    engine.reset()  # no prompt reuse: mlx-lm prefills too
+    settings = GenerationSettings(max_tokens=tokens, k=0)
+    start = time.perf_counter()
+    done = [e for e in engine.stream(prompt, settings) if isinstance(e, Done)][0]
+    return time.perf_counter() - start, done.token_ids
+
+
+def mlx_lm_single(model, prompt: list[int], tokens: int) -> tuple[float, tuple]:
+    start = time.perf_counter()
+    out = tuple(token for token, _ in generate_step(mx.array(prompt), model, max_tokens=tokens))
+    return time.perf_counter() - start, out
+
+
+def batch_prompts(count: int) -> list[list[int]]:
+    """Prompts of 20-120 bytes: rows of a batch start and end at different rounds."""
+    return [list((PROMPT * 4)[: 20 + (37 * i) % 100].encode()) for i in range(count)]
+
+
+def mlxspec_batched(engine: Engine, prompts, tokens: int, clients: int) -> tuple[float, list]:
+    engine.reset()
+    scheduler = Scheduler(engine, clients)
+    settings = GenerationSettings(max_tokens=tokens, k=0)
+    start = time.perf_counter()
+    ids = [scheduler.submit(p, settings) for p in prompts]
+    answers: dict[int, tuple] = {}
+    for out in scheduler.drain():
+        for request_id, events in out.items():
+            if isinstance(events[-1], Done):
+                answers[request_id] = events[-1].token_ids
+    return time.perf_counter() - start, [answers[i] for i in ids]
+
+
+def mlx_lm_batched(model, tokenizer, prompts, tokens: int, clients: int) -> tuple[float, list]:
+    sizes = dict(completion_batch_size=clients, prefill_batch_size=clients)
+    start = time.perf_counter()
+    response = batch_generate(
+        model, tokenizer, prompts, max_tokens=tokens, return_token_ids=True, **sizes
+    )
+    return time.perf_counter() - start, [tuple(ids) for ids in response.token_ids]
+
+
+def take_turns(
+    ours: Callable[[], tuple[float, object]],
+    theirs: Callable[[], tuple[float, object]],
+    repeats: int,
+) -> tuple[list[float], list[float]]:
+    """Seconds of each side's turns, the order alternating; their outputs must agree."""
+    ours(), theirs()  # warm-up: kernels, buffers
+    mine, other = [], []
+    for turn in range(repeats):
+        pair = [(ours, mine), (theirs, other)]
+        outputs = []
+        for run, seconds in pair if turn % 2 == 0 else pair[::-1]:
+            wall, output = run()
+            seconds.append(wall)
+            outputs.append(output)
+        if outputs[0] != outputs[1]:
+            raise SystemExit("mlxspec and mlx-lm produced different tokens")
+    return mine, other
+
+
+def report(label: str, tokens: int, mine: list[float], other: list[float]) -> None:
+    """ms a token of each side's fastest turn, and the ratio of tokens/s (mlxspec over
+    mlx-lm) three ways: fastest turns, median turns, and the median over pairs of
+    adjacent turns (the steadiest where the machine's load drifts)."""
+    fast = min(other) / min(mine)
+    typical = statistics.median(other) / statistics.median(mine)
+    paired = statistics.median(theirs / ours for ours, theirs in zip(mine, other))
+    print(
+        f"{label}: mlxspec {1000 * min(mine) / tokens:.2f} ms/token, "
+        f"mlx-lm {1000 * min(other) / tokens:.2f} ms/token; tokens/s ratio "
+        f"{fast:.2f}x (fastest turns), {typical:.2f}x (median), {paired:.2f}x (median pair)",
+        flush=True,
+    )
+
+
+def single(shapes: list[tuple[int, int]], tokens: int, repeats: int, profile: bool) -> None:
+    prompt = list(PROMPT.encode())
+    for hidden, layers in shapes:
+        model, _, engine = tiny_llama(hidden, layers)
+        mine, other = take_turns(
+            partial(mlxspec_single, engine, prompt, tokens),
+            partial(mlx_lm_single, model, prompt, tokens),
+            repeats,
+        )
+        report(f"single, hidden {hidden} x {layers} layers, {tokens} tokens", tokens, mine, other)
+        if profile:
+            print_profile(partial(mlxspec_single, engine, prompt, tokens))
+
+
+def batch(
+    hidden: int, layers: int, prompts: int, clients: int, tokens: int, repeats: int, profile: bool
+) -> None:
+    model, tokenizer, engine = tiny_llama(hidden, layers)
+    asked = batch_prompts(prompts)
+    ours = partial(mlxspec_batched, engine, asked, tokens, clients)
+    mine, other = take_turns(
+        ours, partial(mlx_lm_batched, model, tokenizer, asked, tokens, clients), repeats
+    )
+    label = f"batch of {clients}, hidden {hidden} x {layers} layers, {prompts} prompts"
+    report(f"{label} x {tokens} tokens", prompts * tokens, mine, other)
+    if profile:
+        print_profile(ours)
+
+
+def print_profile(run: Callable[[], object]) -> None:
+    """Where one more of mlxspec's turns spends its time, by function (own time first:
+    the waits for MLX show as the caller of `mx.eval`, `async_eval` or `.item()`)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def shape(text: str) -> tuple[int, int]:
+    hidden, layers = text.split("x")
+    return int(hidden), int(layers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["single", "batch", "both"], default="both")
+    parser.add_argument("--shape", type=shape, nargs="+", default=[(256, 4), (64, 2)])
+    parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--batch-tokens", type=int, default=64)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    if args.part in ("single", "both"):
+        single(args.shape, args.tokens, args.repeats, args.profile)
+    if args.part in ("batch", "both"):
+        hidden, layers = args.shape[0]
+        batch(
+            hidden,
+            layers,
+            args.prompts,
+            args.clients,
+            args.batch_tokens,
+            args.repeats,
+            args.profile,
+        )
+
+
+if __name__ == "__main__":
+    main()
