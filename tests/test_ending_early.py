@@ -113,8 +113,10 @@ def test_a_request_cancelled_at_any_stage_leaves_nothing_behind(stage, chunks, w
     others = [0, 1] if beside or stage == "waiting" else []
     references = {i: plain_greedy(model, prompts[i], MAX_TOKENS, eos) for i in [*others, LONG]}
     passes = Passes(scheduler)
-    ids = {i: scheduler.submit(prompts[i], settings, Oracle(len(prompts[i]), references[i]))
-           for i in others}
+    ids = {
+        i: scheduler.submit(prompts[i], settings, Oracle(len(prompts[i]), references[i]))
+        for i in others
+    }
     # The request cancelled: a private copy of a named proposer (whose state must go).
     victim = scheduler.submit(prompts[LONG], settings, "lookup")
     copy = weakref.ref(next(s for s in scheduler.waiting if s.request_id == victim).proposer)
