@@ -2,7 +2,7 @@
 state, its policy, its sampling generator and seed, its stop strings, its history reads.
 
 Each request runs alone, then joined into a running batch at different moments: its
-drafts, acceptance counts, seeded samples and text must be the same every time. Every
+drafts, acceptance counts, seeded samples (of the target and of a draft model) and text must be the same every time. Every
 row fixes its k, so that no round's width cuts a draft and whatever differs comes from
 state one row took from another.
 """
@@ -19,7 +19,7 @@ from tiny_models import byte_tokenizer, tiny_model
 from mlxspec.batch.scheduler import Scheduler, private_copy
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done
-from mlxspec.proposers import PromptLookup
+from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
 from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.sampling import SamplingSettings
 from mlxspec.suffix.store import HistoryStore
@@ -43,6 +43,7 @@ def engine(tmp_path_factory) -> Engine:
         store.add([*prompt, *[(t + 1) % 256 for t in said.token_ids[:12]]])
     engine.add_proposer(SuffixProposer("suffix", store, k_max=8, vocab_size=engine.vocab_size))
     engine.add_proposer(PromptLookup("lookup", ngram_max=3, ngram_min=1, k_max=8))
+    engine.add_proposer(DraftModel(truncated_model(model, 2), "draft", k_max=4))
     return engine
 
 
@@ -60,6 +61,13 @@ ROWS = {
         (PROMPTS[0], GenerationSettings(max_tokens=30, k=3, sampling=sampled(5)), "lookup"),
         [
             (p, GenerationSettings(max_tokens=40, k=2, sampling=sampled(5 + i)), "lookup")
+            for i, p in enumerate(PROMPTS[1:])
+        ],
+    ),
+    "sampled drafts": (  # a draft model samples its drafts with the row's generator
+        (PROMPTS[0], GenerationSettings(max_tokens=30, k=3, sampling=sampled(8)), "draft"),
+        [
+            (p, GenerationSettings(max_tokens=40, k=2, sampling=sampled(9 + i)), "draft")
             for i, p in enumerate(PROMPTS[1:])
         ],
     ),
