@@ -1,10 +1,10 @@
 """State that belongs to one row of a batch: its proposer and that proposer's private
 state, its policy, its sampling generator and seed, its stop strings, its history reads.
 
-Each request runs alone, then joined into a running batch at different moments: its
-drafts, acceptance counts, seeded samples (of the target and of a draft model) and text must be the same every time. Every
-row fixes its k, so that no round's width cuts a draft and whatever differs comes from
-state one row took from another.
+Each request runs alone, then with others from the start and joined into their running
+batch: its drafts, acceptance counts, seeded samples (of the target and of a draft
+model) and text must be the same every time. Every row fixes its k, so that no round's
+width cuts a draft and whatever differs comes from state one row took from another.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ ROWS = {
         ],
     ),
     "sampled drafts": (  # a draft model samples its drafts with the row's generator
-        (PROMPTS[0], GenerationSettings(max_tokens=30, k=3, sampling=sampled(8)), "draft"),
+        (PROMPTS[0], GenerationSettings(max_tokens=16, k=3, sampling=sampled(8)), "draft"),
         [
-            (p, GenerationSettings(max_tokens=40, k=2, sampling=sampled(9 + i)), "draft")
-            for i, p in enumerate(PROMPTS[1:])
+            (p, GenerationSettings(max_tokens=24, k=2, sampling=sampled(9 + i)), "draft")
+            for i, p in enumerate(PROMPTS[1:3])
         ],
     ),
     "stop strings": (  # its stop string: a piece of its answer (`with_stop`)
@@ -136,7 +136,7 @@ def test_a_row_drafts_accepts_and_samples_as_it_would_alone(engine, kind):
     if kind == "stop strings":
         assert alone["text"] and request[1].stop[0] not in alone["text"]
         assert len(alone["tokens"]) < 40  # the stop string ended it
-    for join_at in (0, 6, 11):  # with them, after their prefills, later on
+    for join_at in (0, 7):  # with them, and into their running batch
         assert outcome(run(engine, request, beside, join_at)) == alone, f"joined at {join_at}"
 
 
