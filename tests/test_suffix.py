@@ -377,6 +377,12 @@ def test_history_hits_are_counted_in_either_loop(batched, tmp_path):
     assert drafted > 0 and store.stats() == {"drafted": drafted, "accepted": drafted}
     generate(engine, prompt, settings, "suffix", batched)
     assert store.stats() == {"drafted": 2 * drafted, "accepted": 2 * drafted}  # totals add up
+    wrong = HistoryStore(tmp_path / "wrong")  # each token of it differs from the answer's
+    wrong.add([*prompt, *[(t + 1) % 256 for t in reference]])
+    _, _, engine = history_engine("llama", 0, wrong)
+    done = generate(engine, prompt, settings, "suffix", batched)
+    drafted = done.record.drafted_from_history
+    assert drafted > 0 and wrong.stats() == {"drafted": drafted, "accepted": 0}
 
 
 def test_suffix_in_a_chain_reports_its_draft_origins(tmp_path):
