@@ -408,9 +408,17 @@ def seed_flat_calibration(root: Path, model: str, ranks: int) -> None:
 
 
 def test_tensor_parallel_output_equals_one_process_greedy(tiny):
-    """Plain decoding, adaptive prompt lookup (rank 0's draft length) and self-spec."""
+    """Plain decoding, adaptive prompt lookup (rank 0's draft length) and self-spec.
+    No rank reads or feeds the model's history (each host keeps its own, and every rank
+    must verify the same drafts): its store is left byte for byte as it was."""
+    from test_suffix import digest
+
+    from mlxspec.suffix.store import HistoryStore, store_dir
+
     model, prompt, expected = reference(tiny / "llama")
     seed_flat_calibration(tiny, "tiny", 2)
+    HistoryStore(store_dir("tiny")).add([*prompt, *expected])  # a journal a read would merge
+    before = digest(store_dir("tiny"))
     for args in (["none", "--k", "0"], ["prompt-lookup"], ["self-spec", "--k", "3"]):
         got = generate(tiny, "--ranks", "2", "--proposer", *args)
         assert "measuring verify cost" not in got["stderr"]  # the seeded curve was used
@@ -420,6 +428,7 @@ def test_tensor_parallel_output_equals_one_process_greedy(tiny):
         assert_lossless(model, prompt, expected, got["token_ids"], f"2 ranks {args}")
         if args[0] == "prompt-lookup":
             assert record["k_policy"] == "adaptive" and record["accepted"] > 0
+    assert digest(store_dir("tiny")) == before
 
 
 def test_pipeline_parallel_where_mlx_lm_has_it(tiny):
