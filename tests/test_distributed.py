@@ -324,6 +324,127 @@ def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass(tre
     assert [k.tokens for k in follower.caches.prefixes.kept] == kept
 
 
+def skip_call(name: str):
+    """A drift: the follower misses rank 0's first `name` call."""
+
+    def drift(calls: list, follower) -> bool:
+        found = next((i for i, call in enumerate(calls) if call[0] == name), None)
+        if found is not None:
+            del calls[found]
+        return found is not None
+
+    return drift
+
+
+def twice(name: str):
+    """A drift: the follower replays rank 0's first `name` call twice."""
+
+    def drift(calls: list, follower) -> bool:
+        found = next((i for i, call in enumerate(calls) if call[0] == name), None)
+        if found is not None:
+            calls.insert(found, list(calls[found]))
+        return found is not None
+
+    return drift
+
+
+def short_keep(calls: list, follower) -> bool:
+    """A drift: the follower's first row keeps one entry fewer after a verify."""
+    found = next((c for c in calls if c[0] == "keep" and c[1][0] > 1), None)
+    if found is not None:
+        found[1][0] -= 1
+    return found is not None
+
+
+def swapped_rows(calls: list, follower) -> bool:
+    """A drift: the follower's rows stand in another order (same lengths, other rows)."""
+    rows = follower.caches.row_ids
+    if len(rows) < 2 or "join" in {c[0] for c in calls}:
+        return False
+    rows[0], rows[1] = rows[1], rows[0]
+    return True
+
+
+def lost_prefixes(calls: list, follower) -> bool:
+    """A drift: the follower's kept prefixes are gone when a prompt reuses one."""
+    starts = [c for c in calls if c[0] == "start"]
+    if not follower.caches.prefixes.kept or not starts:
+        return False
+    follower.caches.prefixes.kept.clear()
+    return True
+
+
+def kept_nothing(calls: list, follower) -> bool:
+    """A drift: the follower keeps no prefix of a finished row."""
+    found = next((c for c in calls if c[0] == "leave" and c[2]), None)
+    if found is not None:
+        found[2] = []
+    return found is not None
+
+
+@pytest.mark.parametrize(
+    "drift,what",
+    [
+        (short_keep, "rows [request, length]"),
+        (skip_call("join"), "rows [request, length]"),
+        (swapped_rows, "rows [request, length]"),
+        (twice("advance"), "prefills [request, reused, unfed]"),
+        (skip_call("drop"), "prefills [request, reused, unfed]"),
+        (lost_prefixes, "prefills [request, reused, unfed]"),
+        (kept_nothing, "kept prefix lengths"),
+    ],
+    ids=[
+        "short keep",
+        "missed join",
+        "swapped rows",
+        "chunk twice",
+        "missed drop",
+        "lost prefixes",
+        "kept nothing",
+    ],
+)
+def test_a_follower_whose_caches_drift_stops_with_one_line_naming_it(drift, what):
+    """Each way a replayed plan could leave a follower's caches other than rank 0's
+    (a call missed or replayed twice, a trim off by one, rows out of order, kept
+    prefixes lost) stops it before its next pass with one line naming what differs."""
+    from types import SimpleNamespace
+
+    from test_batch import collect, sample_prompts, scheduler_for
+
+    from mlxspec.batch.scheduler import Scheduler
+    from mlxspec.distributed.batch import BatchFollower, PlannedCaches
+    from mlxspec.distributed.errors import DistributedError
+    from mlxspec.engine import GenerationSettings
+
+    engine = scheduler_for("llama", seed=2).engine
+    model = engine.target.model
+    follower, drifted = BatchFollower(model, 3, rank=1), []
+
+    class Loopback:
+        watchdog = SimpleNamespace(disarm=lambda: None)
+
+        def broadcast_json(self, plan, what: str) -> None:
+            plan = json.loads(json.dumps(plan))
+            if not drifted and drift(plan["plan"], follower):
+                drifted.append(follower.rounds)
+            follower.replay(plan, lambda rows, round_: None)
+
+    scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()))
+    scheduler.prefill_chunk = 4
+    prompts, settings = sample_prompts(11), GenerationSettings(max_tokens=12)
+    with pytest.raises(DistributedError) as stopped:
+        first = [scheduler.submit(p, settings, "lookup") for p in prompts[:2]]
+        late = [(prompts[3], settings, "lookup")]  # joins over several chunks
+        done = collect(scheduler, late=late, cancel={0: scheduler.submit(prompts[4], settings)})
+        again = prompts[1] + list(done[first[1]][-1].token_ids) + [7, 8]  # reuses a prefix
+        scheduler.submit(again, settings, "lookup")
+        collect(scheduler)
+    message = str(stopped.value)
+    assert drifted and follower.rounds == drifted[0]  # stopped before its next pass
+    assert "\n" not in message
+    assert message.startswith(f"rank 1 diverged from rank 0 in the batch: {what} ")
+
+
 @pytest.mark.parametrize("family", ["llama", "lfm2"])
 def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, monkeypatch):
     """A sharded forward is a collective: a pass rank 0 runs without having sent the plan
