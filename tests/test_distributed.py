@@ -279,6 +279,8 @@ def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass(tre
     def same_rows_as_rank_0(rows, round_: int) -> None:
         leader = scheduler.target
         assert rows.lengths() == leader.lengths()
+        rows_of = [request for request, _ in follower.caches.layout()["rows"]]
+        assert rows_of == [slot.request_id for slot in scheduler.active]
         for mine, theirs in zip(rows.cache, leader.cache):
             filled = mine._idx
             assert filled == theirs._idx
