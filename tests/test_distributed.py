@@ -252,6 +252,57 @@ def test_a_stuck_rank_while_serving_answers_every_request_with_a_503(monkeypatch
     loop.close()
 
 
+def test_a_sharded_request_whose_client_left_ends_with_the_round_under_way(monkeypatch):
+    """`serve --ranks N` one request at a time: the job's cancel reaches rank 0's
+    `stop`, and every rank ends the request at the next round check. The other ranks go
+    on into the next round at once, so that round is run (the stop is agreed in its
+    check) and none after it: counted, a rank alone here, its collectives its own echo."""
+    import asyncio
+    from functools import partial
+    from types import SimpleNamespace
+
+    from test_batch import scheduler_for
+
+    from mlxspec.batch.single import SingleCaches
+    from mlxspec.distributed.rank import RankSession
+    from mlxspec.distributed.watchdog import Watchdog
+    from mlxspec.engine import GenerationSettings
+    from mlxspec.events import Step
+    from mlxspec.server import sharded
+    from mlxspec.server.worker import Generation, Job
+
+    engine = scheduler_for("llama", seed=2).engine
+    watchdog = Watchdog(60, 0)
+    rank = SimpleNamespace(
+        front=True,
+        size=1,
+        watchdog=watchdog,
+        _fault={},
+        describe=lambda record: None,
+        collectives=SimpleNamespace(seconds=0.0, all_gather=lambda mine, what: [mine]),
+    )
+    rank.check = partial(RankSession.check, rank)
+    rank.stream = lambda runtime, prompt, settings, proposer, stop: RankSession.run(
+        rank, runtime, prompt, settings, proposer, stop
+    )
+    rank._maybe_fault = partial(RankSession._maybe_fault, rank)
+    worker = sharded.ShardedWorker(None, 4, SimpleNamespace(watchdog=watchdog), "tiny")
+    worker.session = rank
+    loop = asyncio.new_event_loop()
+    settings = GenerationSettings(max_tokens=60, k=0)
+    job = Job(Generation("tiny", [5, 6, 7], settings, None), loop)
+    verify, passes = SingleCaches.verify, []
+    monkeypatch.setattr(SingleCaches, "verify", lambda *a: passes.append(1) or verify(*a))
+    rounds = 0
+    for event in worker._stream(SimpleNamespace(engine=engine), job, "none"):
+        rounds += isinstance(event, Step)
+        if rounds == 3 and not job.cancelled:
+            job.cancel()  # the client left
+            ran = len(passes)
+    loop.close()
+    assert job.cancelled and rounds == 3 and len(passes) == ran + 1
+
+
 @pytest.mark.parametrize("trees", [False, True])
 def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass(trees):
     """The sharded batch without processes: rank 0's scheduler runs on PlannedCaches
