@@ -20,8 +20,10 @@ near tie (`record.lossless` False).
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -120,3 +122,17 @@ def assert_lossless(
         kept = got[: first + 1]
         rest = plain_greedy(model, prompt + kept, reference.max_tokens - len(kept), reference.eos)
         reference = Reference(kept + rest, reference.max_tokens, reference.eos)
+
+
+def assert_follows_law(seen: Counter, law: np.ndarray, label: str) -> None:
+    """`seen` (how often each token was drawn) is a sample of `law` (probabilities by
+    token id): chi-square over the tokens expected at least 5 times and the rest
+    together, at about alpha 1e-4. The sampled counterpart of `assert_lossless`."""
+    runs = sum(seen.values())
+    likely = [t for t in range(len(law)) if law[t] * runs >= 5]
+    observed = np.array([seen[t] for t in likely] + [runs - sum(seen[t] for t in likely)])
+    expected = np.array([law[t] for t in likely] + [1 - law[likely].sum()]) * runs
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(observed) - 1
+    assert dof >= 3, f"{label}: the test model is too confident to test anything"
+    assert statistic < dof + 4.5 * np.sqrt(2 * dof), (label, statistic, dof)

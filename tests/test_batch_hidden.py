@@ -32,7 +32,7 @@ from mlxspec.drafter.head import HeadSpec, build_head
 from mlxspec.drafter.medusa import MedusaHeads
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import Done
-from mlxspec.proposers import SelfSpeculation
+from mlxspec.proposers import ProposalContext, SelfSpeculation
 from mlxspec.proposers.head import HeadProposer
 from mlxspec.proposers.medusa import MedusaProposer
 from mlxspec.target import Target
@@ -258,7 +258,13 @@ def test_medusa_rows_share_the_heads_and_equal_their_plain_greedy_output():
     mx.random.seed(0)
     medusa = MedusaProposer(MedusaHeads(64, 3, mx.arange(VOCAB)), engine.target)
     engine.add_proposer(medusa)
-    assert private_copy(medusa).heads is medusa.heads
+    medusa._last, medusa._length = mx.zeros((1, 64)), 9  # the engine's own request's row
+    mine = private_copy(medusa)
+    assert mine is not medusa and mine.heads is medusa.heads  # its own state, shared weights
+    assert mine._last is None and mine._length == 0
+    mine.observe(ProposalContext([1, 2], None, None, None, mx.ones((2, 64))))
+    assert medusa._length == 9 and mx.array_equal(medusa._last, mx.zeros((1, 64)))
+    medusa.reset()
     scheduler = Scheduler(engine, max_batch=2)
     prompts = [repeating_prompt(seed) for seed in (21, 22)]
     settings = GenerationSettings(max_tokens=MAX_TOKENS, k=2)

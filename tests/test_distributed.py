@@ -252,6 +252,57 @@ def test_a_stuck_rank_while_serving_answers_every_request_with_a_503(monkeypatch
     loop.close()
 
 
+def test_a_sharded_request_whose_client_left_ends_with_the_round_under_way(monkeypatch):
+    """`serve --ranks N` one request at a time: the job's cancel reaches rank 0's
+    `stop`, and every rank ends the request at the next round check. The other ranks go
+    on into the next round at once, so that round is run (the stop is agreed in its
+    check) and none after it: counted, a rank alone here, its collectives its own echo."""
+    import asyncio
+    from functools import partial
+    from types import SimpleNamespace
+
+    from test_batch import scheduler_for
+
+    from mlxspec.batch.single import SingleCaches
+    from mlxspec.distributed.rank import RankSession
+    from mlxspec.distributed.watchdog import Watchdog
+    from mlxspec.engine import GenerationSettings
+    from mlxspec.events import Step
+    from mlxspec.server import sharded
+    from mlxspec.server.worker import Generation, Job
+
+    engine = scheduler_for("llama", seed=2).engine
+    watchdog = Watchdog(60, 0)
+    rank = SimpleNamespace(
+        front=True,
+        size=1,
+        watchdog=watchdog,
+        _fault={},
+        describe=lambda record: None,
+        collectives=SimpleNamespace(seconds=0.0, all_gather=lambda mine, what: [mine]),
+    )
+    rank.check = partial(RankSession.check, rank)
+    rank.stream = lambda runtime, prompt, settings, proposer, stop: RankSession.run(
+        rank, runtime, prompt, settings, proposer, stop
+    )
+    rank._maybe_fault = partial(RankSession._maybe_fault, rank)
+    worker = sharded.ShardedWorker(None, 4, SimpleNamespace(watchdog=watchdog), "tiny")
+    worker.session = rank
+    loop = asyncio.new_event_loop()
+    settings = GenerationSettings(max_tokens=60, k=0)
+    job = Job(Generation("tiny", [5, 6, 7], settings, None), loop)
+    verify, passes = SingleCaches.verify, []
+    monkeypatch.setattr(SingleCaches, "verify", lambda *a: passes.append(1) or verify(*a))
+    rounds = 0
+    for event in worker._stream(SimpleNamespace(engine=engine), job, "none"):
+        rounds += isinstance(event, Step)
+        if rounds == 3 and not job.cancelled:
+            job.cancel()  # the client left
+            ran = len(passes)
+    loop.close()
+    assert job.cancelled and rounds == 3 and len(passes) == ran + 1
+
+
 @pytest.mark.parametrize("trees", [False, True])
 def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass(trees):
     """The sharded batch without processes: rank 0's scheduler runs on PlannedCaches
@@ -279,6 +330,8 @@ def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass(tre
     def same_rows_as_rank_0(rows, round_: int) -> None:
         leader = scheduler.target
         assert rows.lengths() == leader.lengths()
+        rows_of = [request for request, _ in follower.caches.layout()["rows"]]
+        assert rows_of == [slot.request_id for slot in scheduler.active]
         for mine, theirs in zip(rows.cache, leader.cache):
             filled = mine._idx
             assert filled == theirs._idx
@@ -322,6 +375,127 @@ def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass(tre
     assert follower.caches.empty and scheduler.caches.empty
     kept = [k.tokens for k in scheduler.prefixes.kept]
     assert [k.tokens for k in follower.caches.prefixes.kept] == kept
+
+
+def skip_call(name: str):
+    """A drift: the follower misses rank 0's first `name` call."""
+
+    def drift(calls: list, follower) -> bool:
+        found = next((i for i, call in enumerate(calls) if call[0] == name), None)
+        if found is not None:
+            del calls[found]
+        return found is not None
+
+    return drift
+
+
+def twice(name: str):
+    """A drift: the follower replays rank 0's first `name` call twice."""
+
+    def drift(calls: list, follower) -> bool:
+        found = next((i for i, call in enumerate(calls) if call[0] == name), None)
+        if found is not None:
+            calls.insert(found, list(calls[found]))
+        return found is not None
+
+    return drift
+
+
+def short_keep(calls: list, follower) -> bool:
+    """A drift: the follower's first row keeps one entry fewer after a verify."""
+    found = next((c for c in calls if c[0] == "keep" and c[1][0] > 1), None)
+    if found is not None:
+        found[1][0] -= 1
+    return found is not None
+
+
+def swapped_rows(calls: list, follower) -> bool:
+    """A drift: the follower's rows stand in another order (same lengths, other rows)."""
+    rows = follower.caches.row_ids
+    if len(rows) < 2 or "join" in {c[0] for c in calls}:
+        return False
+    rows[0], rows[1] = rows[1], rows[0]
+    return True
+
+
+def lost_prefixes(calls: list, follower) -> bool:
+    """A drift: the follower's kept prefixes are gone when a prompt reuses one."""
+    starts = [c for c in calls if c[0] == "start"]
+    if not follower.caches.prefixes.kept or not starts:
+        return False
+    follower.caches.prefixes.kept.clear()
+    return True
+
+
+def kept_nothing(calls: list, follower) -> bool:
+    """A drift: the follower keeps no prefix of a finished row."""
+    found = next((c for c in calls if c[0] == "leave" and c[2]), None)
+    if found is not None:
+        found[2] = []
+    return found is not None
+
+
+@pytest.mark.parametrize(
+    "drift,what",
+    [
+        (short_keep, "rows [request, length]"),
+        (skip_call("join"), "rows [request, length]"),
+        (swapped_rows, "rows [request, length]"),
+        (twice("advance"), "prefills [request, reused, unfed]"),
+        (skip_call("drop"), "prefills [request, reused, unfed]"),
+        (lost_prefixes, "prefills [request, reused, unfed]"),
+        (kept_nothing, "kept prefix lengths"),
+    ],
+    ids=[
+        "short keep",
+        "missed join",
+        "swapped rows",
+        "chunk twice",
+        "missed drop",
+        "lost prefixes",
+        "kept nothing",
+    ],
+)
+def test_a_follower_whose_caches_drift_stops_with_one_line_naming_it(drift, what):
+    """Each way a replayed plan could leave a follower's caches other than rank 0's
+    (a call missed or replayed twice, a trim off by one, rows out of order, kept
+    prefixes lost) stops it before its next pass with one line naming what differs."""
+    from types import SimpleNamespace
+
+    from test_batch import collect, sample_prompts, scheduler_for
+
+    from mlxspec.batch.scheduler import Scheduler
+    from mlxspec.distributed.batch import BatchFollower, PlannedCaches
+    from mlxspec.distributed.errors import DistributedError
+    from mlxspec.engine import GenerationSettings
+
+    engine = scheduler_for("llama", seed=2).engine
+    model = engine.target.model
+    follower, drifted = BatchFollower(model, 3, rank=1), []
+
+    class Loopback:
+        watchdog = SimpleNamespace(disarm=lambda: None)
+
+        def broadcast_json(self, plan, what: str) -> None:
+            plan = json.loads(json.dumps(plan))
+            if not drifted and drift(plan["plan"], follower):
+                drifted.append(follower.rounds)
+            follower.replay(plan, lambda rows, round_: None)
+
+    scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()))
+    scheduler.prefill_chunk = 4
+    prompts, settings = sample_prompts(11), GenerationSettings(max_tokens=12)
+    with pytest.raises(DistributedError) as stopped:
+        first = [scheduler.submit(p, settings, "lookup") for p in prompts[:2]]
+        late = [(prompts[3], settings, "lookup")]  # joins over several chunks
+        done = collect(scheduler, late=late, cancel={0: scheduler.submit(prompts[4], settings)})
+        again = prompts[1] + list(done[first[1]][-1].token_ids) + [7, 8]  # reuses a prefix
+        scheduler.submit(again, settings, "lookup")
+        collect(scheduler)
+    message = str(stopped.value)
+    assert drifted and follower.rounds == drifted[0]  # stopped before its next pass
+    assert "\n" not in message
+    assert message.startswith(f"rank 1 diverged from rank 0 in the batch: {what} ")
 
 
 @pytest.mark.parametrize("family", ["llama", "lfm2"])
@@ -408,9 +582,17 @@ def seed_flat_calibration(root: Path, model: str, ranks: int) -> None:
 
 
 def test_tensor_parallel_output_equals_one_process_greedy(tiny):
-    """Plain decoding, adaptive prompt lookup (rank 0's draft length) and self-spec."""
+    """Plain decoding, adaptive prompt lookup (rank 0's draft length) and self-spec.
+    No rank reads or feeds the model's history (each host keeps its own, and every rank
+    must verify the same drafts): its store is left byte for byte as it was."""
+    from test_suffix import digest
+
+    from mlxspec.suffix.store import HistoryStore, store_dir
+
     model, prompt, expected = reference(tiny / "llama")
     seed_flat_calibration(tiny, "tiny", 2)
+    HistoryStore(store_dir("tiny")).add([*prompt, *expected])  # a journal a read would merge
+    before = digest(store_dir("tiny"))
     for args in (["none", "--k", "0"], ["prompt-lookup"], ["self-spec", "--k", "3"]):
         got = generate(tiny, "--ranks", "2", "--proposer", *args)
         assert "measuring verify cost" not in got["stderr"]  # the seeded curve was used
@@ -420,6 +602,7 @@ def test_tensor_parallel_output_equals_one_process_greedy(tiny):
         assert_lossless(model, prompt, expected, got["token_ids"], f"2 ranks {args}")
         if args[0] == "prompt-lookup":
             assert record["k_policy"] == "adaptive" and record["accepted"] > 0
+    assert digest(store_dir("tiny")) == before
 
 
 def test_pipeline_parallel_where_mlx_lm_has_it(tiny):

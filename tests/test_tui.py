@@ -455,3 +455,28 @@ def test_chat_rejects_an_unknown_proposer_before_loading(models, monkeypatch):
     result = CliRunner().invoke(main, ["chat", "--plain", "--proposer", "telepathy"])
     assert result.exit_code != 0 and "unknown proposer 'telepathy'" in result.output
     assert models.opened == []
+
+
+@pytest.mark.parametrize("after", [5, 6], ids=["mid-round", "after a round"])
+def test_escape_computes_no_round_after_it(after, monkeypatch):
+    """The chat's Escape ends the answer between two events: the engine runs no round
+    after it (counted), whichever event of a round it came after."""
+    from types import SimpleNamespace
+
+    from mlxspec.batch.single import SingleCaches
+    from mlxspec.engine import GenerationSettings
+    from tui.worker import local_stream
+
+    engine = Engine(tiny_model("llama", seed=1), byte_tokenizer(), "llama")
+    verify, passes = SingleCaches.verify, []
+    monkeypatch.setattr(SingleCaches, "verify", lambda *a: passes.append(1) or verify(*a))
+    escape, seen = threading.Event(), []
+    settings = GenerationSettings(max_tokens=40, k=0)
+    for event in local_stream(
+        SimpleNamespace(engine=engine), [5, 6, 7], settings, "none", escape.is_set
+    ):
+        seen.append(event)
+        if len(seen) == after:  # plain rounds of two events: the token, then its Step
+            escape.set()
+            ran = len(passes)
+    assert escape.is_set() and len(passes) == ran

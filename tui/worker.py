@@ -90,11 +90,13 @@ class AnswerJob:
 
 
 def local_stream(runtime, messages, settings, proposer: str, stop: Callable[[], bool]):
-    """The engine's own stream, left between two events once `stop()` says so."""
+    """The engine's own stream, left between two events once `stop()` says so: asked
+    before the next event, which after a round's last one would run another round."""
     events = runtime.engine.stream(messages, settings, proposer)
     try:
-        for event in events:
-            if stop():
+        while not stop():
+            event = next(events, None)
+            if event is None:
                 return
             yield event
     finally:

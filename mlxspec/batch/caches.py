@@ -35,6 +35,7 @@ class BatchCaches:
         # A recurrent state holds its whole sequence: no prefix of it can be reused.
         self.prefixes = PrefixPool(prefix_capacity if self.target.reuses_prefixes else 0)
         self.prefills: dict[int, Prefill] = {}  # joining requests' own caches, by request id
+        self.row_ids: list[int] = []  # the request of each row, in the target's order
         # Per row, in the target's order: the layers its proposer reads (None: nothing)
         # and the hidden states (m, F) of the tokens its cache took in since the last round.
         self.captures: list[tuple[int, ...] | None] = []
@@ -69,6 +70,17 @@ class BatchCaches:
     def lengths(self) -> list[int]:
         return self.target.lengths()
 
+    def layout(self) -> dict[str, list]:
+        """What these caches hold, in JSON-able lists, for a copy that replays the same
+        calls to compare with (a sharded batch's followers): each row's request and
+        length, each prefill's request, reused and unfed prompt tokens, each kept
+        prefix's length."""
+        return {
+            "rows": [[i, n] for i, n in zip(self.row_ids, self.lengths())],
+            "prefills": [[i, p.reused, len(p.todo)] for i, p in self.prefills.items()],
+            "kept": [len(kept.tokens) for kept in self.prefixes.kept],
+        }
+
     def kv_layout(self) -> list[tuple[float, int | None]]:
         return self.target.kv_layout()
 
@@ -101,6 +113,7 @@ class BatchCaches:
         pass (0.40 s against 0.18 s over 8 rows), and every wider pass as cheaper."""
         prefill = self.prefills.pop(request_id)
         self.target.join(prefill)
+        self.row_ids.append(request_id)
         self.captures.append(prefill.capture)
         self.hidden.append(prefill.hidden)
         self.target.settle()
@@ -117,6 +130,7 @@ class BatchCaches:
             if self.target.whole[row]:
                 self.prefixes.add(tokens, self.target.extract(row))
         self.target.leave(keep_rows)
+        self.row_ids = [self.row_ids[i] for i in keep_rows]
         self.captures = [self.captures[i] for i in keep_rows]
         self.hidden = [self.hidden[i] for i in keep_rows]
         self.target.settle()  # the filter too, out of the next verify's time (as `join`)

@@ -9,8 +9,9 @@ timings and clients). Rank 0's `PlannedCaches` records every call the scheduler 
 on its `BatchCaches` and, before each forward pass, broadcasts the calls since the last
 one as a plan; the other ranks replay them on their own `BatchCaches` (`BatchFollower`)
 and so hold caches of the same shape, in which the same forward runs. A plan also
-carries rank 0's row lengths, which each rank checks before the pass: a rank that
-drifts anyway stops with a line naming it instead of computing on.
+carries what rank 0's caches hold (`BatchCaches.layout`: each row's request and length,
+each prefill's progress, the kept prefixes), which each rank checks before the pass: a
+rank that drifts anyway stops with a line naming what differs instead of computing on.
 
 When the batch empties (last request done or cancelled), the plan goes out at once
 and says so, so the other ranks let their rows go too and wait for the next request
@@ -31,6 +32,12 @@ from mlxspec.distributed.errors import DistributedError
 from mlxspec.tree import DraftTree
 
 PLAN = "plan"  # the key that tells a plan from a request announcement
+# The parts of `BatchCaches.layout` a follower checks, and how its error line names them.
+LAYOUT = {
+    "rows": "rows [request, length]",
+    "prefills": "prefills [request, reused, unfed]",
+    "kept": "kept prefix lengths",
+}
 
 
 def batches(model: nn.Module, max_batch: int) -> bool:
@@ -98,7 +105,7 @@ class PlannedCaches(BatchCaches):
         return result
 
     def _send(self, idle: bool) -> None:
-        plan = {PLAN: self.pending, "lengths": self.lengths(), "idle": idle}
+        plan = {PLAN: self.pending, "layout": self.layout(), "idle": idle}
         self.pending = []
         self.collectives.broadcast_json(plan, "sending the batch's plan")
         if idle:  # no deadline until the next request
@@ -120,12 +127,13 @@ class BatchFollower:
         forward = calls.pop() if calls and self.caches.runs_model(calls[-1]) else None
         for name, *args in calls:
             getattr(self.caches, name)(*args)
-        mine = self.caches.lengths()
-        if mine != plan["lengths"]:
-            raise DistributedError(
-                f"rank {self.rank} diverged from rank 0 in the batch: row lengths "
-                f"{mine} vs {plan['lengths']}; stopping (no output past this point is trusted)"
-            )
+        mine, theirs = self.caches.layout(), plan["layout"]
+        for part, what in LAYOUT.items():
+            if mine[part] != theirs[part]:
+                raise DistributedError(
+                    f"rank {self.rank} diverged from rank 0 in the batch: {what} {mine[part]} "
+                    f"vs {theirs[part]}; stopping (no output past this point is trusted)"
+                )
         if forward is not None:
             name, *args = forward
             verifies = name in ("verify", "verify_tree")
