@@ -24,7 +24,8 @@ from test_one_loop import EOS, engine_with, repeating_prompt
 from tiny_models import VOCAB, tiny_model
 
 from mlxspec.batch.caches import BatchCaches
-from mlxspec.batch.scheduler import Scheduler, private_copy
+from mlxspec.batch.rows import private_copy
+from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import RECURRENT_CAPTURE, capture_unsupported
 from mlxspec.bench.concurrency import batchable
 from mlxspec.distributed.batch import PlannedCaches

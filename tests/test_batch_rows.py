@@ -16,7 +16,8 @@ import pytest
 from test_lossless import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
-from mlxspec.batch.scheduler import Scheduler, private_copy
+from mlxspec.batch.rows import private_copy
+from mlxspec.batch.scheduler import Scheduler
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.proposers import DraftModel, PromptLookup, truncated_model

@@ -21,7 +21,8 @@ from test_trees import SHAPE, TreeOracle
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.batch.caches import BatchCaches
-from mlxspec.batch.scheduler import Scheduler, cut_tree, first_guess
+from mlxspec.batch.rows import cut_tree, first_guess
+from mlxspec.batch.scheduler import Scheduler
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.proposers import Lookahead, PromptLookup

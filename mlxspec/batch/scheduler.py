@@ -29,7 +29,6 @@ request leaves at the next round boundary and frees its slot.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import time
@@ -42,6 +41,14 @@ import mlx.core as mx
 
 from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.owner import RoundOwner
+from mlxspec.batch.rows import (
+    cut_tree,
+    first_guess,
+    greedy_reads,
+    one_step,
+    private_copy,
+    unbatchable_reason,
+)
 from mlxspec.batch.single import SingleCaches
 from mlxspec.batch.target import cache_columns
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
@@ -54,77 +61,11 @@ from mlxspec.proposers.base import (
     candidates,
     hidden_capture,
 )
-from mlxspec.proposers.self_spec import SelfSpeculation
 from mlxspec.request import RequestRun
 from mlxspec.settings import GenerationError, GenerationSettings
 from mlxspec.speedup import round_steps
 from mlxspec.target import PREFILL_CHUNK
-from mlxspec.tree import DraftTree, chain, keep_best
-
-
-def unbatchable_reason(proposer: Proposer, capture_unsupported: str | None) -> str | None:
-    """Why `proposer` cannot draft for one row of a batch yet (None: it can).
-
-    `capture_unsupported`: why the batch cannot hand a row its hidden states (None: it
-    can; `BatchCaches.capture_unsupported`). Self-speculation runs the target's own
-    layers and cache, which a batch's rows do not each have (a request alone does).
-    """
-    for member in [proposer, *getattr(proposer, "members", ())]:
-        if member.needs_hidden and capture_unsupported:
-            name = member.name
-            return f"proposer '{name}' reads the target's hidden states: {capture_unsupported}"
-        if isinstance(member, SelfSpeculation):
-            return f"proposer '{member.name}' runs the target's own layers and cache"
-    return None
-
-
-def cut_tree(tree: DraftTree, n: int) -> DraftTree:
-    """The first n tokens of a line; of a tree, its n likeliest nodes with their
-    ancestors (without scores, its first n: breadth-first, so ancestors come first)."""
-    if tree.is_chain or tree.scores is None:
-        return DraftTree(tree.tokens[:n], tree.parents[:n])
-    return keep_best(tree, n)
-
-
-def first_guess(tree: DraftTree) -> int:
-    """The draft's first token: of a tree, its likeliest child of the root (a tree's
-    nodes of one depth come in no order of likelihood)."""
-    children = tree.children()[0]  # node numbers: node n's token is tokens[n - 1]
-    if tree.scores is not None:
-        children.sort(key=lambda node: -tree.scores[node - 1])
-    return tree.tokens[children[0] - 1]
-
-
-def greedy_reads(run: RequestRun, processed: mx.array) -> dict[str, mx.array]:
-    """What the host reads of a greedy row's processed logits (m, V), lazy: the argmax of
-    each row and, where the run counts them, its near ties. Evaluated with the logits in
-    one go: read one by one, each is an evaluation per row (1.3 ms each over 8 rows of a
-    tiny model here) and, after a launch, waits behind the launched pass. Sampling: {}."""
-    if not run.sampling.greedy:
-        return {}
-    reads = {"argmax": mx.argmax(processed, axis=-1)}
-    if run.counts_near_ties:
-        reads["near_ties"] = run.scorer.near_tie_rows(processed)
-    return reads
-
-
-def one_step(round_seconds: float) -> float:
-    """The price of a plain round whose pass was launched the round before: one plain
-    step (the wait for it is not what the pass cost)."""
-    return 1.0
-
-
-def private_copy(proposer: Proposer) -> Proposer:
-    """`proposer` for one request alone: its own caches and indexes, weights shared."""
-    if hasattr(proposer, "members"):
-        mine = copy.copy(proposer)
-        mine.members = [private_copy(member) for member in proposer.members]
-        return mine
-    if hasattr(proposer, "reset"):  # e.g. a draft model's cache, suffix's request index:
-        mine = copy.copy(proposer)  # share weights and the history store, start afresh
-        mine.reset()
-        return mine
-    return copy.deepcopy(proposer)
+from mlxspec.tree import DraftTree, chain
 
 
 @dataclass

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlxspec.batch.scheduler import unbatchable_reason
+from mlxspec.batch.rows import unbatchable_reason
 from mlxspec.batch.target import capture_unsupported
 from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.bench import BenchError

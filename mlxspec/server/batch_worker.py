@@ -15,7 +15,8 @@ import logging
 import queue
 
 from mlxspec.batch.memory import GB, kv_budget
-from mlxspec.batch.scheduler import Scheduler, unbatchable_reason
+from mlxspec.batch.rows import unbatchable_reason
+from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import unsupported_reason
 from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.engine import GenerationError
