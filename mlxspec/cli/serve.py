@@ -61,6 +61,14 @@ ROW_FLOOR_OPTION = click.option(
     help="GB of KV cache the batch may hold; a request waits until its context fits "
     "(default: 75% of the device's memory less the weights; 0: no bound).",
 )
+@click.option(
+    "--shutdown-timeout",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="On SIGINT, SIGTERM or SIGHUP: seconds running requests get to finish before they "
+    "end with a 503; then the server exits 0.",
+)
 @TREE_OPTION
 @WEIGHTS_OPTION
 @distributed_options
@@ -75,6 +83,7 @@ def serve(
     max_batch,
     row_floor,
     kv_memory,
+    shutdown_timeout,
     tree,
     weights,
 ):
@@ -133,4 +142,4 @@ def serve(
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
     say(f"serving {provider.default} at http://{host}:{port}/v1")
-    run_server(app, host, port, sock)
+    run_server(app, host, port, sock, shutdown_timeout)

@@ -35,6 +35,7 @@ from mlxspec.distributed.launch import (
     free_port_base,
     read_hostfile_ips,
 )
+from mlxspec.processes import PARENT_ENV, child_env
 
 STOP_SECONDS = 5.0  # a child asked to stop (SIGTERM) gets this long before SIGKILL
 
@@ -70,7 +71,7 @@ class Followers:
         command = [sys.executable, "-m", "mlxspec", *self.rank_argv]
         for rank in range(1, size):
             env = {
-                **os.environ,
+                **child_env(),  # the child ends if this process is killed
                 "MLX_RANK": str(rank),
                 "MLX_HOSTFILE": self._hostfile,
                 CHILD_ENV: self.config.to_env(),
@@ -192,7 +193,7 @@ def remote_script(rank: int, ring: str, command: list[str], env: dict[str, str])
     rank settings), the ring's addresses in a file of its own, then the rank itself."""
     script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; "
     for key, value in sorted(env.items()):
-        if key.startswith("MLXSPEC_"):
+        if key.startswith("MLXSPEC_") and key != PARENT_ENV:  # its parent there is ssh's
             script += f"export {key}={shlex.quote(value)}; "
     script += f"ring=$(mktemp); printf %s {shlex.quote(ring)} > $ring; "
     script += f"export MLX_HOSTFILE=$ring MLX_RANK={rank}; "

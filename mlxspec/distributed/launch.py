@@ -21,13 +21,26 @@ from pathlib import Path
 
 from mlxspec.distributed.config import CHILD_ENV, FAULT_ENV, RankConfig
 from mlxspec.distributed.errors import DistributedError
+from mlxspec.processes import (
+    child_env,
+    end_group,
+    signal_group,
+    stop_reason,
+    stop_signals,
+)
 
 MARKER = re.compile(r"\x1emlxspec-rank-exit (-?\d+) (-?\d+)")
+FRONT = re.compile(r"\x1emlxspec-front-pid (\d+) (\S+)")  # rank 0's pid and host
 NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was (killed))")
 # MLX's own per-socket chatter when a peer goes away; the summary line says it better.
 NOISE = re.compile(r"^(\x1b\[\d+m)?\s*(\[ring\]|\[jaccl\]|\[mpi\]|\[WARN\]|\[INFO\]|\x1b\[0m)")
 LOST = "lost the connection to another rank"
-LAUNCH = "from mlx._distributed_utils.launch import main; main()"
+# mlx.launch, told who owns it (see mlxspec.processes.become_launcher).
+LAUNCH = (
+    "from mlxspec.processes import become_launcher; become_launcher(); "
+    "from mlx._distributed_utils.launch import main; main()"
+)
+STOP_SECONDS = 5.0  # after a stop signal, what has not ended by then is killed
 
 
 @dataclass
@@ -38,6 +51,7 @@ class LaunchRequest:
     parallel: str
     timeout: float
     hosts: list[str] = field(default_factory=list)  # ssh names, from the hostfile
+    stop_seconds: float = STOP_SECONDS  # from a stop signal to killing what still runs
 
     @property
     def size(self) -> int:
@@ -136,9 +150,14 @@ class Outcome:
     codes: dict[int, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     node_exits: list[tuple[int, str]] = field(default_factory=list)  # launcher's, in order
+    front_pid: int | None = None  # rank 0's process, once it said so, if on this host
 
     def read(self, line: str) -> bool:
         """Take in one stderr line; True when it is for the user to see as it comes."""
+        if front := FRONT.search(line):
+            if front.group(2) == socket.gethostname():
+                self.front_pid = int(front.group(1))
+            return False
         if marker := MARKER.search(line):
             self.codes[int(marker.group(1))] = int(marker.group(2))
             return False
@@ -179,40 +198,86 @@ class Outcome:
 
 
 def run_launched(request: LaunchRequest, rank_argv: list[str], stdin=None) -> int:
-    """Run the ranks under mlx.launch, relay their output, return this command's exit code."""
+    """Run the ranks under mlx.launch, relay their output, return this command's exit
+    code. This process owns them all: a stop signal stops them (`LaunchStop`), and on
+    every way out nothing of mlx.launch's process group is left running."""
     command = launch_command(request, rank_argv)
     if os.environ.get("MLXSPEC_VERBOSE"):
-        sys.stderr.write(f"mlxspec: {' '.join(command)}\n")
+        _say(f"mlxspec: {' '.join(command)}\n")
     process = subprocess.Popen(
         command,
         stdin=stdin if stdin is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        start_new_session=True,  # so that an interrupt can stop every local rank at once
+        env=child_env(),
+        start_new_session=True,  # one process group: mlx.launch and every local rank
     )
     outcome = Outcome(request.size)
+    stop = LaunchStop(process.pid, outcome, request.stop_seconds)
     relay = threading.Thread(target=_relay_stdout, args=(process.stdout,), daemon=True)
     relay.start()
-    try:
-        for raw in process.stderr:
-            line = raw.decode(errors="replace")
-            if outcome.read(line) or os.environ.get("MLXSPEC_VERBOSE"):
-                sys.stderr.write(line)
-                sys.stderr.flush()
-        process.wait()
-    except KeyboardInterrupt:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait()
-        raise
-    relay.join()
+    with stop_signals(stop.request):
+        try:
+            for raw in process.stderr:
+                line = raw.decode(errors="replace")
+                if outcome.read(line) or os.environ.get("MLXSPEC_VERBOSE"):
+                    _say(line)
+            process.wait()
+        finally:
+            end_group(process.pid, STOP_SECONDS)  # ranks whose launcher went first
+    relay.join(STOP_SECONDS)
     code = outcome.exit_code()
     if code:
-        sys.stderr.write(f"Error: {outcome.message(request.hosts)}\n")
+        message = stop.reason() or outcome.message(request.hosts)
+        _say(f"Error: {message}\n")
     return code
+
+
+class LaunchStop:
+    """What a stop signal to the owner does: rank 0 is asked to stop (a server first ends
+    its requests, then leads the other ranks out), or, before rank 0 has said where it
+    runs, every rank at once; whatever still runs `seconds` later is killed. A second
+    signal kills at once."""
+
+    def __init__(self, pgid: int, outcome: Outcome, seconds: float):
+        self.pgid, self.outcome, self.seconds = pgid, outcome, seconds
+        self.signum: int | None = None
+
+    def request(self, signum: int) -> None:
+        if self.signum is not None:
+            signal_group(self.pgid, signal.SIGKILL)
+            return
+        self.signum = signum
+        try:
+            if self.outcome.front_pid is not None:
+                os.kill(self.outcome.front_pid, signal.SIGTERM)
+            else:
+                signal_group(self.pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        timer = threading.Timer(self.seconds, signal_group, (self.pgid, signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+    def reason(self) -> str | None:
+        """Why the ranks ended, when a signal stopped them."""
+        return None if self.signum is None else stop_reason(self.signum)
+
+
+def _say(text: str) -> None:
+    """Write to stderr, which may be gone (SIGHUP: the terminal closed)."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def _relay_stdout(stream) -> None:
     out = sys.stdout.buffer
     for chunk in iter(lambda: stream.read1(65536), b""):
-        out.write(chunk)
-        out.flush()
+        try:
+            out.write(chunk)
+            out.flush()
+        except (OSError, ValueError):  # the terminal or pipe is gone: read on, to the end
+            pass

@@ -21,7 +21,7 @@ import click
 from mlxspec.console import say
 from mlxspec.distributed.config import BACKENDS, PARALLEL_MODES, RankConfig
 from mlxspec.distributed.errors import DistributedError
-from mlxspec.distributed.launch import LOST
+from mlxspec.distributed.launch import LOST, STOP_SECONDS
 
 DEFAULT_TIMEOUT = 120.0
 LEAVE_SECONDS = 5.0  # a front end told the ranks are lost has this long to end the process
@@ -86,6 +86,7 @@ def distributed_options(func):
             parallel,
             collective_timeout,
             hosts,
+            STOP_SECONDS + (kwargs.get("shutdown_timeout") or 0),  # serve's own bound first
         )
         argv = sys.argv[1:]
         stdin = None
@@ -127,19 +128,21 @@ def _hostfile_backend(hostfile: str | None) -> str:
     return "ring"
 
 
-def _run_rank(config, func, args, kwargs) -> None:
-    """The command body inside one rank: a clear line and a marker on every way out."""
-    from mlxspec.distributed.rank import report_exit, start_session
+def _run_rank(config, func, args, kwargs) -> NoReturn:
+    """The command body inside one rank: a clear line and a marker on every way out; a
+    rank whose launcher (or, over ssh, its connection) is gone ends too."""
+    from mlxspec.distributed.rank import report_exit, report_front, start_session
+    from mlxspec.processes import exit_with_parent
 
+    exit_with_parent()
     code, session = 1, None
     try:
         session = start_session(config)
-        result = func(*args, **kwargs)
+        report_front(session)
+        func(*args, **kwargs)
         code = 0
-        return result
     except click.exceptions.Exit as stop:
         code = stop.exit_code
-        raise
     except click.ClickException as err:
         code = err.exit_code
         _error(session, err.format_message())
@@ -147,17 +150,42 @@ def _run_rank(config, func, args, kwargs) -> None:
         _error(session, _explain(err))
     finally:
         report_exit(code)
-    sys.exit(code)
+    _leave(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """End a rank at once: its work is done and reported, and Python's own teardown (MLX's
+    ring, the model's arrays) takes seconds (measured: 8 s for 3 ranks on 2 cores) that a
+    stopping server's ranks must not hold its port and the machine for."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the launcher is gone
+            pass
+    os._exit(code)
 
 
 def _run_front(request, rank_argv: list[str], func, args, kwargs) -> NoReturn:
     """`chat` on the ring backend: the command body as rank 0 in this process, on the
-    user's terminal, with the other ranks as its children (see `followers`)."""
-    from mlxspec.distributed.followers import Followers, hide_collective_noise
-    from mlxspec.distributed.rank import start_session
+    user's terminal, with the other ranks as its children (see `followers`). A stop
+    signal ends them too (`_stop_front`)."""
+    from mlxspec.distributed.followers import Followers
+    from mlxspec.processes import stop_signals
 
     followers = Followers(request, rank_argv)
-    code, error = 1, None
+    with stop_signals(functools.partial(_stop_front, followers)):
+        code = followers.finish(*_front(followers, func, args, kwargs))
+    if code:
+        sys.stdout.flush()
+        os._exit(code)  # not sys.exit: a thread may still wait in a collective
+    sys.exit(0)
+
+
+def _front(followers, func, args, kwargs) -> tuple[int, str | None]:
+    """Rank 0's command body: its exit code, and the error to report."""
+    from mlxspec.distributed.followers import hide_collective_noise
+    from mlxspec.distributed.rank import start_session
+
     try:
         hide_collective_noise()
         followers.start()
@@ -166,20 +194,25 @@ def _run_front(request, rank_argv: list[str], func, args, kwargs) -> NoReturn:
         session.on_joined.append(followers.forget_ring)
         followers.on_lost = functools.partial(_lost, session, followers)
         func(*args, **kwargs)
-        code = 0
+        return 0, None
     except click.exceptions.Exit as stop:
-        code = stop.exit_code
+        return stop.exit_code, None
     except click.ClickException as err:
-        code, error = err.exit_code, err.format_message()
+        return err.exit_code, err.format_message()
     except (DistributedError, RuntimeError, ValueError, OSError) as err:
-        error = _explain(err)
+        return 1, _explain(err)
     except KeyboardInterrupt:
-        error = "interrupted"
-    code = followers.finish(code, error)
-    if code:
-        sys.stdout.flush()
-        os._exit(code)  # not sys.exit: a thread may still wait in a collective
-    sys.exit(0)
+        return 1, "interrupted"
+
+
+def _stop_front(followers, signum: int) -> None:
+    """A stop signal to `chat`'s rank 0: the other ranks are stopped and the chat ends as
+    when they are lost (the TUI leaves the screen first), on a thread, since the main
+    thread may be inside a collective that their end interrupts."""
+    from mlxspec.processes import stop_reason
+
+    stop = threading.Thread(target=followers.fail, args=(stop_reason(signum),), daemon=True)
+    stop.start()
 
 
 def _lost(session, followers, reason: str) -> None:

@@ -415,6 +415,14 @@ def start_session(config: RankConfig) -> RankSession:
     return _SESSION
 
 
+def report_front(session: RankSession) -> None:
+    """Rank 0 says where it runs: a stop signal to the owner is sent there, so that a
+    server ends its requests and then leads the other ranks out (launch.LaunchStop)."""
+    if session.front:
+        sys.stderr.write(f"\x1emlxspec-front-pid {os.getpid()} {socket.gethostname()}\n")
+        sys.stderr.flush()
+
+
 def report_exit(code: int) -> None:
     """One marker line per rank for the launching process, which decides the exit code."""
     rank = _SESSION.rank if _SESSION else -1

@@ -24,6 +24,7 @@ import mlxspec
 from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.engine import GenerationError, GenerationSettings
 from mlxspec.events import Done
+from mlxspec.processes import stop_signals
 from mlxspec.sampling import SamplingSettings
 from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError, install_error_handlers
@@ -176,20 +177,47 @@ def create_app(
     return app
 
 
-def run_server(app: FastAPI, host: str, port: int, sock: socket.socket | None = None) -> None:
-    """Run `app` with uvicorn until Ctrl-C; generations still running are cancelled at
-    once, so their streams end with an error message instead of being cut. `sock`: a
-    socket already bound to host:port (see listen.py), else uvicorn binds one."""
+SHUTDOWN_SECONDS = 5.0  # what a running request gets to finish once the server is stopped
+CUT_SECONDS = 2.0  # for the requests cut at that point to hear so and their connections to close
+
+
+def run_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    sock: socket.socket | None = None,
+    shutdown_timeout: float = SHUTDOWN_SECONDS,
+) -> None:
+    """Run `app` with uvicorn until SIGINT, SIGTERM or SIGHUP, then stop cleanly: no new
+    connections or requests, queued requests end with a 503 at once, running ones get
+    `shutdown_timeout` seconds to finish and then end with a 503 (a final SSE error event
+    for a stream), and this returns once the port is free (so the command exits 0). A
+    second signal ends the running requests at once. `sock`: a socket already bound to
+    host:port (see listen.py), else uvicorn binds one."""
+    worker = app.state.worker
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            app.state.worker.shutdown()
-            super().handle_exit(sig, frame)
+            # Not uvicorn's own: it raises the signal again once stopped, so the process
+            # would die of it instead of exiting 0.
+            if self.should_exit:
+                worker.shutdown()
+                self.force_exit = True
+            else:
+                worker.shutdown(shutdown_timeout)
+                self.should_exit = True
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=3
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=shutdown_timeout + CUT_SECONDS,
     )
-    Server(config).run(sockets=[sock] if sock is not None else None)
+    server = Server(config)
+    with stop_signals(lambda signum: server.handle_exit(signum, None)):  # uvicorn: no SIGHUP
+        server.run(sockets=[sock] if sock is not None else None)
+    worker.stop(CUT_SECONDS)  # after a second signal, uvicorn left it running
 
 
 def _model_info(provider: ModelProvider, name: str | None) -> ModelInfo:

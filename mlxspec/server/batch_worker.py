@@ -103,7 +103,7 @@ class BatchedWorker(Worker):
                 self._round()
             self.busy = self._rows() > 0
         if self._held is not None:  # stopped while it waited for the batch to drain
-            self._held.end()
+            self._refuse(self._held)
         self._release_streams()
 
     def _admit(self) -> bool:
@@ -122,7 +122,10 @@ class BatchedWorker(Worker):
                 return False
             if job is None:
                 return True
-            if job.cancelled or self._stopping.is_set():
+            if self._stopping.is_set():
+                self._refuse(job)
+                continue
+            if job.cancelled:
                 job.end()
                 continue
             self._take(job)
@@ -198,7 +201,7 @@ class BatchedWorker(Worker):
     def _round(self) -> None:
         scheduler = self._scheduler
         for request_id, job in list(self._jobs.items()):
-            if job.cancelled or self._stopping.is_set():
+            if job.cancelled:  # its client left, or the server stops (`Worker._cut`)
                 scheduler.cancel(request_id)
                 del self._jobs[request_id]
                 job.end()

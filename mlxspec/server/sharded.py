@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from mlxspec.registry import ModelEntry
 from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelInfo, ModelProvider, OpenModel
-from mlxspec.server.worker import Job, Worker
+from mlxspec.server.worker import Job, Worker, drain
 
 log = logging.getLogger("mlxspec.server")
 
@@ -88,21 +87,28 @@ class ShardedWorker(Worker):
             return self.fail(_first_line(err))
         return super()._failure(err)
 
-    def _serve(self) -> None:
-        super()._serve()
+    def _release_streams(self) -> None:
+        """A clean stop leads the other ranks out (they return, exit 0): a collective, so
+        before this thread lets its MLX streams go."""
         if self.failure is None:
-            self.session.end_following()  # a clean stop: the other ranks return too
+            try:
+                self.session.end_following()
+            except RuntimeError as err:  # a rank is gone after all
+                self.fail(_first_line(err))
+        super()._release_streams()
 
-    def shutdown(self) -> None:
-        """Ctrl-C or mlx.launch stopping this rank: a rank that already ended is why, and
-        the requests hear so; otherwise stop cleanly, or end the process after a while."""
+    def shutdown(self, grace: float = 0.0) -> None:
+        """A stop signal, or mlx.launch stopping this rank: a rank that already ended is
+        why, and the requests hear so; otherwise stop as one process does (the other ranks
+        follow to the end), or end the process if that has not happened in time."""
+        if self._stopping.is_set():  # the ranks may have been led out already: no check
+            super().shutdown(grace)
+            return
         if self.session.gone_ranks():
             self.fail("stopped by the launcher")
             return
-        if self._stopping.is_set():
-            return  # stopping already (uvicorn's signal, then its lifespan)
-        super().shutdown()
-        timer = threading.Timer(STOP_SECONDS, self.fail, ("the server was stopped",))
+        super().shutdown(grace)
+        timer = threading.Timer(grace + STOP_SECONDS, self.fail, ("the server was stopped",))
         timer.daemon = True
         timer.start()
 
@@ -123,7 +129,7 @@ class ShardedWorker(Worker):
             message = f"{reason}; the sharded model cannot go on and the server is stopping"
             self.failure = ApiError(503, message, code="rank_failed", type="server_error")
             self._stopping.set()
-            jobs = [*self.in_flight(), *_drain(self._waiting)]
+            jobs = [*self.in_flight(), *drain(self._waiting)]
             self._waiting.put(None)  # the generation thread, if it is free, ends
         for job in filter(None, jobs):
             job.post(self.failure)
@@ -175,17 +181,6 @@ class ShardedBatchedWorker(ShardedWorker, BatchedWorker):
         if isinstance(event, Done):
             self.session.describe(event.record)
         super()._relay(job, event)
-
-
-def _drain(waiting: queue.Queue) -> list[Job]:
-    jobs = []
-    while True:
-        try:
-            job = waiting.get_nowait()
-        except queue.Empty:
-            return jobs
-        if job is not None:
-            jobs.append(job)
 
 
 def _first_line(err: Exception) -> str:

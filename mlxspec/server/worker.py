@@ -124,13 +124,31 @@ class Worker:
     def start(self) -> None:
         self.thread.start()
 
-    def shutdown(self) -> None:
-        """Cancel what is running and waiting, refuse new requests; returns at once."""
+    def shutdown(self, grace: float = 0.0) -> None:
+        """Refuse new requests and end the queued ones now; the running ones may finish
+        within `grace` seconds, then end with a 503 that says why. Returns at once; a
+        second call (no grace) ends the running ones now."""
         if not self._stopping.is_set():
             self._stopping.set()
-            if self._running is not None:
-                self._running.cancel()
+            for job in drain(self._waiting):
+                self._refuse(job)
             self._waiting.put(None)
+            if grace > 0:
+                timer = threading.Timer(grace, self._cut)
+                timer.daemon = True
+                timer.start()
+                return
+        self._cut()
+
+    def _cut(self) -> None:
+        """The server stops now: every running request ends, told why."""
+        for job in self.in_flight():
+            job.post(shutting_down())
+            job.cancel()
+
+    def _refuse(self, job: Job) -> None:
+        job.post(shutting_down())
+        job.end()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Shut down and wait for the thread to end."""
@@ -145,9 +163,7 @@ class Worker:
     def submit(self, generation: Generation) -> Job:
         """Queue a request (called on the event loop only, so the check cannot race)."""
         if self._stopping.is_set():
-            raise ApiError(
-                503, "the server is shutting down", code="shutting_down", type="server_error"
-            )
+            raise shutting_down()
         if self._waiting.qsize() >= self.queue_room:
             raise ApiError(
                 429,
@@ -163,7 +179,10 @@ class Worker:
     def _serve(self) -> None:
         self._open_preload()
         while (job := self._waiting.get()) is not None:
-            if not (job.cancelled or self._stopping.is_set()):
+            if self._stopping.is_set():
+                self._refuse(job)
+                continue
+            if not job.cancelled:
                 self._running, self.busy = job, True
                 self._run(job)
                 self._running, self.busy = None, False
@@ -237,6 +256,22 @@ class Worker:
             ) from None
         self.resident = name
         return self._model
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", code="shutting_down", type="server_error")
+
+
+def drain(waiting: queue.Queue) -> list[Job]:
+    """Every job still queued, taken off the queue."""
+    jobs = []
+    while True:
+        try:
+            job = waiting.get_nowait()
+        except queue.Empty:
+            return jobs
+        if job is not None:
+            jobs.append(job)
 
 
 def _internal_error() -> ApiError:
