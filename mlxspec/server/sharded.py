@@ -167,6 +167,9 @@ class ShardedBatchedWorker(ShardedWorker, BatchedWorker):
             self._scheduler = Scheduler(
                 engine, self.max_batch, caches, self.row_floor, self._kv_budget()
             )
+            # Its calibration's collectives leave the watchdog armed; waiting for the first
+            # request is legitimate however long (else an idle server stops itself).
+            self.session.watchdog.disarm()
         return self._scheduler
 
     def _fail_all(self, err: Exception) -> None:
