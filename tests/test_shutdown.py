@@ -33,6 +33,8 @@ from test_distributed import (
 )
 from tiny_models import FAMILIES, tiny_model
 
+from mlxspec.distributed.launch import Outcome
+
 GONE_SECONDS = 10.0  # the issue's bound: after a stop signal, nothing left and the port free
 STOPS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
 
@@ -167,6 +169,19 @@ def wait_until_serving(owner: subprocess.Popen, port: int, log: Path, seconds: f
 
 def serve(port: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "mlxspec", "serve", "--port", str(port), *args]
+
+
+# --- the owner's side, no processes ------------------------------------------------------------
+
+
+def test_the_owner_signals_rank_0_only_where_it_runs_on_this_host():
+    """Rank 0's pid marker steers the owner's stop signal to it (it leads the others out);
+    a rank 0 on another host cannot be signalled by pid from here."""
+    outcome = Outcome(3)
+    assert not outcome.read("\x1emlxspec-front-pid 123 another-host\n")  # not for the user
+    assert outcome.front_pid is None
+    outcome.read(f"\x1emlxspec-front-pid 456 {socket.gethostname()}\n")
+    assert outcome.front_pid == 456
 
 
 # --- any helper: it ends with its owner ---------------------------------------------------------
