@@ -69,8 +69,9 @@ import mlxspec
 from mlxspec.distributed.rank import rank_setup
 from mlxspec.policy import VerifyCost, calibration_key
 flat = VerifyCost({1: 1.0, 64: 1.0}, step_seconds=0.01).to_json()
-keys = [calibration_key("tiny"), calibration_key("tiny", rank_setup("tensor", 2, "ring"))]
-keys.append(calibration_key("trio", rank_setup("tensor", 3, "ring")))
+tiny, trio = ("tiny", "float32"), ("trio", "float32")  # float32 folders, kept as float32
+keys = [calibration_key(*tiny), calibration_key(*tiny, rank_setup("tensor", 2, "ring"))]
+keys.append(calibration_key(*trio, rank_setup("tensor", 3, "ring")))
 (Path(sys.argv[1]) / "calibration.json").write_text(json.dumps(dict.fromkeys(keys, flat)))
 """
 
