@@ -237,6 +237,7 @@ class Policy:
     step_seconds: float | None = None  # recent one-token step time
     extra_cost_scale: float = 1.0  # observed / calibrated cost of the extra verified tokens
     _retime_step: bool = False  # the price just jumped: time a plain round next
+    _remeasure: bool = False  # ...and believe the first wider pass after it outright
 
     def verify_cost(self, m: int) -> float:
         return 1.0 + self.extra_cost_scale * (self.cost(m) - 1.0)
@@ -245,14 +246,13 @@ class Policy:
         """Feed back what a verify of m tokens really took (draft time excluded).
 
         Its extra tokens' cost over the calibrated curve's moves `extra_cost_scale` a
-        tenth of the way, unless it is PRICE_AT_ONCE times off what the scale says: a wide
+        tenth of the way, unless it is PRICE_AT_ONCE times what the scale says: a wide
         pass far dearer than expected (1.5 s for 9 tokens where one takes 4 ms, quantized
         weights on a GPU) is believed at once, so that the next round already runs plain
-        rather than crawl; and one that costs what the curve said undoes such a jump at
-        once (a plain round's probe after a busy moment). Until a plain round has been
-        timed, the calibration's step is the unit; after a jump up the next round runs plain
-        and re-times it, so that a step timed in another moment does not price every
-        width wrong."""
+        rather than crawl. That plain round re-times the step (the unit, until then maybe
+        the calibration's, timed in another moment), and the first pass after it sets the
+        scale outright: the true price when the jump was understated, the old one when it
+        was a busy moment (at the latest the next probe)."""
         if m == 1:
             previous = self.step_seconds
             fresh = previous is None or self._retime_step
@@ -265,10 +265,11 @@ class Policy:
         step = self.step_seconds or self.cost.step_seconds
         ratio = max((seconds / step - 1.0) / calibrated_extra, 0.25)
         scale = self.extra_cost_scale
-        if ratio > PRICE_AT_ONCE * scale:
-            self.extra_cost_scale, self._retime_step = ratio, True
-        elif scale > 1.0 and ratio < scale / PRICE_AT_ONCE:
-            self.extra_cost_scale = max(ratio, 1.0)
+        if self._remeasure and not self._retime_step:
+            self.extra_cost_scale, self._remeasure = ratio, False
+        elif ratio > PRICE_AT_ONCE * scale:
+            self.extra_cost_scale = ratio
+            self._retime_step = self._remeasure = True
         else:
             self.extra_cost_scale = 0.9 * scale + 0.1 * min(ratio, 4.0)
 

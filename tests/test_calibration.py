@@ -129,10 +129,10 @@ def test_a_wide_pass_far_dearer_than_priced_turns_drafting_off_at_once(monkeypat
     assert len(wide) <= 2 and wide[-1] <= 3, [s.drafted for s in steps]
 
 
-def test_a_jump_in_price_is_undone_by_a_pass_that_costs_what_the_curve_said():
+def test_a_jump_in_price_is_undone_by_the_first_pass_after_the_plain_round():
     """One busy moment (a 9-token pass 4x dear) must not keep speculation off: the plain
-    round after it re-times the step, and the next pass in line with the curve (the
-    probe) brings the price back at once."""
+    round after it re-times the step, and the next pass that costs what the curve said
+    (here the probe) brings the price back at once."""
     policy = Policy(CPU_LIKE_COST)
     copying = Situation(Named("copying"), "c", prior=0.9)
     calm = policy.choose(copying, 8)
