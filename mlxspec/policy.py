@@ -40,6 +40,7 @@ MEASURE_ORDER = (1, 2, 4, 8, 3, 16, 32, 64)
 # unbounded calibration) it ends early; the widths it did not time are priced as dear as
 # proportional, and the passes the engine runs correct the curve (Policy.observe_verify).
 CALIBRATION_BUDGET_S = 2.0
+ALWAYS_TIMED = (1, 2)  # timed once even past the budget: a step and a one-token draft
 # An observed verify whose extra tokens cost this many times what the policy expected
 # re-prices every width at once (Policy.observe_verify).
 PRICE_AT_ONCE = 3.0
@@ -134,27 +135,29 @@ def calibrate(
     1.12 is true on this CPU.) A size's first timing includes its own warm-up; it only
     counts where no later round improves on it, and then prices that size high.
 
-    `budget` (seconds, None: unbounded) bounds the whole measurement: a pass is skipped
-    when what it is expected to take (its last timing, else the widest narrower size's
-    scaled proportionally) would pass the budget; the first one-token timing always runs.
+    `budget` (seconds, None: unbounded) bounds the measurement after the warm-up: a pass
+    is skipped when what it is expected to take (its last timing, else the widest
+    narrower size's scaled proportionally) would pass the budget. One timing of each of
+    ALWAYS_TIMED runs whatever it costs: the step, and the narrowest draft's verify,
+    without which a slow machine (a busy one: 0.5 s steps) would never draft at all.
     Ranks of a sharded target run unbounded: they must all run the same passes.
 
     `progress(done, total, size)` is told before each forward pass (it takes seconds on
     a slow machine) and once more with done == total at the end.
     """
-    start, done = clock(), 0
-    total = 1 + len(MEASURE_ORDER) * (repeats + 1)
+    done, total = 0, 1 + len(MEASURE_ORDER) * (repeats + 1)
     seconds: dict[int, float] = {}
 
     def fits(m: int) -> bool:
-        if budget is None or not seconds:
+        if budget is None or m in ALWAYS_TIMED and m not in seconds:
             return True
         return clock() - start + expected_seconds(seconds, m) <= budget
 
     progress(done, total, 1)
     done += 1
-    forward(1)  # warm-up: kernels
+    forward(1)  # warm-up: kernels (the answer's own first pass would pay for them)
     reset()
+    start = clock()
     for _ in range(repeats + 1):
         timed_this_round = False
         for m in MEASURE_ORDER:
