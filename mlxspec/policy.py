@@ -44,6 +44,7 @@ ALWAYS_TIMED = (1, 2)  # timed once even past the budget: a step and a one-token
 # An observed verify whose extra tokens cost this many times what the policy expected
 # re-prices every width at once (Policy.observe_verify).
 PRICE_AT_ONCE = 3.0
+RETIME_ROUNDS = 2  # plain rounds that re-time the step after such a jump (the fastest counts)
 # In the cache key: calibrations made before the method changed are measured again.
 CALIBRATION_METHOD = "interleaved-min"
 
@@ -239,7 +240,7 @@ class Policy:
     # machine may be busier (or the context longer) than when it was calibrated.
     step_seconds: float | None = None  # recent one-token step time
     extra_cost_scale: float = 1.0  # observed / calibrated cost of the extra verified tokens
-    _retime_step: bool = False  # the price just jumped: time a plain round next
+    _retime_left: int = 0  # the price just jumped: plain rounds left to re-time the step
     _remeasure: bool = False  # ...and believe the first wider pass after it outright
 
     def verify_cost(self, m: int) -> float:
@@ -252,15 +253,18 @@ class Policy:
         tenth of the way, unless it is PRICE_AT_ONCE times what the scale says: a wide
         pass far dearer than expected (1.5 s for 9 tokens where one takes 4 ms, quantized
         weights on a GPU) is believed at once, so that the next round already runs plain
-        rather than crawl. That plain round re-times the step (the unit, until then maybe
-        the calibration's, timed in another moment), and the first pass after it sets the
+        rather than crawl. Plain rounds then re-time the step (the unit, until then maybe
+        the calibration's, timed in another moment), and the first pass after them sets the
         scale outright: the true price when the jump was understated, the old one when it
         was a busy moment (at the latest the next probe)."""
         if m == 1:
             previous = self.step_seconds
-            fresh = previous is None or self._retime_step
-            self.step_seconds = seconds if fresh else 0.9 * previous + 0.1 * seconds
-            self._retime_step = False
+            if self._retime_left:  # the fastest of the re-timing rounds: one may be a hiccup
+                first = self._retime_left == RETIME_ROUNDS or previous is None
+                self.step_seconds = seconds if first else min(previous, seconds)
+                self._retime_left -= 1
+            else:
+                self.step_seconds = seconds if previous is None else 0.9 * previous + 0.1 * seconds
             return
         calibrated_extra = self.cost(m) - 1.0
         if calibrated_extra <= 0.02:
@@ -268,11 +272,11 @@ class Policy:
         step = self.step_seconds or self.cost.step_seconds
         ratio = max((seconds / step - 1.0) / calibrated_extra, 0.25)
         scale = self.extra_cost_scale
-        if self._remeasure and not self._retime_step:
+        if self._remeasure and not self._retime_left:
             self.extra_cost_scale, self._remeasure = ratio, False
         elif ratio > PRICE_AT_ONCE * scale:
             self.extra_cost_scale = ratio
-            self._retime_step = self._remeasure = True
+            self._retime_left, self._remeasure = RETIME_ROUNDS, True
         else:
             self.extra_cost_scale = 0.9 * scale + 0.1 * min(ratio, 4.0)
 
@@ -304,7 +308,7 @@ class Policy:
             return situations[0], min(
                 self.fixed_k, limit, getattr(situations[0].source, "k_max", limit)
             )
-        if self._retime_step:
+        if self._retime_left:
             return situations[0], 0
         plans = [self._plan(s, min(limit, getattr(s.source, "k_max", limit))) for s in situations]
         best = max(range(len(plans)), key=lambda i: plans[i][1])

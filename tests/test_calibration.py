@@ -120,8 +120,8 @@ def test_a_first_speculative_request_on_a_slow_model_waits_at_most_the_budget(
 def test_a_wide_pass_far_dearer_than_priced_turns_drafting_off_at_once(monkeypatch):
     """The curve says 9 tokens cost 1.55 steps; each extra token really costs 30 ms (about
     15 steps of this model): the H100's quantized wide passes. Drafts that are always
-    right must not keep k = 8 going: after the first dear round the policy times a plain
-    round, re-prices every width and drafts at most a probe's one token after."""
+    right must not keep k = 8 going: after the first dear round the policy times plain
+    rounds, re-prices every width and drafts at most a probe's one token after."""
     verify = SingleCaches.verify
 
     def slow_verify(self, rows):
@@ -139,20 +139,22 @@ def test_a_wide_pass_far_dearer_than_priced_turns_drafting_off_at_once(monkeypat
         if isinstance(e, Step)
     ]
     wide = [i for i, step in enumerate(steps) if step.drafted > 1]
-    assert len(wide) <= 2 and wide[-1] <= 3, [s.drafted for s in steps]
+    assert len(wide) <= 2 and wide[-1] <= 4, [s.drafted for s in steps]
 
 
 def test_a_jump_in_price_is_undone_by_the_first_pass_after_the_plain_round():
     """One busy moment (a 9-token pass 4x dear) must not keep speculation off: the plain
-    round after it re-times the step, and the next pass that costs what the curve said
+    rounds after it re-time the step, and the next pass that costs what the curve said
     (here the probe) brings the price back at once."""
     policy = Policy(CPU_LIKE_COST)
     copying = Situation(Named("copying"), "c", prior=0.9)
     calm = policy.choose(copying, 8)
     policy.observe_verify(1, 0.05)
     policy.observe_verify(9, 4 * 0.05 * CPU_LIKE_COST(9))
-    assert policy.choose(copying, 8) == 0  # a plain round re-times the step
-    policy.observe_verify(1, 0.05)
+    for hiccup in (0.5, 1.0):  # two plain rounds re-time the step; the fastest counts
+        assert policy.choose(copying, 8) == 0
+        policy.observe_verify(1, 0.05 / hiccup)
+    assert policy.step_seconds == pytest.approx(0.05)
     assert policy.choose(copying, 8) < calm  # the dear price stands until a pass refutes it
     policy.observe_verify(2, 0.05 * CPU_LIKE_COST(2))
     assert policy.extra_cost_scale == pytest.approx(1.0)
