@@ -125,9 +125,11 @@ def _row(
         "tokens_per_second": _median([r["speed"] for r in runs]),
         "speedup": measured,
         "expected_speedup": expected,
-        "of_expected": measured / expected if measured else None,
+        "of_expected": measured / expected if measured is not None else None,
         # At the acceptance the corruption really gave (a short run's draw is noisy).
-        "expected_at_measured": expected_speedup(cost, realised, k) if realised else None,
+        "expected_at_measured": (
+            expected_speedup(cost, realised, k) if realised is not None else None
+        ),
         "estimated_speedup": _median([r["estimated"] for r in runs]),
         "token_match": all(r["match"] for r in runs),
     }
