@@ -253,10 +253,11 @@ class Policy:
         tenth of the way, unless it is PRICE_AT_ONCE times what the scale says: a wide
         pass far dearer than expected (1.5 s for 9 tokens where one takes 4 ms, quantized
         weights on a GPU) is believed at once, so that the next round already runs plain
-        rather than crawl. Plain rounds then re-time the step (the unit, until then maybe
-        the calibration's, timed in another moment), and the first pass after them sets the
-        scale outright: the true price when the jump was understated, the old one when it
-        was a busy moment (at the latest the next probe)."""
+        rather than crawl (before any plain round was timed, the next rounds run plain
+        and the price waits for them). Plain rounds then re-time the step (the unit, until
+        then maybe the calibration's, timed in another moment), and the first pass after
+        them sets the scale outright: the true price when the jump was understated, the
+        old one when it was a busy moment (at the latest the next probe)."""
         if m == 1:
             previous = self.step_seconds
             if self._retime_left:  # the fastest of the re-timing rounds: one may be a hiccup
@@ -275,7 +276,10 @@ class Policy:
         if self._remeasure and not self._retime_left:
             self.extra_cost_scale, self._remeasure = ratio, False
         elif ratio > PRICE_AT_ONCE * scale:
-            self.extra_cost_scale = ratio
+            # No step timed yet: the unit is the calibration's, maybe from a calmer moment
+            # (a busy machine would look dear at every width); re-time before believing it.
+            if self.step_seconds is not None:
+                self.extra_cost_scale = ratio
             self._retime_left, self._remeasure = RETIME_ROUNDS, True
         else:
             self.extra_cost_scale = 0.9 * scale + 0.1 * min(ratio, 4.0)
