@@ -26,6 +26,7 @@ from mlxspec.batch.single import SingleCaches
 from mlxspec.chat_template import encode_chat
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
 from mlxspec.policy import (
+    CALIBRATION_BUDGET_S,
     Policy,
     VerifyCost,
     cached_verify_cost,
@@ -72,22 +73,30 @@ class Engine:
 
     @property
     def verify_cost(self) -> VerifyCost:
-        """Measured once per model and machine (a few seconds), then read from the cache."""
+        """Measured once per model and machine (at most CALIBRATION_BUDGET_S), then read
+        from the cache."""
         if self._verify_cost is None:
             key = calibration_key(self.name, self.weights["held"])
 
             def progress(done: int, total: int, size: int) -> None:
                 self.notify(
                     ProgressNote(
-                        "measuring verify cost on this machine (once per model): "
-                        f"{size}-token pass, {done}/{total}",
+                        f"measuring verify cost on this machine (once per model, at most "
+                        f"{CALIBRATION_BUDGET_S:g} s): {size}-token pass, {done}/{total}",
                         done,
                         total,
                     )
                 )
 
             def measure() -> VerifyCost:
-                return measure_verify_cost(self.target.model, self.vocab_size, progress=progress)
+                cost = measure_verify_cost(self.target.model, self.vocab_size, progress=progress)
+                if cost.partial:
+                    self.notify(
+                        f"verify cost measured up to {max(cost.points)} tokens in "
+                        f"{CALIBRATION_BUDGET_S:g} s (wide passes are slow here); wider "
+                        "drafts are priced as dear as proportional, corrected as decoding runs"
+                    )
+                return cost
 
             self._verify_cost = cached_verify_cost(key, measure)
         return self._verify_cost

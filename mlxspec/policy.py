@@ -32,19 +32,39 @@ from mlxspec.paths import cache_dir, file_lock
 from mlxspec.proposers.base import Situation
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 8, 16, 32, 64)
+# The order sizes are first timed in: the widths a policy drafts at first (a few tokens)
+# before the wide ones it rarely reaches, so that a budget that runs out leaves them known.
+MEASURE_ORDER = (1, 2, 4, 8, 3, 16, 32, 64)
+# The most a calibration may take (seconds): it runs before a first speculative answer.
+# Where wide passes are slow (quantized weights on MLX's CPU backend: 110 s for the
+# unbounded calibration) it ends early; the widths it did not time are priced as dear as
+# proportional, and the passes the engine runs correct the curve (Policy.observe_verify).
+CALIBRATION_BUDGET_S = 2.0
+ALWAYS_TIMED = (1, 2)  # timed once even past the budget: a step and a one-token draft
+# An observed verify whose extra tokens cost this many times what the policy expected
+# re-prices every width at once (Policy.observe_verify).
+PRICE_AT_ONCE = 3.0
+RETIME_ROUNDS = 2  # plain rounds that re-time the step after such a jump (the fastest counts)
 # In the cache key: calibrations made before the method changed are measured again.
 CALIBRATION_METHOD = "interleaved-min"
 
 
 @dataclass
 class VerifyCost:
-    """verify(m) / verify(1), interpolated from measured points; step_seconds = verify(1)."""
+    """verify(m) / verify(1), interpolated from measured points; step_seconds = verify(1).
+
+    `partial`: a time budget ended the measurement before every size was timed; past the
+    widest timed size a verify is then priced proportionally (m / b times the cost at b,
+    the most a compute-bound pass can grow), not by the last slope."""
 
     points: dict[int, float]
     step_seconds: float
+    partial: bool = False
 
     def __call__(self, m: int) -> float:
         sizes = sorted(self.points)
+        if m >= sizes[-1] and self.partial:
+            return self.points[sizes[-1]] * m / sizes[-1]
         if m <= sizes[0] or len(sizes) == 1:  # one point: no slope, a flat cost
             return self.points[sizes[0]]
         if m >= sizes[-1]:  # extrapolate with the last slope
@@ -56,12 +76,15 @@ class VerifyCost:
         return self.points[a] + (self.points[b] - self.points[a]) * (m - a) / (b - a)
 
     def to_json(self) -> str:
-        return json.dumps({"points": self.points, "step_seconds": self.step_seconds})
+        return json.dumps(
+            {"points": self.points, "step_seconds": self.step_seconds, "partial": self.partial}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> VerifyCost:
         data = json.loads(text)
-        return cls({int(m): float(c) for m, c in data["points"].items()}, data["step_seconds"])
+        points = {int(m): float(c) for m, c in data["points"].items()}
+        return cls(points, data["step_seconds"], bool(data.get("partial", False)))
 
 
 def running_max(ratios: list[float]) -> list[float]:
@@ -100,40 +123,71 @@ def calibrate(
     clock: Callable[[], float] = time.perf_counter,
     progress: Callable[[int, int, int], None] = lambda done, total, size: None,
     fit: Callable[[list[float]], list[float]] = running_max,
+    budget: float | None = CALIBRATION_BUDGET_S,
 ) -> VerifyCost:
     """Time `forward(m)` (a verify of m tokens on a warm context) for each calibration size.
 
-    `reset()` rolls the context back between timings. The sizes take turns, `repeats`
-    rounds of all of them, and each keeps its fastest time: a burst of other work on the
-    machine then slows one round of every size, not every timing of one size. (Timed
-    size by size, one busy moment while the one-token step was timed made every verify
-    look dear, and the cached result kept the head from drafting: 1.34 steps measured
-    for 2 tokens where 1.12 is true on this CPU.)
+    `reset()` rolls the context back between timings. After one untimed one-token pass
+    (kernels), the sizes take turns in MEASURE_ORDER, `repeats` + 1 rounds of all of
+    them, and each keeps its fastest time: a burst of other work on the machine then
+    slows one round of every size, not every timing of one size. (Timed size by size, one
+    busy moment while the one-token step was timed made every verify look dear, and the
+    cached result kept the head from drafting: 1.34 steps measured for 2 tokens where
+    1.12 is true on this CPU.) A size's first timing includes its own warm-up; it only
+    counts where no later round improves on it, and then prices that size high.
+
+    `budget` (seconds, None: unbounded) bounds the measurement after the warm-up: a pass
+    is skipped when what it is expected to take (its last timing, else the widest
+    narrower size's scaled proportionally) would pass the budget. One timing of each of
+    ALWAYS_TIMED runs whatever it costs: the step, and the narrowest draft's verify,
+    without which a slow machine (a busy one: 0.5 s steps) would never draft at all.
+    Ranks of a sharded target run unbounded: they must all run the same passes.
 
     `progress(done, total, size)` is told before each forward pass (it takes seconds on
     a slow machine) and once more with done == total at the end.
     """
-    total, done = len(CALIBRATION_SIZES) * (repeats + 1), 0
-    for m in CALIBRATION_SIZES:  # warm-up: kernels, buffer growth
-        progress(done, total, m)
-        done += 1
-        forward(m)
-        reset()
-    seconds = {m: float("inf") for m in CALIBRATION_SIZES}
-    for _ in range(repeats):
-        for m in CALIBRATION_SIZES:
+    done, total = 0, 1 + len(MEASURE_ORDER) * (repeats + 1)
+    seconds: dict[int, float] = {}
+
+    def fits(m: int) -> bool:
+        if budget is None or m in ALWAYS_TIMED and m not in seconds:
+            return True
+        return clock() - start + expected_seconds(seconds, m) <= budget
+
+    progress(done, total, 1)
+    done += 1
+    forward(1)  # warm-up: kernels (the answer's own first pass would pay for them)
+    reset()
+    start = clock()
+    for _ in range(repeats + 1):
+        timed_this_round = False
+        for m in MEASURE_ORDER:
+            if not fits(m):
+                continue
             progress(done, total, m)
             done += 1
-            start = clock()
+            begin = clock()
             forward(m)
-            seconds[m] = min(seconds[m], clock() - start)
+            seconds[m] = min(seconds.get(m, float("inf")), clock() - begin)
             reset()
-    progress(total, total, CALIBRATION_SIZES[-1])
-    step = seconds[1]
+            timed_this_round = True
+        if not timed_this_round:
+            break
+    progress(total, total, max(seconds))
+    step, sizes = seconds[1], sorted(seconds)
     # A verify never costs less than a step; `fit` makes the timed costs monotone.
-    ratios = fit([seconds[m] / step for m in CALIBRATION_SIZES])
-    points = {m: round(ratio, 4) for m, ratio in zip(CALIBRATION_SIZES, ratios)}
-    return VerifyCost(points, step)
+    ratios = fit([seconds[m] / step for m in sizes])
+    points = {m: round(ratio, 4) for m, ratio in zip(sizes, ratios)}
+    return VerifyCost(points, step, partial=len(sizes) < len(MEASURE_ORDER))
+
+
+def expected_seconds(seconds: dict[int, float], m: int) -> float:
+    """What a pass of m tokens is expected to take from the timings so far: its own, else
+    the widest narrower size's scaled to m (as dear as a compute-bound pass grows)."""
+    if m in seconds:
+        return seconds[m]
+    narrower = max((size for size in seconds if size < m), default=min(seconds))
+    return seconds[narrower] * m / narrower
 
 
 @dataclass
@@ -186,22 +240,49 @@ class Policy:
     # machine may be busier (or the context longer) than when it was calibrated.
     step_seconds: float | None = None  # recent one-token step time
     extra_cost_scale: float = 1.0  # observed / calibrated cost of the extra verified tokens
+    _retime_left: int = 0  # the price just jumped: plain rounds left to re-time the step
+    _remeasure: bool = False  # ...and believe the first wider pass after it outright
 
     def verify_cost(self, m: int) -> float:
         return 1.0 + self.extra_cost_scale * (self.cost(m) - 1.0)
 
     def observe_verify(self, m: int, seconds: float) -> None:
-        """Feed back what a verify of m tokens really took (draft time excluded)."""
+        """Feed back what a verify of m tokens really took (draft time excluded).
+
+        Its extra tokens' cost over the calibrated curve's moves `extra_cost_scale` a
+        tenth of the way, unless it is PRICE_AT_ONCE times what the scale says: a wide
+        pass far dearer than expected (1.5 s for 9 tokens where one takes 4 ms, quantized
+        weights on a GPU) is believed at once, so that the next round already runs plain
+        rather than crawl (before any plain round was timed, the next rounds run plain
+        and the price waits for them). Plain rounds then re-time the step (the unit, until
+        then maybe the calibration's, timed in another moment), and the first pass after
+        them sets the scale outright: the true price when the jump was understated, the
+        old one when it was a busy moment (at the latest the next probe)."""
         if m == 1:
             previous = self.step_seconds
-            self.step_seconds = seconds if previous is None else 0.9 * previous + 0.1 * seconds
+            if self._retime_left:  # the fastest of the re-timing rounds: one may be a hiccup
+                first = self._retime_left == RETIME_ROUNDS or previous is None
+                self.step_seconds = seconds if first else min(previous, seconds)
+                self._retime_left -= 1
+            else:
+                self.step_seconds = seconds if previous is None else 0.9 * previous + 0.1 * seconds
             return
-        predicted_extra = self.cost(m) - 1.0
-        if self.step_seconds is None or predicted_extra <= 0.02:
+        calibrated_extra = self.cost(m) - 1.0
+        if calibrated_extra <= 0.02:
             return
-        ratio = (seconds / self.step_seconds - 1.0) / predicted_extra
-        ratio = min(max(ratio, 0.25), 4.0)
-        self.extra_cost_scale = 0.9 * self.extra_cost_scale + 0.1 * ratio
+        step = self.step_seconds or self.cost.step_seconds
+        ratio = max((seconds / step - 1.0) / calibrated_extra, 0.25)
+        scale = self.extra_cost_scale
+        if self._remeasure and not self._retime_left:
+            self.extra_cost_scale, self._remeasure = ratio, False
+        elif ratio > PRICE_AT_ONCE * scale:
+            # No step timed yet: the unit is the calibration's, maybe from a calmer moment
+            # (a busy machine would look dear at every width); re-time before believing it.
+            if self.step_seconds is not None:
+                self.extra_cost_scale = ratio
+            self._retime_left, self._remeasure = RETIME_ROUNDS, True
+        else:
+            self.extra_cost_scale = 0.9 * scale + 0.1 * min(ratio, 4.0)
 
     @property
     def label(self) -> str:
@@ -231,6 +312,8 @@ class Policy:
             return situations[0], min(
                 self.fixed_k, limit, getattr(situations[0].source, "k_max", limit)
             )
+        if self._retime_left:
+            return situations[0], 0
         plans = [self._plan(s, min(limit, getattr(s.source, "k_max", limit))) for s in situations]
         best = max(range(len(plans)), key=lambda i: plans[i][1])
         situation, (k, _) = situations[best], plans[best]
@@ -343,12 +426,14 @@ class Policy:
 def measure_verify_cost(
     model,
     vocab_size: int,
-    context: int = 64,
+    context: int = 4,
     progress: Callable[[int, int, int], None] = lambda done, total, size: None,
     **how,
 ) -> VerifyCost:
     """Calibrate a model's verify cost on a synthetic context of `context` tokens; `how`:
-    `calibrate`'s repeats and fit."""
+    `calibrate`'s repeats, fit and budget. The context is short: its prefill is a wide
+    pass of its own, outside the budget (seconds where wide passes are slow), and the
+    attention over a few dozen more tokens is noise beside the weights' matmuls."""
     cache = make_prompt_cache(model)
     mx.eval(model(mx.arange(context)[None] % vocab_size, cache=cache))
 

@@ -44,7 +44,7 @@ def test_calibration_reports_progress_before_every_pass():
     calls, notes = [], Notes()
     calibrate(lambda m: calls.append(m), lambda: None, repeats=2, progress=notes.append_args)
     total = len(calls)
-    assert total == len(CALIBRATION_SIZES) * 3
+    assert total == 1 + len(CALIBRATION_SIZES) * 3  # a warm-up pass, then 3 rounds
     assert [done for done, _, _ in notes] == list(range(total + 1))
     assert {t for _, t, _ in notes} == {total}
     assert [size for _, _, size in notes[:-1]] == calls  # each note names the coming pass

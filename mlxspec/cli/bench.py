@@ -18,6 +18,28 @@ from mlxspec.distributed.options import distributed_options
 from mlxspec.registry import load_registry
 
 
+class DraftLength(click.ParamType):
+    """A draft length: a whole number of tokens (1 or more), or 'adaptive' (None)."""
+
+    name = "k"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "adaptive":
+            return None
+        try:
+            k = int(value)
+        except (TypeError, ValueError):
+            k = 0
+        if k < 1:
+            self.fail(
+                f"{value!r} is neither a draft length of 1 or more nor 'adaptive'", param, ctx
+            )
+        return k
+
+
+DRAFT_LENGTH = DraftLength()
+
+
 @click.command()
 @model_option()
 @click.option(
@@ -99,6 +121,23 @@ from mlxspec.registry import load_registry
     "(default: serve's, 0.95). Repeatable, to compare floors in one run.",
 )
 @WEIGHTS_OPTION
+@click.option(
+    "--synthetic-acceptance",
+    "acceptances",
+    multiple=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="The engine alone, at a known acceptance A: the target's own next tokens drafted, "
+    "each corrupted with probability 1 - A, measured speedup beside what the verify-cost "
+    "curve predicts. Repeatable.",
+)
+@click.option(
+    "--k",
+    "draft_lengths",
+    multiple=True,
+    type=DRAFT_LENGTH,
+    help="With --synthetic-acceptance: draft length, a number or 'adaptive'. Repeatable "
+    "(default: 4, 8 and adaptive).",
+)
 @distributed_options
 @fail_cleanly
 def bench(
@@ -117,6 +156,8 @@ def bench(
     concurrency,
     row_floors,
     weights,
+    acceptances,
+    draft_lengths,
 ):
     """Side by side, same prompts, greedy: mlx-lm, mlx-lm's speculative decoding, mlxspec.
 
@@ -135,6 +176,7 @@ def bench(
       mlxspec bench --concurrency 4 --concurrency 8 --proposers prompt-lookup
       mlxspec bench -c 8 --proposers prompt-lookup --row-floor 0.95 --row-floor 0
       mlxspec bench --ranks 3 --proposers prompt-lookup   # every row on the sharded target
+      mlxspec bench --synthetic-acceptance 0.9 --k 8      # engine overhead at a known A
     """
     from mlxspec.bench import BenchError
     from mlxspec.bench.report import markdown
@@ -157,6 +199,20 @@ def bench(
     warn_if_slow_blas()
     if row_floors and not concurrency:
         raise click.UsageError("--row-floor goes with --concurrency")
+    if draft_lengths and not acceptances:
+        raise click.UsageError("--k goes with --synthetic-acceptance")
+    if acceptances:
+        if rank is not None or concurrency or history or tree or plot_path or replay or proposers:
+            raise click.UsageError(
+                "--synthetic-acceptance runs its own proposer in one process; leave out "
+                "--proposers, --concurrency, --from-history, --tree, --plot, --replay and --ranks"
+            )
+        outputs = (json_path, markdown_path)
+        lengths = tuple(dict.fromkeys(draft_lengths)) or None
+        _bench_synthetic(
+            entry, suite, prompts_file, max_tokens, repeats or 1, acceptances, lengths, outputs
+        )
+        return
     if concurrency:
         if history or tree or plot_path or replay:
             raise click.UsageError(
@@ -226,6 +282,43 @@ def bench(
         raise click.ClickException(str(err)) from None
     if written:
         say(f"wrote {', '.join(map(str, written))}")
+
+
+def _bench_synthetic(
+    entry, suite, prompts_file, max_tokens, repeats, acceptances, lengths, outputs
+) -> None:
+    """`bench --synthetic-acceptance`: see mlxspec/bench/synthetic.py."""
+    from mlxspec.bench import BenchError
+    from mlxspec.bench.machine import describe_machine
+    from mlxspec.bench.suites import load_suite, read_prompts
+    from mlxspec.bench.synthetic import DRAFT_LENGTHS, run_synthetic, synthetic_markdown
+    from mlxspec.runtime import open_runtime
+
+    try:
+        prompts = read_prompts(Path(prompts_file)) if prompts_file else load_suite(suite or "quick")
+    except BenchError as err:
+        raise click.ClickException(str(err)) from None
+    runtime = open_runtime(entry, notify=say)
+    result = run_synthetic(
+        runtime, prompts, max_tokens, repeats, say, tuple(acceptances), lengths or DRAFT_LENGTHS
+    )
+    result.update(
+        machine=describe_machine(),
+        settings={
+            "model": entry.name,
+            "prompts": len(prompts),
+            "max_tokens": max_tokens,
+            "repeats": repeats,
+            "weights": runtime.loaded.weights_dtype,
+        },
+    )
+    table = synthetic_markdown(result)
+    click.echo(table)
+    json_path, markdown_path = outputs
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    if markdown_path:
+        Path(markdown_path).write_text(table + "\n")
 
 
 def _bench_concurrency(

@@ -45,8 +45,10 @@ from mlxspec.policy import (
 from mlxspec.sampling import SamplingSettings
 
 # Every rank runs the calibration's passes (rank 0's timings are kept): more of them, and
-# a fit that averages a slow timing away instead of carrying it to every larger size.
-SHARDED_CALIBRATION = {"repeats": 8, "fit": pooled_monotone}
+# a fit that averages a slow timing away instead of carrying it to every larger size. No
+# time budget: each rank's clock would stop it after different passes, and every pass is
+# a collective that all ranks must run.
+SHARDED_CALIBRATION = {"repeats": 8, "fit": pooled_monotone, "budget": None}
 CHECK_FIELDS = ("cache offset", "cached tokens", "drafted", "accepted", "last-tokens hash")
 
 

@@ -1,0 +1,106 @@
+"""Which form of a quantized target's weights speculates faster here, by measurement.
+
+Quantized weights save memory and bandwidth, so a one-token step is cheapest with them;
+but a backend whose quantized kernels are slow for wide passes prices every draft out
+(on one H100 through MLX's CUDA backend, 9 tokens over SmolLM2's Q4_1 weights took
+1.5 s against 4 ms for one). `auto` therefore measures both verify-cost curves at load,
+where the dequantized weights fit in memory, and keeps the form with the higher best
+expected tokens per second at a typical acceptance. Quantized stays unless the
+dequantized form is clearly faster (DEQUANTIZE_MARGIN): it costs 2-4x the memory.
+
+The seam for `--weights auto` (the resolver of the weights choice): `measure_weight_forms`
+at load, then `choose_weight_form`; its `reason` goes to the run record and
+`mlxspec models --json`. On MLX's CPU backend the choice stays dequantized without
+measuring (quantized matmul is slow there for every width).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxspec.policy import VerifyCost, expected_tokens, measure_verify_cost
+
+QUANTIZED, DEQUANTIZED = "quantized", "dequantized"
+REFERENCE_ACCEPTANCE = 0.7  # a typical per-token acceptance (prompt lookup on edits, heads)
+DEQUANTIZE_MARGIN = 1.2  # dequantized must be this much faster to be kept
+LONGEST_DRAFT = 16
+
+
+@dataclass(frozen=True)
+class WeightForm:
+    form: str  # QUANTIZED or DEQUANTIZED: what speculation runs on
+    reason: str  # one line for the run record and `models --json`
+    tokens_per_second: dict[str, float]  # best expected speed per measured form
+
+
+def best_tokens_per_second(cost: VerifyCost, acceptance: float = REFERENCE_ACCEPTANCE) -> float:
+    """max over k of E(k) / seconds of a verify of k + 1 (k = 0: plain decoding)."""
+    return max(
+        expected_tokens(acceptance, k) / (cost.step_seconds * (cost(k + 1) if k else 1.0))
+        for k in range(LONGEST_DRAFT + 1)
+    )
+
+
+def choose_weight_form(curves: dict[str, VerifyCost], skipped: str = "") -> WeightForm:
+    """The form to keep from the measured curves (QUANTIZED alone when the dequantized
+    form was not measured, `skipped` saying why)."""
+    speeds = {form: best_tokens_per_second(cost) for form, cost in curves.items()}
+    quantized = speeds[QUANTIZED]
+    if DEQUANTIZED not in speeds:
+        return WeightForm(QUANTIZED, f"auto: quantized kept ({skipped})", speeds)
+    dequantized = speeds[DEQUANTIZED]
+    wide = f"9 tokens cost {curves[QUANTIZED](9):.1f} steps quantized, "
+    wide += f"{curves[DEQUANTIZED](9):.1f} dequantized"
+    speed = f"{dequantized:.0f} against {quantized:.0f} tok/s at {REFERENCE_ACCEPTANCE:.0%}"
+    if dequantized >= DEQUANTIZE_MARGIN * quantized:
+        return WeightForm(
+            DEQUANTIZED, f"auto: dequantized speculates faster here ({wide}; {speed})", speeds
+        )
+    return WeightForm(
+        QUANTIZED, f"auto: quantized kept, as fast or faster ({wide}; {speed})", speeds
+    )
+
+
+def dequantized_bytes(model: nn.Module, bytes_per_weight: int) -> int:
+    """Memory the model's weights take once every quantized layer is dequantized."""
+    quantized = {
+        name: module
+        for name, module in model.named_modules()
+        if hasattr(module, "bits") and "scales" in module
+    }
+    total = 0
+    for name, value in tree_flatten(model.parameters()):
+        owner, _, part = name.rpartition(".")
+        module = quantized.get(owner)
+        if module is None:
+            total += value.nbytes
+        elif part == "weight":  # packed: 32 / bits weights per uint32
+            total += value.size * 32 // module.bits * bytes_per_weight
+    return total
+
+
+def measure_weight_forms(
+    model: nn.Module,
+    vocab_size: int,
+    free_bytes: int | None,
+    dequantize: Callable[[nn.Module], nn.Module],
+    bytes_per_weight: int = 2,
+    measure: Callable[[nn.Module, int], VerifyCost] = measure_verify_cost,
+) -> tuple[WeightForm, nn.Module]:
+    """Measure the quantized model's curve, then (if the dequantized weights fit in
+    `free_bytes`; None: unknown, assumed to fit) dequantize it and measure again.
+    Returns the choice and the model in the chosen form where it is at hand: the
+    dequantized one, or the quantized one when dequantizing was skipped; a caller whose
+    choice is QUANTIZED after both were measured reloads it as stored."""
+    curves = {QUANTIZED: measure(model, vocab_size)}
+    need = dequantized_bytes(model, bytes_per_weight)
+    if free_bytes is not None and need > free_bytes:
+        skipped = f"dequantized weights ({need / 2**30:.1f} GiB) do not fit in memory"
+        return choose_weight_form(curves, skipped), model
+    model = dequantize(model)
+    curves[DEQUANTIZED] = measure(model, vocab_size)
+    return choose_weight_form(curves), model

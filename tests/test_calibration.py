@@ -1,0 +1,178 @@
+"""Calibration never stalls an answer: a time-bounded measurement, a conservative curve
+where it ran out, and online pricing from the passes the engine really runs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from tiny_models import byte_tokenizer, tiny_model
+
+from mlxspec.batch.single import SingleCaches
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.events import Done, Step
+from mlxspec.policy import (
+    CALIBRATION_BUDGET_S,
+    MEASURE_ORDER,
+    Policy,
+    VerifyCost,
+    calibrate,
+)
+from mlxspec.proposers import Situation
+from mlxspec.proposers.synthetic import SyntheticAcceptance
+
+CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
+
+
+class Named:
+    cost_hint = 0.0
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def quantized_cpu_like(m: int) -> float:
+    """Seconds for a pass of m tokens where wide passes are slow: 8 tokens cost 6.6 steps."""
+    return 0.1 * (1 + 0.8 * (m - 1))
+
+
+def test_calibration_ends_within_its_budget_and_times_the_narrow_widths_first():
+    now, calls = [0.0], []
+
+    def forward(m: int) -> None:
+        calls.append(m)
+        now[0] += quantized_cpu_like(m)
+
+    cost = calibrate(forward, lambda: None, clock=lambda: now[0], budget=2.0)
+    assert now[0] - quantized_cpu_like(1) <= 2.0, calls  # after the one-token warm-up
+    assert len(calls) < 1 + 6 * len(MEASURE_ORDER)  # the unbounded run: 49 passes, 78 s
+    assert {1, 2, 4, 8} <= set(cost.points) and 64 not in cost.points
+    assert cost.partial
+    assert cost(8) == pytest.approx(quantized_cpu_like(8) / quantized_cpu_like(1), rel=1e-3)
+
+
+def test_a_machine_too_busy_for_the_budget_still_times_a_one_token_draft():
+    """Steps of 1.5 s (a loaded machine): past the budget after one timing, yet the
+    narrowest draft's verify is timed, so the policy can still draft one token."""
+    now, calls = [0.0], []
+
+    def forward(m: int) -> None:
+        calls.append(m)
+        now[0] += 1.5 * (1 + 0.05 * (m - 1))
+
+    cost = calibrate(forward, lambda: None, clock=lambda: now[0], budget=2.0)
+    assert calls == [1, 1, 2] and cost(2) == pytest.approx(1.05)
+
+
+def test_widths_a_budget_left_untimed_are_priced_as_proportional():
+    """No cheaper than the widest timed size scaled up: a partial curve never invites a
+    wide draft it has not seen (the last slope of 1.1 -> 1.2 would price 64 at 7.3)."""
+    partial = VerifyCost({1: 1.0, 2: 1.1, 4: 1.2}, 0.1, partial=True)
+    assert partial(64) == pytest.approx(1.2 * 16)
+    assert partial(3) == pytest.approx(1.15)  # inside the timed range: interpolated
+    full = VerifyCost({1: 1.0, 2: 1.1, 4: 1.2}, 0.1)
+    assert full(64) < partial(64)
+    assert VerifyCost.from_json(partial.to_json()) == partial
+
+
+class SlowModel:
+    """Counts and slows every forward pass of a model: 30 ms a token on top of its own."""
+
+    def __init__(self, model, seconds_per_token: float = 0.03):
+        self.fed: list[int] = []
+        base = type(model)
+        fed, per_token = self.fed, seconds_per_token
+
+        class Slowed(base):
+            def __call__(self, inputs, *args, **kwargs):
+                fed.append(inputs.shape[-1])
+                time.sleep(per_token * inputs.size)
+                return base.__call__(self, inputs, *args, **kwargs)
+
+        model.__class__ = Slowed
+        self.model = model
+
+
+def test_a_first_speculative_request_on_a_slow_model_waits_at_most_the_budget(
+    tmp_path, monkeypatch
+):
+    """A fresh cache, passes that cost 30 ms a token: the unbounded calibration fed 785
+    tokens (24 s) before the first answer; bounded, at most what the budget pays for."""
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    slow = SlowModel(tiny_model("llama"))
+    tokenizer = byte_tokenizer()
+    prompt = [5, 6, 7, 8]
+    plain = Engine(tiny_model("llama"), tokenizer)
+    answer = list(plain.stream(prompt, GenerationSettings(max_tokens=8)))[-1].token_ids
+    transcript = [*prompt, *answer]
+    synthetic = SyntheticAcceptance(transcript, 0.9, plain.vocab_size)
+    notes: list[str] = []
+    engine = Engine(slow.model, tokenizer, "slow", [synthetic], notify=notes.append)
+    cost = engine.verify_cost
+    calibration_tokens = sum(slow.fed)
+    widest = max(cost.points)
+    assert calibration_tokens <= 4 + 1 + CALIBRATION_BUDGET_S / 0.03 + widest, slow.fed
+    assert cost.partial and any("priced" in note for note in notes)
+    done = list(engine.stream(prompt, GenerationSettings(max_tokens=8), "synthetic"))[-1]
+    assert isinstance(done, Done) and done.record.speculative
+
+
+def test_a_wide_pass_far_dearer_than_priced_turns_drafting_off_at_once(monkeypatch):
+    """The curve says 9 tokens cost 1.55 steps; each extra token really costs 30 ms (about
+    15 steps of this model): the H100's quantized wide passes. Drafts that are always
+    right must not keep k = 8 going: after the first dear round the policy times plain
+    rounds, re-prices every width and drafts at most a probe's one token after."""
+    verify = SingleCaches.verify
+
+    def slow_verify(self, rows):
+        time.sleep(0.03 * (len(rows[0]) - 1))
+        return verify(self, rows)
+
+    monkeypatch.setattr(SingleCaches, "verify", slow_verify)
+    tokenizer, prompt = byte_tokenizer(), [5, 6, 7, 8]
+    engine = Engine(tiny_model("llama"), tokenizer, verify_cost=CPU_LIKE_COST)
+    plain = list(engine.stream(prompt, GenerationSettings(max_tokens=80)))[-1].token_ids
+    engine.add_proposer(SyntheticAcceptance([*prompt, *plain], 1.0, engine.vocab_size, k_max=8))
+    steps = [
+        e
+        for e in engine.stream(prompt, GenerationSettings(max_tokens=80), "synthetic")
+        if isinstance(e, Step)
+    ]
+    wide = [i for i, step in enumerate(steps) if step.drafted > 1]
+    # Priced on the curve, all 9 rounds would draft 8; a hiccup in both re-timing rounds
+    # (a loaded machine) may cost one more wide round before the price stands.
+    assert len(wide) <= 3 and wide[-1] <= 6, [s.drafted for s in steps]
+
+
+def test_a_jump_in_price_is_undone_by_the_first_pass_after_the_plain_round():
+    """One busy moment (a 9-token pass 4x dear) must not keep speculation off: the plain
+    rounds after it re-time the step, and the next pass that costs what the curve said
+    (here the probe) brings the price back at once."""
+    policy = Policy(CPU_LIKE_COST)
+    copying = Situation(Named("copying"), "c", prior=0.9)
+    calm = policy.choose(copying, 8)
+    policy.observe_verify(1, 0.05)
+    policy.observe_verify(9, 4 * 0.05 * CPU_LIKE_COST(9))
+    for hiccup in (0.5, 1.0):  # two plain rounds re-time the step; the fastest counts
+        assert policy.choose(copying, 8) == 0
+        policy.observe_verify(1, 0.05 / hiccup)
+    assert policy.step_seconds == pytest.approx(0.05)
+    assert policy.choose(copying, 8) < calm  # the dear price stands until a pass refutes it
+    policy.observe_verify(2, 0.05 * CPU_LIKE_COST(2))
+    assert policy.extra_cost_scale == pytest.approx(1.0)
+    assert policy.choose(copying, 8) == calm
+
+
+def test_online_passes_refine_a_curve_measured_in_a_busy_moment():
+    """Calibrated while another job ran, wide passes looked 2x dearer than they are: the
+    passes run while decoding bring the price down and the drafts grow."""
+    busy = VerifyCost({m: 1 + 2 * (c - 1) for m, c in CPU_LIKE_COST.points.items()}, 0.05)
+    policy = Policy(busy)
+    copying = Situation(Named("copying"), "c", prior=0.6)
+    before = policy.choose(copying, 16)
+    for _ in range(30):
+        k = policy.choose(copying, 16) or 1
+        policy.observe_verify(1, 0.05)
+        policy.observe_verify(k + 1, 0.05 * CPU_LIKE_COST(k + 1))
+    assert policy.verify_cost(9) == pytest.approx(CPU_LIKE_COST(9), rel=0.1)
+    assert policy.choose(copying, 16) > before

@@ -1,0 +1,104 @@
+"""The synthetic-acceptance proposer and bench: a known acceptance, lossless output, and
+what the verify-cost curve predicts for it."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+from tiny_models import byte_tokenizer, tiny_model
+
+from mlxspec.bench.suites import BenchPrompt
+from mlxspec.bench.synthetic import expected_speedup, run_synthetic, synthetic_markdown
+from mlxspec.cli import main
+from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.events import Done, Step
+from mlxspec.policy import VerifyCost, expected_tokens
+from mlxspec.proposers.synthetic import SyntheticAcceptance
+
+CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
+PROMPT = [72, 101, 108, 108, 111]
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def engine_and_plain():
+    engine = Engine(tiny_model("llama"), byte_tokenizer(), verify_cost=CPU_LIKE_COST)
+    plain = list(engine.stream(PROMPT, GenerationSettings(max_tokens=MAX_TOKENS)))[-1]
+    assert len(plain.token_ids) == MAX_TOKENS  # no early EOS: enough rounds to count
+    return engine, list(plain.token_ids)
+
+
+def synthetic_run(engine, plain, acceptance: float, k: int | None, seed: int = 0):
+    engine.add_proposer(
+        SyntheticAcceptance([*PROMPT, *plain], acceptance, engine.vocab_size, seed=seed, k_max=8)
+    )
+    settings = GenerationSettings(max_tokens=MAX_TOKENS, k=k)
+    return list(engine.stream(PROMPT, settings, "synthetic"))
+
+
+def realised_acceptance(events) -> float:
+    """Per-token acceptance as the target decided it: kept drafts over draft positions
+    reached (the kept ones and each round's first rejected one)."""
+    steps = [e for e in events if isinstance(e, Step) and e.drafted]
+    kept = sum(s.accepted for s in steps)
+    return kept / (kept + sum(s.accepted < s.drafted for s in steps))
+
+
+@pytest.mark.parametrize("acceptance", [0.5, 0.9])
+def test_the_target_accepts_synthetic_drafts_at_the_asked_rate(engine_and_plain, acceptance):
+    engine, plain = engine_and_plain
+    rates = [
+        realised_acceptance(synthetic_run(engine, plain, acceptance, 4, seed)) for seed in (0, 1)
+    ]
+    assert sum(rates) / len(rates) == pytest.approx(acceptance, abs=0.08), rates
+
+
+def test_a_corrupted_draft_token_never_equals_the_target_s_own(engine_and_plain):
+    engine, plain = engine_and_plain
+    events = synthetic_run(engine, plain, 0.0, 4)
+    assert realised_acceptance(events) == 0.0
+
+
+@pytest.mark.parametrize("k", [4, None])
+@pytest.mark.parametrize("acceptance", [0.5, 0.9])
+def test_synthetic_drafts_leave_the_output_equal_to_plain(engine_and_plain, acceptance, k):
+    engine, plain = engine_and_plain
+    done = synthetic_run(engine, plain, acceptance, k)[-1]
+    assert isinstance(done, Done) and done.record.drafted > 0
+    assert list(done.token_ids) == plain
+
+
+def test_the_curve_predicts_tokens_per_plain_step():
+    assert expected_speedup(CPU_LIKE_COST, 0.9, 8) == pytest.approx(
+        expected_tokens(0.9, 8) / CPU_LIKE_COST(9)
+    )
+    adaptive = expected_speedup(CPU_LIKE_COST, 0.9, None)
+    assert adaptive >= max(expected_speedup(CPU_LIKE_COST, 0.9, k) for k in range(1, 17))
+    assert expected_speedup(CPU_LIKE_COST, 0.0, None) == 1.0  # nothing to gain: plain
+
+
+def test_the_bench_rows_report_measured_and_predicted_speedups(monkeypatch):
+    engine = Engine(tiny_model("llama"), byte_tokenizer(), verify_cost=CPU_LIKE_COST)
+
+    class TinyRuntime:
+        pass
+
+    runtime = TinyRuntime()
+    runtime.engine = engine
+    monkeypatch.setattr(engine, "encode_chat", lambda messages: list(PROMPT))
+    prompt = BenchPrompt("p", "chat", "hello")
+    result = run_synthetic(runtime, [prompt], 40, 1, lambda _: None, (0.9,), (4, None))
+    rows = result["rows"]
+    assert [(r["acceptance"], r["k"]) for r in rows] == [(0.9, 4), (0.9, "adaptive")]
+    assert all(r["token_match"] and r["speedup"] and r["expected_speedup"] > 1 for r in rows)
+    assert "| 0.9 | 4 |" in synthetic_markdown(result)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--k", "8"], ["--synthetic-acceptance", "0.9", "--k", "0"], ["--synthetic-acceptance", "2"]],
+)
+def test_bad_synthetic_options_get_one_line(args):
+    result = CliRunner().invoke(main, ["bench", *args])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "Error" in result.output
