@@ -466,10 +466,9 @@ def cached_verify_cost(
     """Calibrations are per model and machine; keep them in the cache dir across runs.
     (`load` reads another kind of calibration kept the same way, e.g. a batch's.)"""
     path = cache_dir() / "calibration.json"
-    try:
-        return load(_read_calibrations(path)[key])
-    except (KeyError, TypeError, ValueError):
-        pass
+    known = known_calibration(key, load)
+    if known is not None:
+        return known
     cost = measure()  # outside the lock: it takes seconds
     try:  # re-read under the lock, so another process's new entry is not written over
         with file_lock(path.with_suffix(".lock")):
@@ -481,6 +480,14 @@ def cached_verify_cost(
     except OSError:
         pass  # a read-only cache only costs a re-calibration next time
     return cost
+
+
+def known_calibration(key: str, load: Callable[[str], Any] = VerifyCost.from_json) -> Any | None:
+    """What `cached_verify_cost` keeps under `key`, or None: read without measuring."""
+    try:
+        return load(_read_calibrations(cache_dir() / "calibration.json")[key])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _read_calibrations(path: Path) -> dict[str, str]:
