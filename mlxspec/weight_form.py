@@ -16,13 +16,22 @@ measuring (quantized matmul is slow there for every width).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxspec.policy import VerifyCost, expected_tokens, measure_verify_cost
+from mlxspec.policy import (
+    VerifyCost,
+    cached_verify_cost,
+    calibration_key,
+    expected_tokens,
+    known_calibration,
+    measure_verify_cost,
+)
 
 QUANTIZED, DEQUANTIZED = "quantized", "dequantized"
 REFERENCE_ACCEPTANCE = 0.7  # a typical per-token acceptance (prompt lookup on edits, heads)
@@ -35,6 +44,14 @@ class WeightForm:
     form: str  # QUANTIZED or DEQUANTIZED: what speculation runs on
     reason: str  # one line for the run record and `models --json`
     tokens_per_second: dict[str, float]  # best expected speed per measured form
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WeightForm:
+        data = json.loads(text)
+        return cls(data["form"], data["reason"], dict(data["tokens_per_second"]))
 
 
 def best_tokens_per_second(cost: VerifyCost, acceptance: float = REFERENCE_ACCEPTANCE) -> float:
@@ -104,3 +121,43 @@ def measure_weight_forms(
     model = dequantize(model)
     curves[DEQUANTIZED] = measure(model, vocab_size)
     return choose_weight_form(curves), model
+
+
+def weight_form_key(model_ref: str) -> str:
+    """Where `auto`'s decision for a model is kept: beside its calibrations, per model
+    and device (and BLAS, mlx version), so another machine measures again."""
+    return calibration_key(model_ref, "auto weight form")
+
+
+def cached_weight_form(model_ref: str) -> WeightForm | None:
+    """The decision measured for this model on this device before, if any."""
+    return known_calibration(weight_form_key(model_ref), WeightForm.from_json)
+
+
+def free_memory_bytes() -> int | None:
+    """Memory the device can still give a model (None: it does not say)."""
+    info = mx.device_info()
+    total = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    return int(total) - mx.get_active_memory() if total else None
+
+
+def dequantize_as_loaded(model: nn.Module) -> nn.Module:
+    """Dequantize a loaded model as `load_model(dequantize=True)` does (float32 scales
+    first, so no weight is rounded)."""
+    from mlx_lm.utils import dequantize_model
+
+    model.set_dtype(mx.float32)
+    return dequantize_model(model)
+
+
+def decide_weight_form(model_ref: str, model: nn.Module, vocab_size: int) -> WeightForm:
+    """`auto`'s decision for a quantized model loaded as stored: cached, or measured in
+    both forms once and cached. Measuring may leave `model` dequantized (in place)."""
+
+    def measure() -> WeightForm:
+        free = free_memory_bytes()
+        return measure_weight_forms(
+            model, vocab_size, free, dequantize_as_loaded, 4, measure_verify_cost
+        )[0]
+
+    return cached_verify_cost(weight_form_key(model_ref), measure, WeightForm.from_json)
