@@ -38,7 +38,8 @@ from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.registry import ModelEntry, ProposerConfig
 from mlxspec.suffix.seed import seed_index
 from mlxspec.suffix.store import HistoryStore, history_store
-from mlxspec.weights import WeightsChoice, resolve_weights
+from mlxspec.weight_form import DEQUANTIZED, decide_weight_form
+from mlxspec.weights import AUTO, WeightsChoice, held_weights, resolve_weights
 
 
 class ProposerError(ValueError):
@@ -195,4 +196,21 @@ def open_runtime(entry: ModelEntry, notify: Callable[[str], None] = lambda _: No
     weights = target_weights(entry)
     notify(f"loading {entry.name} ({entry.target}), weights {weights.form}")
     loaded = load_model(entry.target, dequantize=weights.dequantize)
+    if weights.measure_at_load and loaded.quantized:
+        loaded, weights = measured_weights(entry, loaded, notify)
     return Runtime(entry, loaded, notify, weights)
+
+
+def measured_weights(
+    entry: ModelEntry, loaded: LoadedModel, notify: Callable[[str], None]
+) -> tuple[LoadedModel, WeightsChoice]:
+    """`auto` on a backend that keeps weights quantized: the faster form measured (once
+    per model and device, then cached), and the target loaded in it."""
+    notify(f"measuring {entry.name}'s verify costs quantized and dequantized")
+    vocab_size, loaded_held = len(loaded.tokenizer.get_vocab()), held_weights(loaded.model)
+    form = decide_weight_form(entry.target, loaded.model, vocab_size)
+    dequantize = form.form == DEQUANTIZED
+    if dequantize or held_weights(loaded.model) != loaded_held:  # dequantized to measure
+        loaded = load_model(entry.target, dequantize=dequantize)  # once: the choice is cached
+    notify(form.reason)
+    return loaded, WeightsChoice(AUTO, dequantize, form.reason)

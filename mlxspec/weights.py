@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxspec import device
+from mlxspec.weight_form import cached_weight_form
 
 AUTO, QUANTIZED, DEQUANTIZED = "auto", "quantized", "dequantized"
 CHOICES = (AUTO, QUANTIZED, DEQUANTIZED)
@@ -27,6 +28,7 @@ class WeightsChoice:
     requested: str  # auto, quantized or dequantized: what the user asked for
     dequantize: bool  # load as float32 (False: keep quantized layers and dtypes as stored)
     reason: str  # one line for the record: why this form
+    measure_at_load: bool = False  # auto, not decided yet: a quantized model measures both
 
     @property
     def form(self) -> str:
@@ -36,9 +38,9 @@ class WeightsChoice:
 def resolve_weights(requested: str, model_ref: str) -> WeightsChoice:
     """The form to load `model_ref` in on this device, and why.
 
-    The one place `auto` decides: today by the device alone (dequantize on MLX's CPU
-    backend, keep quantized on Metal/CUDA); `model_ref` is there for a decision made
-    from the model's own measured verify costs."""
+    The one place `auto` decides: dequantize on MLX's CPU backend; elsewhere the form
+    measured faster for this model on this device (weight_form.py), or, until measured,
+    quantized with `measure_at_load` (the runtime measures once and caches)."""
     if requested not in CHOICES:
         raise ValueError(f"weights must be one of {', '.join(CHOICES)}, got {requested!r}")
     if requested != AUTO:
@@ -46,7 +48,11 @@ def resolve_weights(requested: str, model_ref: str) -> WeightsChoice:
     name = device.device_name()
     if device.prefers_dequantized_weights():
         return WeightsChoice(AUTO, True, f"auto: quantized matmul is slow on MLX's {name} backend")
-    return WeightsChoice(AUTO, False, f"auto: {name} runs quantized kernels fast")
+    known = cached_weight_form(model_ref)
+    if known is not None:
+        return WeightsChoice(AUTO, known.form == DEQUANTIZED, f"{known.reason}, measured before")
+    reason = f"auto: {name} runs quantized kernels fast (both forms not measured yet)"
+    return WeightsChoice(AUTO, False, reason, measure_at_load=True)
 
 
 def held_weights(model: nn.Module) -> str:
