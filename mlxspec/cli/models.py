@@ -25,11 +25,14 @@ def models(as_json):
       mlxspec models --json
     """
     from mlxspec.loading import weights_location
+    from mlxspec.weights import resolve_weights
 
     registry = load_registry()
     rows = []
     for entry in registry.entries.values():
         where, present = weights_location(entry.target)
+        # What `auto` decided (cached) or would do, and why, without loading the model.
+        choice = resolve_weights(entry.defaults.weights, entry.target)
         rows.append(
             {
                 "name": entry.name,
@@ -40,6 +43,11 @@ def models(as_json):
                 "default_proposer": entry.default_proposer,
                 "weights": where,
                 "present": present,
+                "weights_form": {
+                    "requested": choice.requested,
+                    "form": choice.form,
+                    "reason": choice.reason,
+                },
             }
         )
     if as_json:
