@@ -59,9 +59,7 @@ def is_quantized(runtime) -> bool:
     return isinstance(layer, nn.QuantizedLinear)
 
 
-def test_slow_wide_quantized_passes_make_auto_dequantize_once_and_remember(
-    tiny_entry, monkeypatch
-):
+def test_slow_wide_quantized_passes_make_auto_dequantize_once_and_remember(tiny_entry, monkeypatch):
     measured = on_a_gpu_measuring(monkeypatch, H100_QUANTIZED, H100_DEQUANTIZED)
     first = open_runtime(tiny_entry)
     assert measured == ["quantized", "dequantized"]
