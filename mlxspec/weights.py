@@ -16,9 +16,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxspec import device
-from mlxspec.weight_form import cached_weight_form
+from mlxspec.weight_form import DEQUANTIZED, QUANTIZED, cached_weight_form
 
-AUTO, QUANTIZED, DEQUANTIZED = "auto", "quantized", "dequantized"
+AUTO = "auto"
 CHOICES = (AUTO, QUANTIZED, DEQUANTIZED)
 ENV_VAR = "MLXSPEC_WEIGHTS"
 
