@@ -291,8 +291,11 @@ def test_a_sharded_request_whose_client_left_ends_with_the_round_under_way(monke
     loop = asyncio.new_event_loop()
     settings = GenerationSettings(max_tokens=60, k=0)
     job = Job(Generation("tiny", [5, 6, 7], settings, None), loop)
-    verify, passes = SingleCaches.verify, []
+    # A pass starts in `verify`, or a round early in `launch` (alone, k = 0: the next
+    # round's one-token pass is launched before this round's token is read).
+    verify, launch, passes = SingleCaches.verify, SingleCaches.launch, []
     monkeypatch.setattr(SingleCaches, "verify", lambda *a: passes.append(1) or verify(*a))
+    monkeypatch.setattr(SingleCaches, "launch", lambda *a: passes.append(1) or launch(*a))
     rounds = 0
     for event in worker._stream(SimpleNamespace(engine=engine), job, "none"):
         rounds += isinstance(event, Step)
