@@ -11,6 +11,7 @@ speculative decoding can use it as well as mlxspec's draft-model proposer.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from fnmatch import fnmatch
@@ -45,7 +46,9 @@ class ModelStudent:
 
     def __init__(self, model: nn.Module, decoder: Decoder, layers: int, vocab: mx.array):
         check_layers(layers, len(decoder.layers))
-        student = truncated_model(model, layers)
+        # Its own modules: truncated_model shares the target's (a draft only reads them),
+        # and training (and set_dtype) must not change the target's layers and norm.
+        student = copy.deepcopy(truncated_model(model, layers))
         if any(
             isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
             for _, m in student.named_modules()
