@@ -766,7 +766,12 @@ def serving_ranks(
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
+        # A real model's first request pays the sharded calibration (every rank runs the
+        # same passes, unbounded by time): 2 min here alone, more on a loaded machine.
+        answer_limit = 60 if model == "tiny" else 300
+        client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=answer_limit
+        )
         yield launcher, client, url
     finally:
         if launcher.poll() is None:
