@@ -48,6 +48,7 @@ from mlxspec.drafter.head import (
     is_saved_head,
     load_saved_head,
 )
+from mlxspec.drafter.mtp_pull import KEPT_CONFIG
 from mlxspec.drafter.stored_quantized import (
     as_loaded,
     dequantized,
@@ -67,17 +68,7 @@ HARMLESS = ("*rotary_emb.inv_freq",)  # RoPE tables: a warning names them
 # config.json fields: `pull --mtp` writes the target's (`mtp_pull.KEPT_CONFIG`), EAGLE-1
 # ships its layer's llama config (the layer is built as the target's own, so those
 # fields only have to agree with the weights' shapes, which load strictly).
-MTP_FIELDS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "rms_norm_eps",
-    "vocab_size",
-    "num_nextn_predict_layers",
-    "mtp_num_hidden_layers",
-    "mtp_use_dedicated_embeddings",
-    "quantization",
-    "mtp_source",
-)
+MTP_FIELDS = (*KEPT_CONFIG, "quantization", "mtp_source")  # model_type: metadata (strict.py)
 EAGLE1_FIELDS = (
     "hidden_size",
     "intermediate_size",
