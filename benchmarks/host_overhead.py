@@ -36,13 +36,13 @@ import mlxspec  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 import mlx.core as mx
 from mlx_lm.generate import batch_generate, generate_step
 
-from mlxspec.batch.scheduler import Scheduler
 from mlxspec.engine import Engine
 from mlxspec.events import Done
 from mlxspec.policy import VerifyCost
 from mlxspec.settings import GenerationSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from batch_throughput import batched  # noqa: E402  (the same scheduler drain, beside it)
 from tiny_models import FAMILIES, byte_tokenizer, tiny_model  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. "
@@ -80,16 +80,8 @@ def batch_prompts(count: int) -> list[list[int]]:
 
 def mlxspec_batched(engine: Engine, prompts, tokens: int, clients: int) -> tuple[float, list]:
     engine.reset()
-    scheduler = Scheduler(engine, clients)
     settings = GenerationSettings(max_tokens=tokens, k=0)
-    start = time.perf_counter()
-    ids = [scheduler.submit(p, settings) for p in prompts]
-    answers: dict[int, tuple] = {}
-    for out in scheduler.drain():
-        for request_id, events in out.items():
-            if isinstance(events[-1], Done):
-                answers[request_id] = events[-1].token_ids
-    return time.perf_counter() - start, [answers[i] for i in ids]
+    return batched(engine, prompts, settings, None, clients)
 
 
 def mlx_lm_batched(model, tokenizer, prompts, tokens: int, clients: int) -> tuple[float, list]:
