@@ -124,11 +124,12 @@ def calibrate(
     progress: Callable[[int, int, int], None] = lambda done, total, size: None,
     fit: Callable[[list[float]], list[float]] = running_max,
     budget: float | None = CALIBRATION_BUDGET_S,
+    order: tuple[int, ...] = MEASURE_ORDER,
 ) -> VerifyCost:
-    """Time `forward(m)` (a verify of m tokens on a warm context) for each calibration size.
+    """Time `forward(m)` (a verify of m tokens on a warm context) for each size in `order`.
 
     `reset()` rolls the context back between timings. After one untimed one-token pass
-    (kernels), the sizes take turns in MEASURE_ORDER, `repeats` + 1 rounds of all of
+    (kernels), the sizes take turns in `order` (1 first), `repeats` + 1 rounds of all of
     them, and each keeps its fastest time: a burst of other work on the machine then
     slows one round of every size, not every timing of one size. (Timed size by size, one
     busy moment while the one-token step was timed made every verify look dear, and the
@@ -146,7 +147,7 @@ def calibrate(
     `progress(done, total, size)` is told before each forward pass (it takes seconds on
     a slow machine) and once more with done == total at the end.
     """
-    done, total = 0, 1 + len(MEASURE_ORDER) * (repeats + 1)
+    done, total = 0, 1 + len(order) * (repeats + 1)
     seconds: dict[int, float] = {}
 
     def fits(m: int) -> bool:
@@ -161,7 +162,7 @@ def calibrate(
     start = clock()
     for _ in range(repeats + 1):
         timed_this_round = False
-        for m in MEASURE_ORDER:
+        for m in order:
             if not fits(m):
                 continue
             progress(done, total, m)
@@ -178,7 +179,7 @@ def calibrate(
     # A verify never costs less than a step; `fit` makes the timed costs monotone.
     ratios = fit([seconds[m] / step for m in sizes])
     points = {m: round(ratio, 4) for m, ratio in zip(sizes, ratios)}
-    return VerifyCost(points, step, partial=len(sizes) < len(MEASURE_ORDER))
+    return VerifyCost(points, step, partial=len(sizes) < len(order))
 
 
 def expected_seconds(seconds: dict[int, float], m: int) -> float:

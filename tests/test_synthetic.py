@@ -8,7 +8,13 @@ from click.testing import CliRunner
 from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.bench.suites import BenchPrompt
-from mlxspec.bench.synthetic import expected_speedup, run_synthetic, synthetic_markdown
+from mlxspec.bench.synthetic import (
+    expected_speedup,
+    prediction_widths,
+    run_synthetic,
+    synthetic_markdown,
+    synthetic_transcript,
+)
 from mlxspec.cli import main
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Step
@@ -77,21 +83,66 @@ def test_the_curve_predicts_tokens_per_plain_step():
     assert expected_speedup(CPU_LIKE_COST, 0.0, None) == 1.0  # nothing to gain: plain
 
 
-def test_the_bench_rows_report_measured_and_predicted_speedups(monkeypatch):
-    engine = Engine(tiny_model("llama"), byte_tokenizer(), verify_cost=CPU_LIKE_COST)
+class TinyRuntime:
+    def __init__(self, engine):
+        self.engine = engine
 
-    class TinyRuntime:
-        pass
 
-    runtime = TinyRuntime()
-    runtime.engine = engine
+def tiny_bench_engine(monkeypatch, tokenizer=None) -> Engine:
+    engine = Engine(tiny_model("llama"), tokenizer or byte_tokenizer(), verify_cost=CPU_LIKE_COST)
     monkeypatch.setattr(engine, "encode_chat", lambda messages: list(PROMPT))
+    return engine
+
+
+def test_the_bench_rows_report_measured_and_predicted_speedups(monkeypatch):
+    engine = tiny_bench_engine(monkeypatch)
     prompt = BenchPrompt("p", "chat", "hello")
-    result = run_synthetic(runtime, [prompt], 40, 1, lambda _: None, (0.9,), (4, None))
+    result = run_synthetic(TinyRuntime(engine), [prompt], 40, 1, lambda _: None, (0.9,), (4, None))
     rows = result["rows"]
     assert [(r["acceptance"], r["k"]) for r in rows] == [(0.9, 4), (0.9, "adaptive")]
     assert all(r["token_match"] and r["speedup"] and r["expected_speedup"] > 1 for r in rows)
     assert "| 0.9 | 4 |" in synthetic_markdown(result)
+    # The prediction's curve is timed at the widths the rows verify, not interpolated.
+    assert sorted(result["verify_cost"]["points"]) == list(range(1, 18))
+
+
+def test_the_prediction_is_timed_at_each_row_s_verify_width():
+    assert prediction_widths((4, 8)) == (1, 5, 9)
+    assert prediction_widths((8, None)) == tuple(range(1, 18))
+
+
+def test_an_answer_that_stops_early_is_drafted_to_its_stop_token(engine_and_plain):
+    """The stop token ends the transcript, so the last round drafts it like any other
+    token (without it that round ran plain: a cost the prediction does not count)."""
+    _, plain = engine_and_plain
+    stop = plain[20]
+    cut = plain[: plain.index(stop)]
+    assert synthetic_transcript(PROMPT, plain, MAX_TOKENS, stop) == [*PROMPT, *plain]
+    transcript = synthetic_transcript(PROMPT, cut, MAX_TOKENS, stop)
+    assert transcript == [*PROMPT, *cut, stop]
+    tokenizer = byte_tokenizer()
+    tokenizer.eos_token_ids = [stop]
+    engine = Engine(tiny_model("llama"), tokenizer, verify_cost=CPU_LIKE_COST)
+    engine.add_proposer(SyntheticAcceptance(transcript, 1.0, engine.vocab_size, k_max=4))
+    events = list(
+        engine.stream(PROMPT, GenerationSettings(max_tokens=MAX_TOKENS, k=4), "synthetic")
+    )
+    assert list(events[-1].token_ids) == cut
+    drafted = [e.drafted for e in events if isinstance(e, Step)]
+    assert sum(drafted) == len(cut) + 1 - (len(drafted) - 1)  # every token but the bonuses
+
+
+def test_a_short_answer_is_said_to_make_a_noisy_row(monkeypatch, engine_and_plain):
+    _, plain = engine_and_plain
+    tokenizer = byte_tokenizer()
+    tokenizer.eos_token_ids = [plain[30]]
+    engine = tiny_bench_engine(monkeypatch, tokenizer)
+    notes: list[str] = []
+    run_synthetic(
+        TinyRuntime(engine), [BenchPrompt("p", "chat", "hi")], 100, 1, notes.append, (1.0,), (4,)
+    )
+    length = plain.index(plain[30])
+    assert any(f"the plain answer is {length} tokens" in note for note in notes)
 
 
 @pytest.mark.parametrize(
