@@ -84,7 +84,7 @@ def run_synthetic(
     stop = next(iter(engine.tokenizer.eos_token_ids), None)
     runs: dict[tuple[float, int | None] | None, list[dict[str, Any]]] = {}
     total, done = len(prompts) * repeats * (1 + len(acceptances) * len(draft_lengths)), 0
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         tokens = engine.encode_chat([{"role": "user", "content": prompt.text}])
         reference = run_mlxspec(engine, tokens, max_tokens, NONE, None).tokens  # also warms up
         if len(reference) < SHORT_ANSWER_ROUNDS * (longest + 1):
@@ -106,7 +106,7 @@ def run_synthetic(
                         transcript,
                         acceptance,
                         engine.vocab_size,
-                        seed=repeat,
+                        seed=index * repeats + repeat,  # a draw of its own per run
                         k_max=k or ADAPTIVE_K_MAX,
                     )
                     engine.add_proposer(proposer)  # replaces the last one of that name
