@@ -125,6 +125,7 @@ def calibrate(
     fit: Callable[[list[float]], list[float]] = running_max,
     budget: float | None = CALIBRATION_BUDGET_S,
     order: tuple[int, ...] = MEASURE_ORDER,
+    prepare: Callable[[], None] = lambda: None,
 ) -> VerifyCost:
     """Time `forward(m)` (a verify of m tokens on a warm context) for each size in `order`.
 
@@ -137,7 +138,8 @@ def calibrate(
     1.12 is true on this CPU.) A size's first timing includes its own warm-up; it only
     counts where no later round improves on it, and then prices that size high.
 
-    `budget` (seconds, None: unbounded) bounds the measurement after the warm-up: a pass
+    `budget` (seconds, None: unbounded) bounds the whole measurement, `prepare()` (the
+    context's prefill) and the warm-up included, since the user waits for all of it: a pass
     is skipped when what it is expected to take (its last timing, else the widest
     narrower size's scaled proportionally) would pass the budget. One timing of each of
     ALWAYS_TIMED runs whatever it costs: the step, and the narrowest draft's verify,
@@ -157,9 +159,10 @@ def calibrate(
 
     progress(done, total, 1)
     done += 1
+    start = clock()
+    prepare()
     forward(1)  # warm-up: kernels (the answer's own first pass would pay for them)
     reset()
-    start = clock()
     for _ in range(repeats + 1):
         timed_this_round = False
         for m in order:
@@ -436,7 +439,9 @@ def measure_verify_cost(
     pass of its own, outside the budget (seconds where wide passes are slow), and the
     attention over a few dozen more tokens is noise beside the weights' matmuls."""
     cache = make_prompt_cache(model)
-    mx.eval(model(mx.arange(context)[None] % vocab_size, cache=cache))
+
+    def prefill() -> None:
+        mx.eval(model(mx.arange(context)[None] % vocab_size, cache=cache))
 
     def forward(m: int) -> None:
         mx.eval(model(mx.arange(m)[None] % vocab_size, cache=cache))
@@ -446,7 +451,7 @@ def measure_verify_cost(
             if c.is_trimmable():
                 c.trim(c.size() - context)
 
-    return calibrate(forward, reset, progress=progress, **how)
+    return calibrate(forward, reset, progress=progress, prepare=prefill, **how)
 
 
 def calibration_key(model: str, weights: str, setup: str = "") -> str:

@@ -44,11 +44,28 @@ def test_calibration_ends_within_its_budget_and_times_the_narrow_widths_first():
         now[0] += quantized_cpu_like(m)
 
     cost = calibrate(forward, lambda: None, clock=lambda: now[0], budget=2.0)
-    assert now[0] - quantized_cpu_like(1) <= 2.0, calls  # after the one-token warm-up
+    assert now[0] <= 2.0, calls  # its one-token warm-up included
     assert len(calls) < 1 + 6 * len(MEASURE_ORDER)  # the unbounded run: 49 passes, 78 s
     assert {1, 2, 4, 8} <= set(cost.points) and 64 not in cost.points
     assert cost.partial
     assert cost(8) == pytest.approx(quantized_cpu_like(8) / quantized_cpu_like(1), rel=1e-3)
+
+
+def test_the_budget_counts_the_context_prefill_and_the_warm_up():
+    """The user waits for the whole calibration: a slow prefill of its context (a wide
+    quantized pass) leaves the budget only the step and a one-token draft."""
+    now, calls = [0.0], []
+
+    def forward(m: int) -> None:
+        calls.append(m)
+        now[0] += quantized_cpu_like(m)
+
+    def prefill() -> None:
+        now[0] += 1.6
+
+    cost = calibrate(forward, lambda: None, clock=lambda: now[0], budget=2.0, prepare=prefill)
+    assert calls == [1, 1, 2] and set(cost.points) == {1, 2}
+    assert now[0] <= 2.0
 
 
 def test_a_machine_too_busy_for_the_budget_still_times_a_one_token_draft():
