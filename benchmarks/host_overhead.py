@@ -38,8 +38,8 @@ from mlx_lm.generate import batch_generate, generate_step
 
 from mlxspec.engine import Engine
 from mlxspec.events import Done
-from mlxspec.policy import VerifyCost
 from mlxspec.settings import GenerationSettings
+from mlxspec.verify_cost import VerifyCost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from batch_throughput import batched  # noqa: E402  (the same scheduler drain, beside it)

@@ -33,12 +33,13 @@ from pathlib import Path
 from mlxspec.bench.runners import run_plain_mlx_lm
 from mlxspec.bench.suites import REPLAYED, BenchPrompt, load_suite, read_prompts
 from mlxspec.paths import cache_dir
-from mlxspec.policy import Policy, cached_verify_cost, calibration_key
+from mlxspec.policy import Policy
 from mlxspec.proposers import PromptLookup, ProposalContext
 from mlxspec.proposers.base import candidates
 from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.registry import load_registry
 from mlxspec.suffix.store import HistoryStore
+from mlxspec.verify_cost import cached_verify_cost, calibration_key
 
 MODEL = "smollm2-135m"
 

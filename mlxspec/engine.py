@@ -25,20 +25,20 @@ from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
 from mlxspec.chat_template import encode_chat
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
-from mlxspec.policy import (
-    CALIBRATION_BUDGET_S,
-    Policy,
-    VerifyCost,
-    cached_verify_cost,
-    calibration_key,
-    measure_verify_cost,
-)
+from mlxspec.policy import Policy
 from mlxspec.proposers.base import ProposalContext, Proposer
 from mlxspec.request import RequestRun
 from mlxspec.settings import GenerationError, GenerationSettings
 from mlxspec.suffix.store import HistoryStore
 from mlxspec.target import Target
 from mlxspec.tree import DraftTree, best_size, chain, keep_best
+from mlxspec.verify_cost import (
+    CALIBRATION_BUDGET_S,
+    VerifyCost,
+    cached_verify_cost,
+    calibration_key,
+    measure_verify_cost,
+)
 from mlxspec.weights import WeightsChoice, weights_record
 
 

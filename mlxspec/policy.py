@@ -5,193 +5,25 @@ tokens per round (accepted drafts + the target's own), and costs
 T(k) = verify(k+1) + k * draft_cost, in units of one plain target step. k = 0 is
 plain decoding (E = T = 1), so a draft is only made when it is expected to pay.
 
-`verify(m)` is measured on the running machine (`calibrate`), because it is the whole
-story: on MLX's CPU backend with OpenBLAS 8 tokens cost ~1.6 steps, with the
-reference BLAS ~7. Acceptance is estimated per (proposer, case) from decayed counts,
-where a case is what the proposer saw (e.g. prompt lookup's match length) plus
-whether that proposer's last draft was fully accepted (verbatim copies are sticky).
+`verify(m)` is measured on the running machine (verify_cost.py). Acceptance is
+estimated per (proposer, case) from decayed counts, where a case is what the proposer
+saw (e.g. prompt lookup's match length) plus whether that proposer's last draft was fully
+accepted (verbatim copies are sticky).
 Block drafters, whose slots differ, get E(k) from an estimate per draft position
 instead, and their one pass is priced per round rather than per token.
 """
 
 from __future__ import annotations
 
-import bisect
-import json
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
-
-from mlxspec import device
-from mlxspec.paths import cache_dir, file_lock
 from mlxspec.proposers.base import Situation
+from mlxspec.verify_cost import VerifyCost
 
-CALIBRATION_SIZES = (1, 2, 3, 4, 8, 16, 32, 64)
-# The order sizes are first timed in: the widths a policy drafts at first (a few tokens)
-# before the wide ones it rarely reaches, so that a budget that runs out leaves them known.
-MEASURE_ORDER = (1, 2, 4, 8, 3, 16, 32, 64)
-# The most a calibration may take (seconds): it runs before a first speculative answer.
-# Where wide passes are slow (quantized weights on MLX's CPU backend: 110 s for the
-# unbounded calibration) it ends early; the widths it did not time are priced as dear as
-# proportional, and the passes the engine runs correct the curve (Policy.observe_verify).
-CALIBRATION_BUDGET_S = 2.0
-ALWAYS_TIMED = (1, 2)  # timed once even past the budget: a step and a one-token draft
 # An observed verify whose extra tokens cost this many times what the policy expected
 # re-prices every width at once (Policy.observe_verify).
 PRICE_AT_ONCE = 3.0
 RETIME_ROUNDS = 2  # plain rounds that re-time the step after such a jump (the fastest counts)
-# In the cache key: calibrations made before the method changed are measured again.
-CALIBRATION_METHOD = "interleaved-min"
-
-
-@dataclass
-class VerifyCost:
-    """verify(m) / verify(1), interpolated from measured points; step_seconds = verify(1).
-
-    `partial`: a time budget ended the measurement before every size was timed; past the
-    widest timed size a verify is then priced proportionally (m / b times the cost at b,
-    the most a compute-bound pass can grow), not by the last slope."""
-
-    points: dict[int, float]
-    step_seconds: float
-    partial: bool = False
-
-    def __call__(self, m: int) -> float:
-        sizes = sorted(self.points)
-        if m >= sizes[-1] and self.partial:
-            return self.points[sizes[-1]] * m / sizes[-1]
-        if m <= sizes[0] or len(sizes) == 1:  # one point: no slope, a flat cost
-            return self.points[sizes[0]]
-        if m >= sizes[-1]:  # extrapolate with the last slope
-            a, b = sizes[-2], sizes[-1]
-            slope = (self.points[b] - self.points[a]) / (b - a)
-            return self.points[b] + slope * (m - b)
-        i = bisect.bisect_left(sizes, m)
-        a, b = sizes[i - 1], sizes[i]
-        return self.points[a] + (self.points[b] - self.points[a]) * (m - a) / (b - a)
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {"points": self.points, "step_seconds": self.step_seconds, "partial": self.partial}
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> VerifyCost:
-        data = json.loads(text)
-        points = {int(m): float(c) for m, c in data["points"].items()}
-        return cls(points, data["step_seconds"], bool(data.get("partial", False)))
-
-
-def running_max(ratios: list[float]) -> list[float]:
-    """Monotone costs by carrying the largest so far forward (one process: its timings
-    are steady enough that a high point is real)."""
-    out, floor = [], 1.0
-    for ratio in ratios:
-        floor = max(floor, ratio)
-        out.append(floor)
-    return out
-
-
-def pooled_monotone(ratios: list[float]) -> list[float]:
-    """The least-squares monotone fit (pool adjacent violators), floored at one step.
-
-    For a sharded target: its step is dominated by dozens of all-reduces whose latency
-    hardly depends on the token count, so one slow timing is noise. The running max
-    carries such a point to every larger size (measured on 3 ranks: 1.12 steps for 2
-    tokens, 2.61 for 3 and every size after), and the policy stopped drafting more than
-    one token; pooling averages the outlier with its neighbours instead."""
-    blocks: list[list[float]] = []  # [mean, count] of pooled runs
-    for ratio in ratios:
-        blocks.append([max(ratio, 1.0), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, count = blocks.pop()
-            total = blocks[-1][0] * blocks[-1][1] + mean * count
-            blocks[-1][1] += count
-            blocks[-1][0] = total / blocks[-1][1]
-    return [mean for mean, count in blocks for _ in range(int(count))]
-
-
-def calibrate(
-    forward: Callable[[int], None],
-    reset: Callable[[], None],
-    repeats: int = 5,
-    clock: Callable[[], float] = time.perf_counter,
-    progress: Callable[[int, int, int], None] = lambda done, total, size: None,
-    fit: Callable[[list[float]], list[float]] = running_max,
-    budget: float | None = CALIBRATION_BUDGET_S,
-    order: tuple[int, ...] = MEASURE_ORDER,
-    prepare: Callable[[], None] = lambda: None,
-) -> VerifyCost:
-    """Time `forward(m)` (a verify of m tokens on a warm context) for each size in `order`.
-
-    `reset()` rolls the context back between timings. After one untimed one-token pass
-    (kernels), the sizes take turns in `order` (1 first), `repeats` + 1 rounds of all of
-    them, and each keeps its fastest time: a burst of other work on the machine then
-    slows one round of every size, not every timing of one size. (Timed size by size, one
-    busy moment while the one-token step was timed made every verify look dear, and the
-    cached result kept the head from drafting: 1.34 steps measured for 2 tokens where
-    1.12 is true on this CPU.) A size's first timing includes its own warm-up; it only
-    counts where no later round improves on it, and then prices that size high.
-
-    `budget` (seconds, None: unbounded) bounds the whole measurement, `prepare()` (the
-    context's prefill) and the warm-up included, since the user waits for all of it: a pass
-    is skipped when what it is expected to take (its last timing, else the widest
-    narrower size's scaled proportionally) would pass the budget. One timing of each of
-    ALWAYS_TIMED runs whatever it costs: the step, and the narrowest draft's verify,
-    without which a slow machine (a busy one: 0.5 s steps) would never draft at all.
-    Ranks of a sharded target run unbounded: they must all run the same passes.
-
-    `progress(done, total, size)` is told before each forward pass (it takes seconds on
-    a slow machine) and once more with done == total at the end.
-    """
-    done, total = 0, 1 + len(order) * (repeats + 1)
-    seconds: dict[int, float] = {}
-
-    def fits(m: int) -> bool:
-        if budget is None or m in ALWAYS_TIMED and m not in seconds:
-            return True
-        return clock() - start + expected_seconds(seconds, m) <= budget
-
-    progress(done, total, 1)
-    done += 1
-    start = clock()
-    prepare()
-    forward(1)  # warm-up: kernels (the answer's own first pass would pay for them)
-    reset()
-    for _ in range(repeats + 1):
-        timed_this_round = False
-        for m in order:
-            if not fits(m):
-                continue
-            progress(done, total, m)
-            done += 1
-            begin = clock()
-            forward(m)
-            seconds[m] = min(seconds.get(m, float("inf")), clock() - begin)
-            reset()
-            timed_this_round = True
-        if not timed_this_round:
-            break
-    progress(total, total, max(seconds))
-    step, sizes = seconds[1], sorted(seconds)
-    # A verify never costs less than a step; `fit` makes the timed costs monotone.
-    ratios = fit([seconds[m] / step for m in sizes])
-    points = {m: round(ratio, 4) for m, ratio in zip(sizes, ratios)}
-    return VerifyCost(points, step, partial=len(sizes) < len(order))
-
-
-def expected_seconds(seconds: dict[int, float], m: int) -> float:
-    """What a pass of m tokens is expected to take from the timings so far: its own, else
-    the widest narrower size's scaled to m (as dear as a compute-bound pass grows)."""
-    if m in seconds:
-        return seconds[m]
-    narrower = max((size for size in seconds if size < m), default=min(seconds))
-    return seconds[narrower] * m / narrower
 
 
 @dataclass
@@ -425,80 +257,3 @@ class Policy:
         measured = draft_seconds / per / (self.step_seconds or self.cost.step_seconds)
         previous = self.draft_cost.get(name)
         self.draft_cost[name] = measured if previous is None else 0.8 * previous + 0.2 * measured
-
-
-def measure_verify_cost(
-    model,
-    vocab_size: int,
-    context: int = 4,
-    progress: Callable[[int, int, int], None] = lambda done, total, size: None,
-    **how,
-) -> VerifyCost:
-    """Calibrate a model's verify cost on a synthetic context of `context` tokens; `how`:
-    `calibrate`'s repeats, fit and budget. The context is short: its prefill is a wide
-    pass of its own, outside the budget (seconds where wide passes are slow), and the
-    attention over a few dozen more tokens is noise beside the weights' matmuls."""
-    cache = make_prompt_cache(model)
-
-    def prefill() -> None:
-        mx.eval(model(mx.arange(context)[None] % vocab_size, cache=cache))
-
-    def forward(m: int) -> None:
-        mx.eval(model(mx.arange(m)[None] % vocab_size, cache=cache))
-
-    def reset() -> None:
-        for c in cache:
-            if c.is_trimmable():
-                c.trim(c.size() - context)
-
-    return calibrate(forward, reset, progress=progress, prepare=prefill, **how)
-
-
-def calibration_key(model: str, weights: str, setup: str = "") -> str:
-    """Where a calibration is kept: per model and the form of its weights in memory
-    (`weights.held_weights`: a quantized curve never prices float weights), machine, BLAS
-    and mlx version, plus the `setup` it ran in (e.g. a sharded target's split)."""
-    facts = device.describe()
-    key = (
-        f"{model}|{weights}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
-        f"|{CALIBRATION_METHOD}" + ("|tf32" if facts["tf32"] else "")
-    )
-    return f"{key}|{setup}" if setup else key
-
-
-def cached_verify_cost(
-    key: str, measure: Callable[[], VerifyCost], load: Callable[[str], Any] = VerifyCost.from_json
-) -> VerifyCost:
-    """Calibrations are per model and machine; keep them in the cache dir across runs.
-    (`load` reads another kind of calibration kept the same way, e.g. a batch's.)"""
-    path = cache_dir() / "calibration.json"
-    known = known_calibration(key, load)
-    if known is not None:
-        return known
-    cost = measure()  # outside the lock: it takes seconds
-    try:  # re-read under the lock, so another process's new entry is not written over
-        with file_lock(path.with_suffix(".lock")):
-            known = _read_calibrations(path)
-            known[key] = cost.to_json()
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(known, indent=1))
-            tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs a re-calibration next time
-    return cost
-
-
-def known_calibration(key: str, load: Callable[[str], Any] = VerifyCost.from_json) -> Any | None:
-    """What `cached_verify_cost` keeps under `key`, or None: read without measuring."""
-    try:
-        return load(_read_calibrations(cache_dir() / "calibration.json")[key])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _read_calibrations(path: Path) -> dict[str, str]:
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}

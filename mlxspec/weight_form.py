@@ -24,11 +24,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxspec.policy import (
+from mlxspec.policy import expected_tokens
+from mlxspec.verify_cost import (
     VerifyCost,
     cached_verify_cost,
     calibration_key,
-    expected_tokens,
     known_calibration,
     measure_verify_cost,
 )

@@ -32,7 +32,6 @@ from mlxspec.batch.width import (
 )
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
-from mlxspec.policy import VerifyCost
 from mlxspec.proposers import (
     Draft,
     DraftModel,
@@ -42,6 +41,7 @@ from mlxspec.proposers import (
     truncated_model,
 )
 from mlxspec.sampling import SamplingSettings
+from mlxspec.verify_cost import VerifyCost
 
 BATCHED = ["llama", "qwen3", "lfm2", "gemma3_text"]  # lfm2: recurrent conv layers; gemma3: windows
 

@@ -454,8 +454,8 @@ def test_from_history_replays_saved_answers_teacher_forced(tmp_path):
     """A saved answer that copies its prompt: lookup is credited, and the estimate is
     derived from the drafts that matched the saved answer."""
     from mlxspec.bench.history import answer_turns, read_history, replay
-    from mlxspec.policy import VerifyCost
     from mlxspec.proposers import PromptLookup
+    from mlxspec.verify_cost import VerifyCost
 
     text = "alpha beta gamma delta epsilon zeta eta theta iota kappa"
     chat = {

@@ -36,10 +36,11 @@ from mlxspec.anatomy import split_decoder
 from mlxspec.drafter.block import BlockDrafterError, load_block_drafter
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Bonus, Rejected, TokenEvent
-from mlxspec.policy import Policy, VerifyCost
+from mlxspec.policy import Policy
 from mlxspec.proposers.base import ProposalContext, Situation
 from mlxspec.proposers.block import BlockProposer
 from mlxspec.sampling import SamplingSettings, TokenScorer
+from mlxspec.verify_cost import VerifyCost
 
 D, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 96, 2
 EOS = VOCAB - 1

@@ -11,15 +11,17 @@ from tiny_models import byte_tokenizer, tiny_model
 from mlxspec.batch.single import SingleCaches
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Step
-from mlxspec.policy import (
-    CALIBRATION_BUDGET_S,
-    MEASURE_ORDER,
-    Policy,
-    VerifyCost,
-    calibrate,
-)
+from mlxspec.policy import Policy
 from mlxspec.proposers import Situation
 from mlxspec.proposers.synthetic import SyntheticAcceptance
+from mlxspec.verify_cost import (
+    CALIBRATION_BUDGET_S,
+    MEASURE_ORDER,
+    PARTIAL_REMEASURES,
+    VerifyCost,
+    cached_verify_cost,
+    calibrate,
+)
 
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
 
@@ -66,6 +68,56 @@ def test_the_budget_counts_the_context_prefill_and_the_warm_up():
     cost = calibrate(forward, lambda: None, clock=lambda: now[0], budget=2.0, prepare=prefill)
     assert calls == [1, 1, 2] and set(cost.points) == {1, 2}
     assert now[0] <= 2.0
+
+
+def test_a_width_s_first_pass_compiling_its_kernels_never_prices_it():
+    """MLX's CUDA backend compiles a width's kernels on its first pass: an H100 spent 33 s
+    on the first 8-token pass of the calibration, which priced 8 tokens at 8140 steps (and
+    the cache kept it). Timed again, a width's cold pass no longer counts; timed once, it
+    is priced no dearer than proportional to the narrower widths."""
+    now, seen = [0.0], set()
+
+    def forward(m: int) -> None:
+        compile_seconds = 0.0 if m in seen else 30.0 if m >= 8 else 0.01
+        now[0] += 0.004 * (1 + 0.05 * (m - 1)) + compile_seconds
+        seen.add(m)
+
+    cost = calibrate(forward, lambda: None, clock=lambda: now[0], budget=2.0)
+    assert set(cost.points) == {1, 2, 4, 8} and cost.partial
+    for m, price in cost.points.items():
+        assert price <= m, cost.points  # proportional at most: never the compile's 1000x
+
+    now[0], seen = 0.0, set()  # compiles of 10 ms: every width is timed again, warm
+    cost = calibrate(forward, lambda: None, clock=lambda: now[0], budget=2.0, order=(1, 2, 4))
+    assert cost.points == pytest.approx({1: 1.0, 2: 1.05, 4: 1.15}), cost.points
+
+
+def test_a_partial_curve_is_measured_again_by_the_next_runs_then_kept(tmp_path, monkeypatch):
+    """The budget ended a first calibration on cold passes (a GPU compiling its kernels):
+    the next runs measure it again, each width keeping its cheaper price, until it is
+    complete or PARTIAL_REMEASURES runs tried; a complete curve is measured once."""
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    calls: list[str] = []
+
+    def measured(points: dict[int, float], partial: bool = True):
+        def measure() -> VerifyCost:
+            calls.append(str(points))
+            return VerifyCost(points, 0.004, partial=partial)
+
+        return measure
+
+    cached_verify_cost("gpu", measured({1: 1.0, 2: 1.1, 4: 4.0}))
+    again = cached_verify_cost("gpu", measured({1: 1.0, 2: 1.3, 4: 1.2, 8: 1.4}))
+    assert again.points == {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4} and again.measurements == 2
+    for _ in range(PARTIAL_REMEASURES + 2):
+        kept = cached_verify_cost("gpu", measured({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}))
+    assert len(calls) == 1 + PARTIAL_REMEASURES and kept.partial
+
+    complete = measured({1: 1.0, 2: 1.1}, partial=False)
+    cached_verify_cost("cpu", measured({1: 1.0, 2: 1.5}))
+    assert not cached_verify_cost("cpu", complete).partial  # a complete one ends the retries
+    assert cached_verify_cost("cpu", complete).measurements == 2
+    assert len(calls) == 1 + PARTIAL_REMEASURES + 2
 
 
 def test_a_machine_too_busy_for_the_budget_still_times_a_one_token_draft():

@@ -196,7 +196,8 @@ def test_sharded_calibration_averages_a_slow_size_away_so_long_drafts_pay():
     a running max, that made every draft past 1 token look dear; the pooled fit keeps
     the curve low, so at 90 % acceptance the policy drafts long."""
     from mlxspec.distributed.rank import SHARDED_CALIBRATION
-    from mlxspec.policy import calibrate, expected_tokens
+    from mlxspec.policy import expected_tokens
+    from mlxspec.verify_cost import calibrate
 
     now = [0.0]
 
@@ -575,7 +576,7 @@ def seed_flat_calibration(root: Path, model: str, ranks: int) -> None:
     price every draft out and leave nothing to check. With this curve its choice depends
     only on acceptance, so the test is deterministic."""
     from mlxspec.distributed.rank import rank_setup
-    from mlxspec.policy import VerifyCost, calibration_key
+    from mlxspec.verify_cost import VerifyCost, calibration_key
 
     # The tiny targets are float32 folders, loaded as float32 on the CPU.
     key = calibration_key(model, "float32", rank_setup("tensor", ranks, "ring"))

@@ -16,7 +16,6 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 from mlxspec import device, sampling
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Corrected, Done, Rejected, RunRecord, Step
-from mlxspec.policy import VerifyCost
 from mlxspec.proposers import (
     Draft,
     DraftModel,
@@ -26,6 +25,7 @@ from mlxspec.proposers import (
     truncated_model,
 )
 from mlxspec.sampling import SamplingSettings, TokenScorer, near_tie_bound
+from mlxspec.verify_cost import VerifyCost
 
 FAMILIES = ["llama", "qwen3", "gemma3_text", "lfm2"]
 MAX_TOKENS = 40

@@ -30,9 +30,9 @@ from mlxspec.drafter.head import HeadSpec, build_head, save_head
 from mlxspec.drafter.medusa import MedusaHeads, save_medusa
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.loading import load_model
-from mlxspec.policy import calibration_key
 from mlxspec.registry import load_registry
 from mlxspec.runtime import Runtime, open_runtime, target_weights
+from mlxspec.verify_cost import calibration_key
 from mlxspec.weights import held_weights
 
 MAX_TOKENS = 20

@@ -12,9 +12,9 @@ from mlx_lm.sample_utils import make_sampler
 from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.engine import Engine, GenerationSettings
-from mlxspec.policy import VerifyCost
 from mlxspec.proposers import DraftModel, truncated_model
 from mlxspec.sampling import SamplingSettings, rejection_sample, sample_from
+from mlxspec.verify_cost import VerifyCost
 
 # Target rows p0, p1, p2 and an adversarial draft q: heavy where p is light.
 P = np.array(

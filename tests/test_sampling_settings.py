@@ -28,7 +28,6 @@ from tiny_models import byte_tokenizer, tiny_model
 import mlxspec.request
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Bonus, Rejected, TokenEvent
-from mlxspec.policy import VerifyCost
 from mlxspec.proposers import (
     Draft,
     DraftModel,
@@ -38,6 +37,7 @@ from mlxspec.proposers import (
     truncated_model,
 )
 from mlxspec.sampling import NEAR_TIE, SamplingSettings, TokenScorer, rejection_sample, sample_from
+from mlxspec.verify_cost import VerifyCost
 
 EOS = set(byte_tokenizer().eos_token_ids)
 

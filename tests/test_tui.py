@@ -26,7 +26,7 @@ from mlxspec.cli import main
 from mlxspec.engine import Engine
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Rejected, Step
 from mlxspec.loading import LoadedModel, LoadError
-from mlxspec.policy import VerifyCost
+from mlxspec.verify_cost import VerifyCost
 from mlxspec.registry import load_registry
 from mlxspec.runtime import Runtime
 from tui import answer as answer_module

@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import dequantize_model
 from tiny_models import tiny_model
 
-from mlxspec.policy import VerifyCost
+from mlxspec.verify_cost import VerifyCost
 from mlxspec.weight_form import (
     DEQUANTIZED,
     QUANTIZED,

@@ -12,12 +12,13 @@ from collections.abc import Callable
 from typing import Protocol
 
 from mlxspec.events import Done
-from mlxspec.policy import Policy, VerifyCost
+from mlxspec.policy import Policy
 from mlxspec.proposers.base import ProposalContext, Proposer
 from mlxspec.request import RequestRun
 from mlxspec.settings import GenerationSettings
 from mlxspec.target import Target
 from mlxspec.tree import DraftTree
+from mlxspec.verify_cost import VerifyCost
 
 
 class RoundOwner(Protocol):

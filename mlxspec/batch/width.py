@@ -46,7 +46,8 @@ import mlx.nn as nn
 from mlxspec.batch.owner import RoundOwner
 from mlxspec.batch.target import BatchTarget, Prefill
 from mlxspec.events import ProgressNote
-from mlxspec.policy import VerifyCost, cached_verify_cost, calibration_key, expected_tokens
+from mlxspec.policy import expected_tokens
+from mlxspec.verify_cost import VerifyCost, cached_verify_cost, calibration_key
 
 GRID_ROWS = (1, 2, 4, 8)
 GRID_COLUMNS = (1, 2, 4, 8, 16)

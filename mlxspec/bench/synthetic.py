@@ -23,10 +23,11 @@ from typing import Any
 
 from mlxspec.bench.runners import run_mlxspec
 from mlxspec.bench.suites import BenchPrompt
-from mlxspec.policy import VerifyCost, expected_tokens, measure_verify_cost
+from mlxspec.policy import expected_tokens
 from mlxspec.proposers.synthetic import SyntheticAcceptance
 from mlxspec.registry import NONE
 from mlxspec.runtime import Runtime
+from mlxspec.verify_cost import VerifyCost, measure_verify_cost
 
 ACCEPTANCES = (0.5, 0.7, 0.9)
 DRAFT_LENGTHS: tuple[int | None, ...] = (4, 8, None)  # None: adaptive

@@ -34,15 +34,15 @@ from mlxspec.distributed.sharding import allreduces_per_forward, fingerprint, sh
 from mlxspec.distributed.watchdog import Watchdog
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import Done, Event, Step
-from mlxspec.policy import (
-    Policy,
+from mlxspec.policy import Policy
+from mlxspec.sampling import SamplingSettings
+from mlxspec.verify_cost import (
     VerifyCost,
     cached_verify_cost,
     calibration_key,
     measure_verify_cost,
     pooled_monotone,
 )
-from mlxspec.sampling import SamplingSettings
 
 # Every rank runs the calibration's passes (rank 0's timings are kept): more of them, and
 # a fit that averages a slow timing away instead of carrying it to every larger size. No

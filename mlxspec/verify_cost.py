@@ -1,0 +1,311 @@
+"""The verify-cost curve: what a verify of m tokens costs in plain target steps, measured
+on the running machine (`calibrate`) within a time budget, and kept per model, weights and
+machine in the cache dir. `verify(m)` is the whole story of what a draft can gain: on MLX's
+CPU backend with OpenBLAS 8 tokens cost ~1.6 steps, with the reference BLAS ~7, and on a
+GPU backend a width's first pass also compiles its kernels.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxspec import device
+from mlxspec.paths import cache_dir, file_lock
+
+CALIBRATION_SIZES = (1, 2, 3, 4, 8, 16, 32, 64)
+# The order sizes are first timed in: the widths a policy drafts at first (a few tokens)
+# before the wide ones it rarely reaches, so that a budget that runs out leaves them known.
+MEASURE_ORDER = (1, 2, 4, 8, 3, 16, 32, 64)
+# The most a calibration may take (seconds): it runs before a first speculative answer.
+# Where wide passes are slow (quantized weights on MLX's CPU backend: 110 s for the
+# unbounded calibration) it ends early; the widths it did not time are priced as dear as
+# proportional, and the passes the engine runs correct the curve (Policy.observe_verify).
+CALIBRATION_BUDGET_S = 2.0
+PARTIAL_REMEASURES = 2  # later runs that measure a partial curve again (see measure_again)
+ALWAYS_TIMED = (1, 2)  # timed once even past the budget: a step and a one-token draft
+# In the cache key: calibrations made before the method changed are measured again.
+CALIBRATION_METHOD = "interleaved-min"
+
+
+@dataclass
+class VerifyCost:
+    """verify(m) / verify(1), interpolated from measured points; step_seconds = verify(1).
+
+    `partial`: a time budget ended the measurement before every size was timed; past the
+    widest timed size a verify is then priced proportionally (m / b times the cost at b,
+    the most a compute-bound pass can grow), not by the last slope."""
+
+    points: dict[int, float]
+    step_seconds: float
+    partial: bool = False
+    measurements: int = 1  # calibrations merged into it (a partial one is measured again)
+
+    def __call__(self, m: int) -> float:
+        sizes = sorted(self.points)
+        if m >= sizes[-1] and self.partial:
+            return self.points[sizes[-1]] * m / sizes[-1]
+        if m <= sizes[0] or len(sizes) == 1:  # one point: no slope, a flat cost
+            return self.points[sizes[0]]
+        if m >= sizes[-1]:  # extrapolate with the last slope
+            a, b = sizes[-2], sizes[-1]
+            slope = (self.points[b] - self.points[a]) / (b - a)
+            return self.points[b] + slope * (m - b)
+        i = bisect.bisect_left(sizes, m)
+        a, b = sizes[i - 1], sizes[i]
+        return self.points[a] + (self.points[b] - self.points[a]) * (m - a) / (b - a)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "points": self.points,
+                "step_seconds": self.step_seconds,
+                "partial": self.partial,
+                "measurements": self.measurements,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> VerifyCost:
+        data = json.loads(text)
+        points = {int(m): float(c) for m, c in data["points"].items()}
+        partial, measurements = bool(data.get("partial", False)), int(data.get("measurements", 1))
+        return cls(points, data["step_seconds"], partial, measurements)
+
+    def merged(self, later: VerifyCost) -> VerifyCost:
+        """This curve and a later calibration's: each width at the cheaper of its two
+        prices (a cold or busy timing loses to a warm one), made monotone again; partial
+        only if both were."""
+        points = dict(later.points)
+        for m, price in self.points.items():
+            points[m] = min(price, points.get(m, price))
+        sizes = sorted(points)
+        fitted = running_max([points[m] for m in sizes])
+        return VerifyCost(
+            dict(zip(sizes, fitted)),
+            later.step_seconds,
+            self.partial and later.partial,
+            self.measurements + later.measurements,
+        )
+
+
+def running_max(ratios: list[float]) -> list[float]:
+    """Monotone costs by carrying the largest so far forward (one process: its timings
+    are steady enough that a high point is real)."""
+    out, floor = [], 1.0
+    for ratio in ratios:
+        floor = max(floor, ratio)
+        out.append(floor)
+    return out
+
+
+def pooled_monotone(ratios: list[float]) -> list[float]:
+    """The least-squares monotone fit (pool adjacent violators), floored at one step.
+
+    For a sharded target: its step is dominated by dozens of all-reduces whose latency
+    hardly depends on the token count, so one slow timing is noise. The running max
+    carries such a point to every larger size (measured on 3 ranks: 1.12 steps for 2
+    tokens, 2.61 for 3 and every size after), and the policy stopped drafting more than
+    one token; pooling averages the outlier with its neighbours instead."""
+    blocks: list[list[float]] = []  # [mean, count] of pooled runs
+    for ratio in ratios:
+        blocks.append([max(ratio, 1.0), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            total = blocks[-1][0] * blocks[-1][1] + mean * count
+            blocks[-1][1] += count
+            blocks[-1][0] = total / blocks[-1][1]
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
+def calibrate(
+    forward: Callable[[int], None],
+    reset: Callable[[], None],
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[int, int, int], None] = lambda done, total, size: None,
+    fit: Callable[[list[float]], list[float]] = running_max,
+    budget: float | None = CALIBRATION_BUDGET_S,
+    order: tuple[int, ...] = MEASURE_ORDER,
+    prepare: Callable[[], None] = lambda: None,
+) -> VerifyCost:
+    """Time `forward(m)` (a verify of m tokens on a warm context) for each size in `order`.
+
+    `reset()` rolls the context back between timings. After one untimed one-token pass
+    (kernels), the sizes take turns in `order` (1 first), `repeats` + 1 rounds of all of
+    them, and each keeps its fastest time: a burst of other work on the machine then
+    slows one round of every size, not every timing of one size. (Timed size by size, one
+    busy moment while the one-token step was timed made every verify look dear, and the
+    cached result kept the head from drafting: 1.34 steps measured for 2 tokens where
+    1.12 is true on this CPU.) A size's first timing is cold: it counts only where no
+    later one was made, and then no dearer than proportional to the widest narrower
+    size's (on MLX's CUDA backend a width's first pass compiles its kernels: an H100
+    priced 8 tokens at 8140 steps from one such timing, and the cache kept it).
+
+    `budget` (seconds, None: unbounded) bounds the whole measurement, `prepare()` (the
+    context's prefill) and the warm-up included, since the user waits for all of it: a pass
+    is skipped when what it is expected to take (its last timing, else the widest
+    narrower size's scaled proportionally) would pass the budget. One timing of each of
+    ALWAYS_TIMED runs whatever it costs: the step, and the narrowest draft's verify,
+    without which a slow machine (a busy one: 0.5 s steps) would never draft at all.
+    Ranks of a sharded target run unbounded: they must all run the same passes.
+
+    `progress(done, total, size)` is told before each forward pass (it takes seconds on
+    a slow machine) and once more with done == total at the end.
+    """
+    done, total = 0, 1 + len(order) * (repeats + 1)
+    timings: dict[int, list[float]] = {}
+
+    def fits(m: int) -> bool:
+        if budget is None or m in ALWAYS_TIMED and m not in timings:
+            return True
+        return clock() - start + expected_seconds(warm_prices(timings), m) <= budget
+
+    progress(done, total, 1)
+    done += 1
+    start = clock()
+    prepare()
+    forward(1)  # warm-up: kernels (the answer's own first pass would pay for them)
+    reset()
+    for _ in range(repeats + 1):
+        timed_this_round = False
+        for m in order:
+            if not fits(m):
+                continue
+            progress(done, total, m)
+            done += 1
+            begin = clock()
+            forward(m)
+            timings.setdefault(m, []).append(clock() - begin)
+            reset()
+            timed_this_round = True
+        if not timed_this_round:
+            break
+    seconds = warm_prices(timings)
+    progress(total, total, max(seconds))
+    step, sizes = seconds[1], sorted(seconds)
+    # A verify never costs less than a step; `fit` makes the timed costs monotone.
+    ratios = fit([seconds[m] / step for m in sizes])
+    points = {m: round(ratio, 4) for m, ratio in zip(sizes, ratios)}
+    return VerifyCost(points, step, partial=len(sizes) < len(order))
+
+
+def warm_prices(timings: dict[int, list[float]]) -> dict[int, float]:
+    """Each size's seconds from its timings: the fastest after its first (cold) one, or,
+    timed once, that one at most proportional to the widest narrower size's. The step
+    (1) follows an untimed warm-up, so all of its timings count."""
+    prices: dict[int, float] = {}
+    for m in sorted(timings):
+        times = timings[m]
+        if m == 1 or len(times) > 1:
+            prices[m] = min(times if m == 1 else times[1:])
+            continue
+        narrower = max((n for n in prices if n < m), default=None)
+        bound = prices[narrower] * m / narrower if narrower else float("inf")
+        prices[m] = min(times[0], bound)
+    return prices
+
+
+def expected_seconds(seconds: dict[int, float], m: int) -> float:
+    """What a pass of m tokens is expected to take from the timings so far: its own, else
+    the widest narrower size's scaled to m (as dear as a compute-bound pass grows)."""
+    if m in seconds:
+        return seconds[m]
+    narrower = max((size for size in seconds if size < m), default=min(seconds))
+    return seconds[narrower] * m / narrower
+
+
+def measure_verify_cost(
+    model,
+    vocab_size: int,
+    context: int = 4,
+    progress: Callable[[int, int, int], None] = lambda done, total, size: None,
+    **how,
+) -> VerifyCost:
+    """Calibrate a model's verify cost on a synthetic context of `context` tokens; `how`:
+    `calibrate`'s repeats, fit and budget. The context is short: its prefill is a wide
+    pass of its own, outside the budget (seconds where wide passes are slow), and the
+    attention over a few dozen more tokens is noise beside the weights' matmuls."""
+    cache = make_prompt_cache(model)
+
+    def prefill() -> None:
+        mx.eval(model(mx.arange(context)[None] % vocab_size, cache=cache))
+
+    def forward(m: int) -> None:
+        mx.eval(model(mx.arange(m)[None] % vocab_size, cache=cache))
+
+    def reset() -> None:
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(c.size() - context)
+
+    return calibrate(forward, reset, progress=progress, prepare=prefill, **how)
+
+
+def calibration_key(model: str, weights: str, setup: str = "") -> str:
+    """Where a calibration is kept: per model and the form of its weights in memory
+    (`weights.held_weights`: a quantized curve never prices float weights), machine, BLAS
+    and mlx version, plus the `setup` it ran in (e.g. a sharded target's split)."""
+    facts = device.describe()
+    key = (
+        f"{model}|{weights}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
+        f"|{CALIBRATION_METHOD}" + ("|tf32" if facts["tf32"] else "")
+    )
+    return f"{key}|{setup}" if setup else key
+
+
+def cached_verify_cost(
+    key: str, measure: Callable[[], VerifyCost], load: Callable[[str], Any] = VerifyCost.from_json
+) -> VerifyCost:
+    """Calibrations are per model and machine; keep them in the cache dir across runs.
+    (`load` reads another kind of calibration kept the same way, e.g. a batch's.)"""
+    path = cache_dir() / "calibration.json"
+    known = known_calibration(key, load)
+    if known is not None and not measure_again(known):
+        return known
+    cost = measure()  # outside the lock: it takes seconds
+    if known is not None:
+        cost = known.merged(cost)
+    try:  # re-read under the lock, so another process's new entry is not written over
+        with file_lock(path.with_suffix(".lock")):
+            known = _read_calibrations(path)
+            known[key] = cost.to_json()
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs a re-calibration next time
+    return cost
+
+
+def measure_again(known: Any) -> bool:
+    """A partial verify-cost curve is measured again by the next PARTIAL_REMEASURES runs:
+    the budget may have ended on a busy moment, or on a GPU backend's first passes, which
+    compile their kernels (kept compiled for the next process)."""
+    return (
+        isinstance(known, VerifyCost) and known.partial and known.measurements <= PARTIAL_REMEASURES
+    )
+
+
+def known_calibration(key: str, load: Callable[[str], Any] = VerifyCost.from_json) -> Any | None:
+    """What `cached_verify_cost` keeps under `key`, or None: read without measuring."""
+    try:
+        return load(_read_calibrations(cache_dir() / "calibration.json")[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _read_calibrations(path: Path) -> dict[str, str]:
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
