@@ -39,7 +39,13 @@ from mlxspec.registry import ModelEntry, ProposerConfig
 from mlxspec.suffix.seed import seed_index
 from mlxspec.suffix.store import HistoryStore, history_store
 from mlxspec.weight_form import DEQUANTIZED, decide_weight_form
-from mlxspec.weights import AUTO, WeightsChoice, held_weights, resolve_weights
+from mlxspec.weights import (
+    AUTO,
+    WeightsChoice,
+    for_plain_decoding,
+    held_weights,
+    resolve_weights,
+)
 
 
 class ProposerError(ValueError):
@@ -192,8 +198,14 @@ def target_weights(entry: ModelEntry) -> WeightsChoice:
     return resolve_weights(entry.defaults.weights, entry.target)
 
 
-def open_runtime(entry: ModelEntry, notify: Callable[[str], None] = lambda _: None) -> Runtime:
+def open_runtime(
+    entry: ModelEntry, notify: Callable[[str], None] = lambda _: None, speculating: bool = True
+) -> Runtime:
+    """The entry's target loaded in the form `--weights` resolves to; `speculating` False
+    (a plain-decoding run) never measures the forms for `auto`."""
     weights = target_weights(entry)
+    if not speculating:
+        weights = for_plain_decoding(weights)
     notify(f"loading {entry.name} ({entry.target}), weights {weights.form}")
     loaded = load_model(entry.target, dequantize=weights.dequantize)
     if weights.measure_at_load and loaded.quantized:

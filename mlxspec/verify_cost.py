@@ -287,12 +287,11 @@ def cached_verify_cost(
 
 
 def measure_again(known: Any) -> bool:
-    """A partial verify-cost curve is measured again by the next PARTIAL_REMEASURES runs:
-    the budget may have ended on a busy moment, or on a GPU backend's first passes, which
-    compile their kernels (kept compiled for the next process)."""
-    return (
-        isinstance(known, VerifyCost) and known.partial and known.measurements <= PARTIAL_REMEASURES
-    )
+    """A partial verify-cost curve (or a weight-form decision made on one) is measured
+    again by the next PARTIAL_REMEASURES runs: the budget may have ended on a busy moment,
+    or on a GPU backend's first passes, which compile their kernels (kept compiled for the
+    next process)."""
+    return bool(getattr(known, "partial", False)) and known.measurements <= PARTIAL_REMEASURES
 
 
 def known_calibration(key: str, load: Callable[[str], Any] = VerifyCost.from_json) -> Any | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,6 +44,10 @@ class WeightForm:
     form: str  # QUANTIZED or DEQUANTIZED: what speculation runs on
     reason: str  # one line for the run record and `models --json`
     tokens_per_second: dict[str, float]  # best expected speed per measured form
+    # A curve the budget cut short (cold passes compiling kernels on a GPU backend): the
+    # next runs decide again (verify_cost.measure_again), as for a partial curve.
+    partial: bool = False
+    measurements: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -51,7 +55,17 @@ class WeightForm:
     @classmethod
     def from_json(cls, text: str) -> WeightForm:
         data = json.loads(text)
-        return cls(data["form"], data["reason"], dict(data["tokens_per_second"]))
+        return cls(
+            data["form"],
+            data["reason"],
+            dict(data["tokens_per_second"]),
+            bool(data.get("partial", False)),
+            int(data.get("measurements", 1)),
+        )
+
+    def merged(self, later: WeightForm) -> WeightForm:
+        """A later decision replaces this one (its curves were measured warmer)."""
+        return replace(later, measurements=self.measurements + later.measurements)
 
 
 def best_tokens_per_second(cost: VerifyCost, acceptance: float = REFERENCE_ACCEPTANCE) -> float:
@@ -66,20 +80,19 @@ def choose_weight_form(curves: dict[str, VerifyCost], skipped: str = "") -> Weig
     """The form to keep from the measured curves (QUANTIZED alone when the dequantized
     form was not measured, `skipped` saying why)."""
     speeds = {form: best_tokens_per_second(cost) for form, cost in curves.items()}
+    partial = any(cost.partial for cost in curves.values())
     quantized = speeds[QUANTIZED]
     if DEQUANTIZED not in speeds:
-        return WeightForm(QUANTIZED, f"auto: quantized kept ({skipped})", speeds)
+        return WeightForm(QUANTIZED, f"auto: quantized kept ({skipped})", speeds, partial)
     dequantized = speeds[DEQUANTIZED]
     wide = f"9 tokens cost {curves[QUANTIZED](9):.1f} steps quantized, "
     wide += f"{curves[DEQUANTIZED](9):.1f} dequantized"
     speed = f"{dequantized:.0f} against {quantized:.0f} tok/s at {REFERENCE_ACCEPTANCE:.0%}"
     if dequantized >= DEQUANTIZE_MARGIN * quantized:
-        return WeightForm(
-            DEQUANTIZED, f"auto: dequantized speculates faster here ({wide}; {speed})", speeds
-        )
-    return WeightForm(
-        QUANTIZED, f"auto: quantized kept, as fast or faster ({wide}; {speed})", speeds
-    )
+        reason = f"auto: dequantized speculates faster here ({wide}; {speed})"
+        return WeightForm(DEQUANTIZED, reason, speeds, partial)
+    reason = f"auto: quantized kept, as fast or faster ({wide}; {speed})"
+    return WeightForm(QUANTIZED, reason, speeds, partial)
 
 
 def dequantized_bytes(model: nn.Module, bytes_per_weight: int) -> int:

@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxspec import device
+from mlxspec.verify_cost import measure_again
 from mlxspec.weight_form import DEQUANTIZED, QUANTIZED, cached_weight_form
 
 AUTO = "auto"
@@ -50,9 +51,22 @@ def resolve_weights(requested: str, model_ref: str) -> WeightsChoice:
         return WeightsChoice(AUTO, True, f"auto: quantized matmul is slow on MLX's {name} backend")
     known = cached_weight_form(model_ref)
     if known is not None:
-        return WeightsChoice(AUTO, known.form == DEQUANTIZED, f"{known.reason}, measured before")
+        reason = f"{known.reason}, measured before"
+        if measure_again(known):  # decided on a partial curve: loaded as stored, decided anew
+            return WeightsChoice(AUTO, False, reason, measure_at_load=True)
+        return WeightsChoice(AUTO, known.form == DEQUANTIZED, reason)
     reason = f"auto: {name} runs quantized kernels fast (both forms not measured yet)"
     return WeightsChoice(AUTO, False, reason, measure_at_load=True)
+
+
+def for_plain_decoding(choice: WeightsChoice) -> WeightsChoice:
+    """`auto` not decided yet, for a run that will not speculate (`-p none`): quantized as
+    stored, without measuring both forms (seconds, and on a GPU backend each new width
+    compiles its kernels): a one-token step reads the fewest bytes quantized."""
+    if not choice.measure_at_load:
+        return choice
+    reason = "auto: quantized kept for plain decoding (both forms not measured yet)"
+    return WeightsChoice(AUTO, False, reason)
 
 
 def held_weights(model: nn.Module) -> str:

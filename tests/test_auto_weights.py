@@ -106,12 +106,40 @@ def test_the_decision_shows_in_the_record_and_in_models_json(tiny_entry, monkeyp
     before = listed()["weights_form"]
     assert before["form"] == "quantized" and "not measured yet" in before["reason"]
     assert measured == [], "models --json loaded and measured the model"
-    args = ["generate", "hi", "-m", "tiny", "-p", "none", "-n", "3", "--raw", "--json"]
-    result = runner.invoke(main, args)
-    assert result.exit_code == 0, result.output
-    weights = json.loads(result.stdout.splitlines()[-1])["record"]["weights"]
+
+    def generated(*proposer: str) -> dict:
+        args = ["generate", "hi", "-m", "tiny", *proposer, "-n", "3", "--raw", "--json"]
+        result = runner.invoke(main, args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.splitlines()[-1])["record"]["weights"]
+
+    # Plain decoding never pays for measuring both forms: quantized, as stored.
+    weights = generated("-p", "none")
+    assert measured == [] and weights["form"] == "quantized"
+    assert "plain decoding" in weights["reason"]
+    weights = generated()  # the default proposer speculates: measured, then kept
     assert (weights["form"], weights["held"]) == ("dequantized", "float32")
     assert "dequantized speculates faster" in weights["reason"]
     after = listed()["weights_form"]
     assert after["form"] == "dequantized" and "dequantized speculates faster" in after["reason"]
     assert measured == ["quantized", "dequantized"]
+
+
+def test_a_decision_on_a_partial_curve_is_made_again_by_the_next_runs(tiny_entry, monkeypatch):
+    """A first run on a fresh GPU machine measures cold passes (each width compiles its
+    kernels), its curves cut short by the budget: the next runs decide again on warm
+    curves, and the last decision is kept."""
+    from dataclasses import replace
+
+    from mlxspec.verify_cost import PARTIAL_REMEASURES
+
+    cold = replace(H100_DEQUANTIZED, points={1: 1.0, 2: 1.02}, partial=True)
+    measured = on_a_gpu_measuring(monkeypatch, METAL_QUANTIZED, cold)
+    first = open_runtime(tiny_entry)
+    assert first.weights.form == "quantized" and measured == ["quantized", "dequantized"]
+    measured = on_a_gpu_measuring(monkeypatch, H100_QUANTIZED, H100_DEQUANTIZED)  # warm now
+    for _ in range(PARTIAL_REMEASURES + 1):
+        runtime = open_runtime(tiny_entry)
+    assert measured == ["quantized", "dequantized"], "decided again once, then kept"
+    assert runtime.weights.form == "dequantized" and not is_quantized(runtime)
+    assert "measured before" in runtime.weights.reason

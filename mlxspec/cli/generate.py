@@ -83,7 +83,11 @@ def generate(
     defaults = entry.defaults
     proposer_name = entry.proposer(proposer)  # validate before loading weights
     rank = current_rank()  # None unless launched with --ranks/--hostfile
-    runtime = rank.open_runtime(entry, say) if rank else open_runtime(entry, notify=say)
+    plain = proposer_name is None
+    if rank:
+        runtime = rank.open_runtime(entry, say)
+    else:
+        runtime = open_runtime(entry, notify=say, speculating=not plain)
     active = runtime.proposer(proposer_name.name if proposer_name else "none")
     settings = GenerationSettings(
         max_tokens=max_tokens or defaults.max_tokens,
