@@ -12,17 +12,18 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import mlx.core as mx
 import pytest
 from test_lossless import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
-from mlxspec.batch.rows import private_copy
+from mlxspec.batch.rows import batch_greedy_reads, greedy_reads, private_copy, split_reads
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
 from mlxspec.proposers.suffix import SuffixProposer
-from mlxspec.sampling import SamplingSettings
+from mlxspec.sampling import SamplingSettings, TokenScorer
 from mlxspec.suffix.store import HistoryStore
 
 rng = random.Random(43)
@@ -181,3 +182,36 @@ def test_each_row_gets_its_own_proposer_state_and_policy(engine):
     assert first.run.policy not in engine._policies.values()
     list(scheduler.drain())
     assert engine._policies == kept
+
+
+class GreedyRun:
+    """What `batch_greedy_reads` reads of a request: its sampling, scorer and whether it
+    counts near ties."""
+
+    def __init__(self, settings: SamplingSettings | None = None, counts: bool = True):
+        self.sampling = settings or SamplingSettings()
+        self.scorer = TokenScorer(self.sampling)
+        self.counts_near_ties = counts
+
+
+def test_a_greedy_batch_reads_its_rows_in_one_go_as_each_row_alone():
+    """One argmax and one near-tie test over the whole verify (on a GPU, a handful of
+    kernels instead of eight a row): each row's reads equal `greedy_reads` of its own
+    logits, near ties planted at known places included."""
+    logits = mx.random.normal((3, 5, 40), key=mx.random.key(0)) * 4
+    logits[0, 1, 7] = logits[0, 1].max() + 1e-5  # near ties: rows 0 and 2
+    logits[2, 3, 9] = logits[2, 3].max() + 1e-5
+    runs, lengths = [GreedyRun() for _ in range(3)], [5, 2, 4]
+    whole = batch_greedy_reads(runs, logits)
+    mx.eval(whole)
+    together = split_reads(whole, lengths)
+    for i, (run, n) in enumerate(zip(runs, lengths)):
+        alone = greedy_reads(run, logits[i, :n])
+        assert together[i] == {name: read.tolist() for name, read in alone.items()}
+    assert [sum(r["near_ties"]) for r in together] == [1, 0, 1]
+    penalised = SamplingSettings(repetition_penalty=1.2)  # processed logits: row by row
+    assert batch_greedy_reads([*runs[:2], GreedyRun(penalised)], logits) is None
+    assert (
+        batch_greedy_reads([*runs[:2], GreedyRun(SamplingSettings(temperature=0.7))], logits)
+        is None
+    )

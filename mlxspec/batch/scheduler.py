@@ -42,11 +42,14 @@ import mlx.core as mx
 from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.owner import RoundOwner
 from mlxspec.batch.rows import (
+    as_list,
+    batch_greedy_reads,
     cut_tree,
     first_guess,
     greedy_reads,
     one_step,
     private_copy,
+    split_reads,
     unbatchable_reason,
 )
 from mlxspec.batch.single import SingleCaches
@@ -369,12 +372,18 @@ class Scheduler:
             slot.run.scorer.process_tree(logits[i, : len(row)], slot.run.sequence, r.tree)
             for i, (slot, r, row) in enumerate(zip(self.active, rounds, rows))
         ]
-        reads = [greedy_reads(slot.run, p) for slot, p in zip(self.active, processed)]
+        whole = None if self.solo else batch_greedy_reads([s.run for s in self.active], logits)
+        if whole is None:
+            reads = [greedy_reads(slot.run, p) for slot, p in zip(self.active, processed)]
+        else:
+            reads = [whole]
         if self._launches_next(rows):
             # The next round's input is this one's argmax, still lazy: its pass computes
             # while the host accepts, detokenizes and hands out this round's events.
             self.caches.launch(reads[0]["argmax"][-1:])
         mx.eval(processed, reads)
+        if whole is not None:
+            reads = split_reads(whole, [len(row) for row in rows])
         verify_seconds = time.perf_counter() - round_start
         accepted = [
             self._guarded(slot, self._accept, slot, r, rows_processed, read) or ([], -1)
@@ -435,14 +444,13 @@ class Scheduler:
         return partial(round_steps, verify_seconds=verify_seconds, verify_cost=cost)
 
     def _accept(
-        self, slot: Slot, r: Round, processed: mx.array, reads: dict[str, mx.array]
+        self, slot: Slot, r: Round, processed: mx.array, reads: dict[str, mx.array | list]
     ) -> tuple[list[int], int]:
         """A proposer that learns from the target's choices (suffix's history hits,
         lookahead's pool) sees them, then the run accepts. `reads`: `greedy_reads`,
         evaluated."""
         run = slot.run
-        choices = reads["argmax"].tolist() if "argmax" in reads else None
-        ties = reads["near_ties"].tolist() if "near_ties" in reads else None
+        choices, ties = (as_list(reads.get(name)) for name in ("argmax", "near_ties"))
         if r.tree.tokens and hasattr(r.situation.source, "verified"):
             r.situation.source.verified(r.tree, choices or run.scorer.greedy_tokens(processed))
         return run.accept(r.tree, processed, r.draft, choices, ties)
