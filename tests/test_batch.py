@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from itertools import product
 
 import mlx.core as mx
 import numpy as np
@@ -801,6 +802,28 @@ def test_the_pass_grid_is_measured_through_real_batched_passes():
     for (rows, columns), cost in grid.cells.items():  # never below a smaller pass
         smaller = [v for (r, c), v in grid.cells.items() if r <= rows and c <= columns]
         assert cost == max(smaller)
+
+
+def test_the_pass_grid_times_further_turns_only_within_its_budget():
+    """A slow machine: after the untimed turn and one timed turn, the budget is spent and
+    no third turn runs (unbounded, 3 repeats took 4 turns of 20 passes)."""
+    model = tiny_model("llama", seed=1)
+    now, passes = [0.0], []
+    verify = width.BatchTarget.verify
+
+    def slow_verify(self, lines):
+        passes.append(len(lines))
+        now[0] += 0.1 * len(lines) * len(lines[0])  # seconds, as if compute-bound and slow
+        return verify(self, lines)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(width.BatchTarget, "verify", slow_verify)
+    try:
+        grid = measure_pass_grid(model, VOCAB, context=8, repeats=3, clock=lambda: now[0])
+    finally:
+        patch.undo()
+    cells = len(GRID_ROWS) * len(GRID_COLUMNS)
+    assert len(passes) == 2 * cells and set(grid.cells) == set(product(GRID_ROWS, GRID_COLUMNS))
 
 
 def test_one_slow_timing_in_the_grid_lifts_no_other_cell():
