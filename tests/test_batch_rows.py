@@ -215,3 +215,17 @@ def test_a_greedy_batch_reads_its_rows_in_one_go_as_each_row_alone():
         batch_greedy_reads([*runs[:2], GreedyRun(SamplingSettings(temperature=0.7))], logits)
         is None
     )
+
+
+def test_a_suffix_row_counts_as_drafts_only_what_the_batch_verified(engine):
+    """Adaptive rows in a batch: the round's width cuts drafts, and what it cut was never
+    drafted, so the record's drafts by origin add up to the drafts verified."""
+    scheduler = Scheduler(engine, max_batch=4)
+    ids = [scheduler.submit(p, GenerationSettings(max_tokens=40), "suffix") for p in PROMPTS]
+    done = {}
+    for out in scheduler.drain():
+        done.update({i: events[-1] for i, events in out.items() if isinstance(events[-1], Done)})
+    records = [done[i].record for i in ids]
+    assert sum(r.drafted_from_history for r in records) > 0
+    for record in records:
+        assert record.drafted_from_request + record.drafted_from_history == record.drafted

@@ -223,7 +223,7 @@ class SuffixProposer:
             line = self._latest(k)
         else:
             line = self._match.line[: self._history_depth(k)]
-        self._count(len(line))
+        self._last_origin = self._match.origin
         return Draft(line)
 
     def propose_tree(self, ctx: ProposalContext, depth: int, budget: int) -> DraftTree:
@@ -255,16 +255,14 @@ class SuffixProposer:
                     scores.append(
                         [shares[j] * weight(HISTORY, match.history_length, j) for j in range(kept)]
                     )
-        tree = keep_best(from_paths(paths, scores), budget)
-        self._count(max(tree.depths))
-        return tree
-
-    def _count(self, drafted: int) -> None:
-        self._last_origin = self._match.origin
-        self.drafted[self._last_origin] += drafted
+        self._last_origin = match.origin
+        return keep_best(from_paths(paths, scores), budget)
 
     def verified(self, tree: DraftTree, choices: Sequence[int]) -> None:
-        """Count drafts from history the target kept (for `mlxspec history`'s hit rate)."""
+        """Count the drafts as verified, by origin, and those from history the target kept
+        (for `mlxspec history`'s hit rate). Counted here, not when drafted: a batch may
+        cut a draft to its round's width, and what it cut was never a draft."""
+        self.drafted[self._last_origin] += max(tree.depths)
         if self._last_origin == HISTORY:
             self.history_accepted += len(greedy_walk(tree, choices)[0])
 
