@@ -12,6 +12,7 @@ from lossless import assert_lossless, plain_greedy
 from test_lossless import CPU_LIKE_COST
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
+from mlxspec.batch.rows import as_list
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.drafter.head import HeadSpec, build_head
 from mlxspec.engine import Engine, GenerationSettings
@@ -56,7 +57,7 @@ def test_a_change_to_the_shared_round_changes_the_engine_and_the_batch(monkeypat
     assert min(accepted(engine_with(model, lookup))) > 0
 
     def refusing(self, slot, r, processed, reads):
-        return [], reads["argmax"].tolist()[0]  # the target's own token
+        return [], as_list(reads["argmax"])[0]  # the target's own token
 
     monkeypatch.setattr(Scheduler, "_accept", refusing)
     lookup = PromptLookup("lookup", ngram_max=3, ngram_min=1, k_max=4)
