@@ -169,3 +169,28 @@ def test_near_ties_read_with_the_logits_count_every_kept_row(monkeypatch):
     assert records[1].drafted > records[1].accepted > 0  # kept and refused drafts both
     for record, i in zip(records, ids):
         assert record.near_ties == len(done[i].token_ids) > 0
+
+
+def test_what_the_host_reads_is_scheduled_before_the_next_pass(monkeypatch):
+    """MLX signals every array of one `async_eval` when all of it is done: a round's reads
+    scheduled with the next pass (its input) made their reading wait for that whole pass,
+    the overlap the launch is for. Each launched pass must follow an `async_eval` of the
+    round's reads of its own."""
+    calls: list[str] = []
+    original_async_eval, original_launch = mx.async_eval, Target.launch
+
+    def recording_async_eval(*arrays):
+        calls.append("pass" if calls and calls[-1] == "launching" else "reads")
+        return original_async_eval(*arrays)
+
+    def recording_launch(self, token):
+        calls.append("launching")
+        return original_launch(self, token)
+
+    monkeypatch.setattr(mx, "async_eval", recording_async_eval)
+    monkeypatch.setattr(Target, "launch", recording_launch)
+    engine = Engine(tiny_model("llama"), byte_tokenizer(), "llama", verify_cost=CPU_LIKE_COST)
+    list(engine.stream(PROMPT, GenerationSettings(max_tokens=12, k=0)))
+    passes = [i for i, call in enumerate(calls) if call == "launching"]
+    assert len(passes) >= 5, calls
+    assert all(i > 0 and calls[i - 1] == "reads" for i in passes), calls
