@@ -51,7 +51,7 @@ from mlxspec.verify_cost import VerifyCost, cached_verify_cost, calibration_key
 
 GRID_ROWS = (1, 2, 4, 8)
 GRID_COLUMNS = (1, 2, 4, 8, 16)
-GRID_BUDGET_S = 3.0  # timing turns after the first start only within this (seconds)
+GRID_BUDGET_S = 3.0  # seconds: a timing turn after the first starts only within them
 
 
 # The least share of its plain-pass speed a row may expect from a round's width.

@@ -36,7 +36,7 @@ SHORT_ANSWER_ROUNDS = 8  # fewer full rounds than this in a plain answer: a nois
 
 
 def prediction_widths(draft_lengths: tuple[int | None, ...]) -> tuple[int, ...]:
-    """The verify widths the rows run (1: the unit), the ones a policy tries first first."""
+    """The verify widths the rows run, and 1 (the unit), in increasing order."""
     widths = {1}
     for k in draft_lengths:
         widths.update([k + 1] if k is not None else range(2, ADAPTIVE_K_MAX + 2))
