@@ -312,13 +312,7 @@ def _bench_synthetic(
             "weights": runtime.loaded.weights_dtype,
         },
     )
-    table = synthetic_markdown(result)
-    click.echo(table)
-    json_path, markdown_path = outputs
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
-    if markdown_path:
-        Path(markdown_path).write_text(table + "\n")
+    _show(result, synthetic_markdown(result), outputs)
 
 
 def _bench_concurrency(
@@ -352,7 +346,12 @@ def _bench_concurrency(
             "repeats": repeats,
         },
     )
-    table = concurrency_markdown(result)
+    _show(result, concurrency_markdown(result), outputs)
+
+
+def _show(result: dict, table: str, outputs: tuple[str | None, str | None]) -> None:
+    """Print a bench's table; write its result as JSON and the table as markdown where
+    `--json` and `--markdown` asked."""
     click.echo(table)
     json_path, markdown_path = outputs
     if json_path:
