@@ -4,6 +4,7 @@ against the in-process server, or `--from-history` over saved chats."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -289,7 +290,6 @@ def _bench_synthetic(
 ) -> None:
     """`bench --synthetic-acceptance`: see mlxspec/bench/synthetic.py."""
     from mlxspec.bench import BenchError
-    from mlxspec.bench.machine import describe_machine
     from mlxspec.bench.suites import load_suite, read_prompts
     from mlxspec.bench.synthetic import DRAFT_LENGTHS, run_synthetic, synthetic_markdown
     from mlxspec.runtime import open_runtime
@@ -302,17 +302,9 @@ def _bench_synthetic(
     result = run_synthetic(
         runtime, prompts, max_tokens, repeats, say, tuple(acceptances), lengths or DRAFT_LENGTHS
     )
-    result.update(
-        machine=describe_machine(),
-        settings={
-            "model": entry.name,
-            "prompts": len(prompts),
-            "max_tokens": max_tokens,
-            "repeats": repeats,
-            "weights": runtime.loaded.weights_dtype,
-        },
-    )
-    _show(result, synthetic_markdown(result), outputs)
+    settings = _settings(entry, prompts, max_tokens, repeats)
+    settings["weights"] = runtime.loaded.weights_dtype
+    _show(result, settings, synthetic_markdown, outputs)
 
 
 def _bench_concurrency(
@@ -322,7 +314,6 @@ def _bench_concurrency(
     from mlxspec.batch.width import ROW_FLOOR
     from mlxspec.bench import BenchError
     from mlxspec.bench.concurrency import concurrency_markdown, run_concurrency
-    from mlxspec.bench.machine import describe_machine
     from mlxspec.bench.suites import load_suite, read_prompts
     from mlxspec.runtime import ProposerError, open_runtime
 
@@ -337,21 +328,32 @@ def _bench_concurrency(
         result = run_concurrency(runtime, prompts, levels, names, max_tokens, say, repeats, floors)
     except (BenchError, ProposerError) as err:
         raise click.ClickException(str(err)) from None
-    result.update(
-        machine=describe_machine(),
-        settings={
-            "model": entry.name,
-            "prompts": len(prompts),
-            "max_tokens": max_tokens,
-            "repeats": repeats,
-        },
-    )
-    _show(result, concurrency_markdown(result), outputs)
+    _show(result, _settings(entry, prompts, max_tokens, repeats), concurrency_markdown, outputs)
 
 
-def _show(result: dict, table: str, outputs: tuple[str | None, str | None]) -> None:
-    """Print a bench's table; write its result as JSON and the table as markdown where
-    `--json` and `--markdown` asked."""
+def _settings(entry, prompts: list, max_tokens: int, repeats: int) -> dict:
+    """What a bench ran with, for its JSON."""
+    return {
+        "model": entry.name,
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+    }
+
+
+def _show(
+    result: dict,
+    settings: dict,
+    render: Callable[[dict], str],
+    outputs: tuple[str | None, str | None],
+) -> None:
+    """Stamp a bench's result with the machine and its settings, print its table (`render`),
+    and write the result as JSON and the table as markdown where `--json` and `--markdown`
+    asked."""
+    from mlxspec.bench.machine import describe_machine
+
+    result.update(machine=describe_machine(), settings=settings)
+    table = render(result)
     click.echo(table)
     json_path, markdown_path = outputs
     if json_path:
