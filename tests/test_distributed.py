@@ -569,6 +569,16 @@ def reference(folder: Path) -> tuple:
     return loaded.model, prompt, plain_greedy(loaded.model, prompt, 24, {256})
 
 
+def seeded_shipped_cache(tmp_path: Path, model: str, ranks: int) -> Path:
+    """A cache dir holding the shipped models' weights (linked) and a flat sharded curve
+    for `model` on `ranks` ranks, as its float32 weights are held on the CPU."""
+    from mlxspec.paths import cache_dir
+
+    seed_flat_calibration(tmp_path, model, ranks)
+    (tmp_path / "cache" / "models").symlink_to(cache_dir() / "models")
+    return tmp_path / "cache"
+
+
 def seed_flat_calibration(root: Path, model: str, ranks: int) -> None:
     """Store a verify-cost curve where extra tokens are free, as a calibration run would.
 
@@ -607,6 +617,19 @@ def test_tensor_parallel_output_equals_one_process_greedy(tiny):
         if args[0] == "prompt-lookup":
             assert record["k_policy"] == "adaptive" and record["accepted"] > 0
     assert digest(store_dir("tiny")) == before
+
+
+def test_ranks_measure_the_verify_cost_together_when_none_is_cached(tiny):
+    """Unseeded, the first adaptive run calibrates: every rank runs the same passes and
+    rank 0 shares its curve (a rank that skipped them would leave the others waiting in a
+    collective). The real-model sharded test is seeded instead: this is the tiny path."""
+    model, prompt, expected = reference(tiny / "llama")
+    (tiny / "cache" / "calibration.json").unlink(missing_ok=True)
+    got = generate(tiny, "--ranks", "2", "--proposer", "prompt-lookup")
+    assert "measuring verify cost" in got["stderr"]
+    cached = json.loads((tiny / "cache" / "calibration.json").read_text())
+    assert any(key.endswith("tensor x2 ring pooled") for key in cached), list(cached)
+    assert_lossless(model, prompt, expected, got["token_ids"], "calibrated ranks", got["record"])
 
 
 def test_pipeline_parallel_where_mlx_lm_has_it(tiny):
@@ -691,10 +714,12 @@ def test_bench_sharded_runs_every_row_on_the_ranks_and_times_the_collectives(tin
 
 
 @pytest.mark.slow
-def test_smollm2_served_on_three_ranks_answers_four_clients_as_one_process(smollm2):
+def test_smollm2_served_on_three_ranks_answers_four_clients_as_one_process(smollm2, tmp_path):
     """`serve --ranks 3` on SmolLM2, the issue's case: four concurrent openai clients,
     prompt lookup inside the sharded batch, each answer its one-process greedy answer
-    (near-tie rule), and a streamed answer equal to the same request not streamed."""
+    (near-tie rule), and a streamed answer equal to the same request not streamed. The
+    sharded calibration (two minutes of SmolLM2 passes here) is seeded: the ranks measuring
+    together is tested on the tiny model."""
     prompts = [
         "Repeat this list exactly: apples, pears, plums, figs, dates, limes, kiwis.",
         "Copy this line: red green blue, red green blue, red green blue.",
@@ -708,8 +733,12 @@ def test_smollm2_served_on_three_ranks_answers_four_clients_as_one_process(smoll
         asked = dict(model="smollm2-135m", messages=messages, max_tokens=16, temperature=0)
         return client.chat.completions.create(**asked, stream=stream, extra_body=lookup)
 
-    with serving_ranks(None, "--max-batch", "4", ranks=3, model="smollm2-135m") as started:
-        launcher, client, url = started
+    cache = seeded_shipped_cache(tmp_path, "smollm2-135m", 3)
+    with serving_ranks(None, "--max-batch", "4", ranks=3, model="smollm2-135m", cache=cache) as (
+        launcher,
+        client,
+        url,
+    ):
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(ask, prompts))
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in ask(prompts[0], True))
@@ -736,11 +765,17 @@ SERVE_PROMPTS = ["abc abc abc abc abc abc", "xy xy xy xy xy", "one two one two",
 
 @contextmanager
 def serving_ranks(
-    root: Path | None, *args: str, fault: str = "", ranks: int = 2, model: str = "tiny"
+    root: Path | None,
+    *args: str,
+    fault: str = "",
+    ranks: int = 2,
+    model: str = "tiny",
+    cache: Path | None = None,
 ) -> Iterator[tuple]:
     """`mlxspec serve --ranks N` on a free port: (launcher process, openai client, base
     URL) once the model is loaded; the launcher is interrupted (Ctrl-C) at the end.
-    `root`: the tiny model's folder (models.toml, cache), or None for the shipped models."""
+    `root`: the tiny model's folder (models.toml, cache), or None for the shipped models
+    (in `cache` where given, see seeded_shipped_cache)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -748,6 +783,8 @@ def serving_ranks(
     env.pop("MLXSPEC_MODELS", None)
     if root is not None:
         env |= {"MLXSPEC_MODELS": str(root / "models.toml"), "MLXSPEC_CACHE": str(root / "cache")}
+    if cache is not None:
+        env["MLXSPEC_CACHE"] = str(cache)
     env.pop("MLXSPEC_FAULT", None)
     if fault:
         env["MLXSPEC_FAULT"] = fault
@@ -767,8 +804,8 @@ def serving_ranks(
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        # A real model's first request pays the sharded calibration (every rank runs the
-        # same passes, unbounded by time): 2 min here alone, more on a loaded machine.
+        # A real model's first request pays the sharded calibration where none is cached
+        # (every rank runs the same passes, unbounded by time): 2 min here alone.
         answer_limit = 60 if model == "tiny" else 300
         client = openai.OpenAI(
             base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=answer_limit
