@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -62,6 +62,9 @@ class Defaults:
     tree_nodes: int = 32
     history: bool = True  # keep and read the model's history of requests (suffix decoding)
     weights: str = "auto"  # auto, quantized or dequantized (mlxspec/weights.py); --weights
+    # Extra arguments of the chat template (e.g. {"enable_thinking": False}); a request's
+    # own chat_template_kwargs win key by key.
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

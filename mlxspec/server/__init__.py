@@ -2,12 +2,15 @@
 
     app = create_app(RegistryProvider(load_registry()))
 
-Modules: `app` (routes), `schemas` (request bodies), `responses` (OpenAI's response
-shapes), `worker` (the one thread that runs generations), `providers` (where models
-come from), `errors` (OpenAI's error shape), `listen` (the socket, bound first).
+Modules: `app` (the app: worker, health, models), `openai_routes` (OpenAI's chat and
+text completions), `answering` (a generation's answer parts, for every dialect),
+`schemas` (request bodies), `responses` (OpenAI's response shapes), `worker` (the one
+thread that runs generations), `providers` (where models come from), `limits`, `errors`
+(OpenAI's error shape), `listen` (the socket, bound first).
 """
 
-from mlxspec.server.app import ServerLimits, create_app, run_server
+from mlxspec.server.app import create_app, run_server
+from mlxspec.server.limits import ServerLimits
 from mlxspec.server.listen import ListenError, bind_listening_socket
 from mlxspec.server.providers import ModelInfo, ModelProvider, RegistryProvider
 
