@@ -28,25 +28,29 @@ def scripted_tokenizer(pieces: Sequence[str], chat_template: str | None):
     return tokenizer
 
 
+def scripted_config(tokenizer) -> dict:
+    """The llama's config: one dimension per token (rounded up for heads of an even size)."""
+    size = len(tokenizer.get_vocab())
+    return dict(
+        model_type="llama",
+        hidden_size=-(-size // 8) * 8,
+        num_hidden_layers=1,
+        intermediate_size=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        vocab_size=size,
+        tie_word_embeddings=False,
+    )
+
+
 def scripted_model(tokenizer, pieces: Sequence[str], after_token: int) -> llama.Model:
     """A llama over `tokenizer` that answers `pieces` to any prompt ending in
     `after_token`."""
     vocab = tokenizer.get_vocab()
-    size = len(vocab)
-    width = -(-size // 8) * 8  # one dimension per token; heads of an even size
-    model = llama.Model(
-        llama.ModelArgs(
-            model_type="llama",
-            hidden_size=width,
-            num_hidden_layers=1,
-            intermediate_size=8,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            rms_norm_eps=1e-6,
-            vocab_size=size,
-            tie_word_embeddings=False,
-        )
-    )
+    config = scripted_config(tokenizer)
+    size, width = config["vocab_size"], config["hidden_size"]
+    model = llama.Model(llama.ModelArgs.from_dict(config))
     ids = [vocab[byte_level(piece)] for piece in pieces]
     eos = vocab[EOS]
     successor = [eos] * size
