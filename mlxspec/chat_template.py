@@ -73,7 +73,7 @@ def template_text(tokenizer) -> str | None:
     return template or None
 
 
-def has_tool_parts(conversation: Conversation) -> bool:
+def _has_tool_parts(conversation: Conversation) -> bool:
     """Whether the conversation has tools, tool calls or tool results to render."""
     return bool(conversation.tools) or any(
         m.get("tool_calls") or m["role"] == "tool" for m in conversation.messages
@@ -83,7 +83,7 @@ def has_tool_parts(conversation: Conversation) -> bool:
 def _in_fallback_form(conversation: Conversation) -> Conversation:
     """The conversation with tools, calls and results written as text in the fallback
     format, so a template without tool support renders all of it."""
-    if not has_tool_parts(conversation):
+    if not _has_tool_parts(conversation):
         return conversation
     messages: list[dict[str, Any]] = []
     for message in conversation.messages:
@@ -94,7 +94,7 @@ def _in_fallback_form(conversation: Conversation) -> Conversation:
             else:
                 messages.append({"role": "user", "content": response, "tool_results": True})
         elif message.get("tool_calls"):
-            calls = [fallback_call_text(call["function"]) for call in message["tool_calls"]]
+            calls = [_fallback_call_text(call["function"]) for call in message["tool_calls"]]
             text = "\n".join(filter(None, [message.get("content") or "", *calls]))
             messages.append({"role": "assistant", "content": text})
         else:
@@ -102,7 +102,7 @@ def _in_fallback_form(conversation: Conversation) -> Conversation:
     for message in messages:
         message.pop("tool_results", None)
     if conversation.tools:
-        described = tools_description(conversation.tools)
+        described = _tools_description(conversation.tools)
         if messages and messages[0]["role"] == "system":
             messages[0]["content"] = f"{messages[0]['content']}\n\n{described}"
         else:
@@ -110,16 +110,16 @@ def _in_fallback_form(conversation: Conversation) -> Conversation:
     return Conversation(messages, None, conversation.template_kwargs)
 
 
-def fallback_call_text(function: dict[str, Any]) -> str:
+def _fallback_call_text(function: dict[str, Any]) -> str:
     """One call in the fallback format (`function`: {"name", "arguments": dict})."""
     call = {"name": function["name"], "arguments": function.get("arguments") or {}}
     return f"{FALLBACK_CALL_START}\n{json.dumps(call, ensure_ascii=False)}\n{FALLBACK_CALL_END}"
 
 
-def tools_description(tools: list[dict[str, Any]]) -> str:
+def _tools_description(tools: list[dict[str, Any]]) -> str:
     """What the system turn says of the tools in the fallback format."""
     signatures = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    example = fallback_call_text({"name": "<function-name>", "arguments": {"<arg>": "<value>"}})
+    example = _fallback_call_text({"name": "<function-name>", "arguments": {"<arg>": "<value>"}})
     return (
         "You can call functions to help answer. Their signatures, one JSON object a line, are "
         f"within <tools></tools>:\n<tools>\n{signatures}\n</tools>\n\n"
