@@ -1,8 +1,9 @@
-"""The FastAPI app: OpenAI-compatible routes over one generation worker.
+"""The FastAPI app: OpenAI-compatible and Anthropic routes over one generation worker.
 
 Handlers validate a request, turn it into a `Generation`, queue it, and relay the
 worker's events: collected into one JSON answer, or as server-sent events. A client
-that goes away cancels its generation (see `_cancel_on_disconnect`).
+that goes away cancels its generation (see `_cancel_on_disconnect`). Each dialect's
+shapes are translated in a module of its own (`responses`, `anthropic`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
@@ -18,12 +19,14 @@ from typing import TYPE_CHECKING, Annotated
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 import mlxspec
+import mlxspec.server.anthropic as anthropic
 from mlxspec.batch.width import ROW_FLOOR
+from mlxspec.conversation import AnswerPart, AnswerText, Conversation, ParsedAnswer
 from mlxspec.engine import GenerationError, GenerationSettings
-from mlxspec.events import Done
+from mlxspec.events import Done, Event
 from mlxspec.processes import stop_signals
 from mlxspec.sampling import SamplingSettings
 from mlxspec.server.batch_worker import BatchedWorker
@@ -72,18 +75,24 @@ class BodyLimit:
         return await self.app(scope, limited_receive, send)
 
 
-BEARER = HTTPBearer(auto_error=False)  # module level: FastAPI resolves annotations here
+# Module level: FastAPI resolves annotations here.
+BEARER = HTTPBearer(auto_error=False)  # OpenAI's clients
+X_API_KEY = APIKeyHeader(name="x-api-key", auto_error=False)  # Anthropic's
 
 
-def bearer_check(api_key: str):
+def key_check(api_key: str):
+    """A dependency that lets a request in when either header carries the key."""
+
     async def check(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
+        x_api_key: Annotated[str | None, Depends(X_API_KEY)],
     ) -> None:
-        given = credentials.credentials.encode() if credentials else b""
-        if not secrets.compare_digest(given, api_key.encode()):
+        given = [credentials.credentials if credentials else "", x_api_key or ""]
+        if not any(secrets.compare_digest(key.encode(), api_key.encode()) for key in given):
             raise ApiError(
                 401,
-                "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                "missing or wrong API key; send the header 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -137,9 +146,9 @@ def create_app(
 
     app = FastAPI(title="mlxspec", version=mlxspec.__version__, lifespan=lifespan)
     app.state.worker = worker
-    install_error_handlers(app)
+    install_error_handlers(app, {"/v1/messages": anthropic.error_body})
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
-    guarded = [Depends(bearer_check(api_key))] if api_key else []
+    guarded = [Depends(key_check(api_key))] if api_key else []
     api = APIRouter(prefix="/v1", dependencies=guarded)
 
     @app.get("/health")
@@ -172,6 +181,35 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request):
         generation = _generation(body, body.prompt_input(), provider, limits)
         return await _respond(request, worker, generation, body, chat=False)
+
+    @api.post("/messages")
+    async def messages(body: anthropic.MessagesRequest, request: Request):
+        prompt = _prompt(anthropic.conversation(body))
+        asked = anthropic.generation_request(body)
+        generation = _generation(asked, prompt, provider, limits, top_k=body.top_k)
+        job, first, release = await _started(request, worker, generation)
+        message_id = anthropic.new_id("msg")
+        if body.stream:
+            # message_start says the prompt's size, before the run record can.
+            try:
+                input_tokens = await _prompt_tokens(worker, generation.model, prompt)
+            except BaseException:
+                release()
+                raise
+            stream = anthropic.MessageStream(message_id, generation.model, input_tokens)
+            return _event_stream(_message_events(job, first, stream, release))
+        try:
+            done = await _until_done(job, first)
+        finally:
+            release()
+        answer = _parsed_answer(done)
+        return JSONResponse(anthropic.message(message_id, generation.model, answer, done.record))
+
+    @api.post("/messages/count_tokens")
+    async def count_tokens(body: anthropic.CountTokensRequest) -> dict:
+        info = _model_info(provider, body.model)
+        prompt = _prompt(anthropic.conversation(body))
+        return {"input_tokens": await _prompt_tokens(worker, info.name, prompt)}
 
     app.include_router(api)
     return app
@@ -243,9 +281,14 @@ def _model_card(info: ModelInfo) -> dict:
 
 
 def _generation(
-    body: GenerationRequest, prompt, provider: ModelProvider, limits: ServerLimits
+    body: GenerationRequest,
+    prompt,
+    provider: ModelProvider,
+    limits: ServerLimits,
+    top_k: int | None = None,
 ) -> Generation:
-    """Check a request against the model and the limits; fill in the model's defaults."""
+    """Check a request against the model and the limits; fill in the model's defaults.
+    `top_k`: a dialect's own (Anthropic's; None: the model's)."""
     info = _model_info(provider, body.model)
     if body.n not in (None, 1):
         raise ApiError(
@@ -264,10 +307,12 @@ def _generation(
         provider.check(info.name, proposer)
     except NotDownloaded as err:
         raise ApiError(404, str(err), code="not_downloaded", param="model") from None
-    return Generation(info.name, prompt, _settings(body, info, limits), proposer)
+    return Generation(info.name, prompt, _settings(body, info, limits, top_k), proposer)
 
 
-def _settings(body: GenerationRequest, info: ModelInfo, limits: ServerLimits) -> GenerationSettings:
+def _settings(
+    body: GenerationRequest, info: ModelInfo, limits: ServerLimits, top_k: int | None
+) -> GenerationSettings:
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = getattr(body, asked) or min(info.defaults.max_tokens, limits.max_tokens)
     if max_tokens > limits.max_tokens:
@@ -284,7 +329,7 @@ def _settings(body: GenerationRequest, info: ModelInfo, limits: ServerLimits) ->
             sampling=SamplingSettings(
                 temperature=defaults.temperature if body.temperature is None else body.temperature,
                 top_p=defaults.top_p if body.top_p is None else body.top_p,
-                top_k=defaults.top_k,
+                top_k=defaults.top_k if top_k is None else top_k,
                 seed=body.seed,
             ),
             stop=body.stop_strings,
@@ -298,10 +343,56 @@ def _settings(body: GenerationRequest, info: ModelInfo, limits: ServerLimits) ->
         raise ApiError(400, str(err), code="invalid_value") from None
 
 
-async def _respond(
-    request: Request, worker: Worker, generation: Generation, body: GenerationRequest, chat: bool
-):
-    """Queue the generation; answer with JSON, or stream once its first event is in."""
+# The seam for the chat template that takes tools (branch `agents`): until a
+# `Conversation` is a prompt of its own, its messages are; tools could not reach the
+# template, so they are refused rather than dropped, and its template arguments (Anthropic's
+# `thinking`) wait for it.
+def _prompt(conversation: Conversation) -> list[dict]:
+    if conversation.tools:
+        raise ApiError(
+            400,
+            "tools: this server cannot give tools to the model's chat template yet",
+            code="unsupported",
+            param="tools",
+        )
+    return conversation.messages
+
+
+# The seam for the output parser (branch `agents`): until it lands, every piece of text is
+# answer text, and an answer has no reasoning and no tool calls.
+def _answer_parts(event: Event) -> list[AnswerPart]:
+    return [AnswerText(event.text)] if event.text else []
+
+
+def _parsed_answer(done: Done) -> ParsedAnswer:
+    return ParsedAnswer(reasoning="", text=done.text)
+
+
+async def _prompt_tokens(worker: Worker, model: str, prompt: list[dict]) -> int:
+    """How many tokens the model's chat template makes of `prompt`, counted with the
+    tokenizer of the model in memory (loading one is the worker's job, not the loop's)."""
+    engine = worker.resident_engine(model)
+    if engine is None:
+        raise ApiError(
+            503,
+            f"{model} is not loaded now, and tokens are counted with a loaded model's chat "
+            "template; a message to it loads it",
+            code="model_not_loaded",
+            type="server_error",
+        )
+    try:
+        return len(await asyncio.to_thread(engine.encode_chat, prompt))
+    except GenerationError as err:
+        raise ApiError(400, str(err), code="invalid_request") from None
+
+
+async def _started(
+    request: Request, worker: Worker, generation: Generation
+) -> tuple[Job, object, Callable[[], None]]:
+    """Queue the generation and wait for its first event: (the job, that event, what
+    ends the job and stops watching its client). Errors found before any output (a bad
+    proposer, a prompt too long) raise here, so they get a real HTTP status, even for
+    streams."""
     job = worker.submit(generation)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
 
@@ -309,18 +400,26 @@ async def _respond(
         job.cancel()  # a no-op once the job has ended
         watcher.cancel()
 
-    reply = Reply(chat=chat, model=generation.model)
     try:
-        # Errors found before any output (a bad proposer, a prompt too long) get a
-        # real HTTP status, even for streams.
-        first = _raise_failure(await job.next())
+        return job, _raise_failure(await job.next()), release
     except BaseException:
         release()
         raise
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _respond(
+    request: Request, worker: Worker, generation: Generation, body: GenerationRequest, chat: bool
+):
+    """Queue the generation; answer with JSON, or stream once its first event is in."""
+    job, first, release = await _started(request, worker, generation)
+    reply = Reply(chat=chat, model=generation.model)
     if body.stream:
-        stream = _sse(job, first, reply, body, release)
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return _event_stream(_sse(job, first, reply, body, release))
     try:
         done = await _until_done(job, first)
     finally:
@@ -347,26 +446,55 @@ async def _until_done(job: Job, item: object) -> Done:
     return item
 
 
+async def _relayed(job: Job, item: object) -> AsyncIterator[object]:
+    """The job's items from `item` on: output events, then its Done, or an ApiError (too
+    late for a status) where it failed or was cancelled."""
+    while True:
+        if item is None:
+            item = _cancelled()
+        yield item
+        if isinstance(item, (Done, ApiError)):
+            return
+        item = await job.next()
+
+
 async def _sse(
-    job: Job, item: object, reply: Reply, body: GenerationRequest, release
+    job: Job, first: object, reply: Reply, body: GenerationRequest, release
 ) -> AsyncIterator[str]:
     try:
         opening = reply.opening_chunk()
         if opening is not None:
             yield sse(opening)
-        while True:
-            if item is None or isinstance(item, ApiError):  # too late for a status
-                yield sse((item or _cancelled()).body())
-                return
-            if isinstance(item, Done):
+        async for item in _relayed(job, first):
+            if isinstance(item, ApiError):
+                yield sse(item.body())
+            elif isinstance(item, Done):
                 yield sse(reply.finishing_chunk(item.record))
                 if body.include_usage:
                     yield sse(reply.usage_chunk(item.record))
                 yield sse("[DONE]")
-                return
-            if item.text:
+            elif item.text:
                 yield sse(reply.text_chunk(item, body.mlxspec.provenance))
-            item = await job.next()
+    finally:
+        release()
+
+
+async def _message_events(
+    job: Job, first: object, stream: anthropic.MessageStream, release
+) -> AsyncIterator[str]:
+    """An Anthropic message's events, from the job's."""
+    try:
+        for event in stream.opening():
+            yield event
+        async for item in _relayed(job, first):
+            if isinstance(item, ApiError):
+                events = [anthropic.error_event(item)]
+            elif isinstance(item, Done):
+                events = stream.closing(item.record)
+            else:
+                events = [event for part in _answer_parts(item) for event in stream.part(part)]
+            for event in events:
+                yield event
     finally:
         release()
 
