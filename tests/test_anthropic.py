@@ -371,8 +371,9 @@ def test_count_tokens_counts_what_the_model_is_given(client):
 
 
 def test_the_key_may_come_as_x_api_key_or_bearer(base_url):
-    bearer = anthropic.Anthropic(base_url=base_url, auth_token="sesame", max_retries=0)
-    assert ask(bearer, max_tokens=2).content
+    for header in ({"x-api-key": "sesame"}, {"Authorization": "Bearer sesame"}):
+        body = {"model": "tiny", "max_tokens": 2, "messages": HELLO}
+        assert httpx.post(f"{base_url}/v1/messages", json=body, headers=header).is_success
     wrong = anthropic.Anthropic(base_url=base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as refused:
         ask(wrong, max_tokens=2)
@@ -386,53 +387,46 @@ def raw_post(base_url: str, body: dict, path: str = "/v1/messages") -> httpx.Res
 
 
 LOST_RESULT = [
-    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": ""}]}
+    {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_x", "content": "sunny"},
+            {"type": "text", "text": "hi"},
+        ],
+    }
 ]
+ASKED = {"model": "tiny", "max_tokens": 4, "messages": HELLO}
 
 
 @pytest.mark.parametrize(
-    "body, status, kind",
+    "body, status, kind, says",
     [
-        ({"model": "tiny", "messages": HELLO}, 400, "invalid_request_error"),  # no max_tokens
-        ({"model": "tiny", "max_tokens": 4, "messages": LOST_RESULT}, 400, "invalid_request_error"),
+        ({"model": "tiny", "messages": HELLO}, 400, "invalid_request_error", "max_tokens: Field"),
+        ({**ASKED, "messages": LOST_RESULT}, 400, "invalid_request_error", "'toolu_x' answers no"),
         (
-            {
-                "model": "tiny",
-                "max_tokens": 4,
-                "messages": HELLO,
-                "tools": [WEATHER],
-                "tool_choice": {"type": "any"},
-            },
+            {**ASKED, "tools": [WEATHER], "tool_choice": {"type": "any"}},
             400,
             "invalid_request_error",
+            "tool_choice: 'any' needs constrained decoding",
         ),
+        ({**ASKED, "temperature": 1.5}, 400, "invalid_request_error", "temperature:"),
+        ({**ASKED, "model": "huge"}, 404, "not_found_error", "unknown model 'huge'"),
         (
-            {"model": "tiny", "max_tokens": 4, "messages": HELLO, "temperature": 1.5},
+            {**ASKED, "stream": True, "mlxspec": {"proposer": "oracle"}},
             400,
             "invalid_request_error",
-        ),
-        ({"model": "huge", "max_tokens": 4, "messages": HELLO}, 404, "not_found_error"),
-        (
-            {
-                "model": "tiny",
-                "max_tokens": 4,
-                "messages": HELLO,
-                "stream": True,
-                "mlxspec": {"proposer": "oracle"},
-            },
-            400,
-            "invalid_request_error",
+            "unknown proposer 'oracle'",
         ),
     ],
 )
-def test_bad_requests_get_anthropics_error_shape(base_url, body, status, kind):
+def test_bad_requests_get_anthropics_error_shape(base_url, body, status, kind, says):
     response = raw_post(base_url, body)
     assert response.status_code == status, response.text
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == kind
-    assert isinstance(error["error"]["message"], str) and error["error"]["message"]
+    assert says in error["error"]["message"]
     assert_serving(base_url)
-    assert raw_post(base_url, {"model": "tiny", "max_tokens": 2, "messages": HELLO}).is_success
+    assert raw_post(base_url, {**ASKED, "max_tokens": 2}).is_success
 
 
 def test_the_sdk_raises_the_errors_it_knows(client):
@@ -441,6 +435,16 @@ def test_the_sdk_raises_the_errors_it_knows(client):
     assert "constrained decoding" in refused.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="huge", messages=HELLO)
+
+
+def test_count_tokens_needs_the_model_in_memory(base_url):
+    """The loop counts with the resident model's tokenizer; loading is the worker's job."""
+    body = {"model": "tiny-b", "messages": HELLO}
+    response = raw_post(base_url, body, "/v1/messages/count_tokens")
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "overloaded_error"
+    assert "tiny-b is not loaded" in response.json()["error"]["message"]
+    assert_serving(base_url)
 
 
 def test_tools_wait_for_the_tool_aware_template(base_url):
