@@ -32,7 +32,7 @@ ROW_FLOOR_OPTION = click.option(
 @click.option(
     "--api-key",
     envvar="MLXSPEC_API_KEY",
-    help="Require 'Authorization: Bearer KEY' on /v1 (env: MLXSPEC_API_KEY).",
+    help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 (env: MLXSPEC_API_KEY).",
 )
 @click.option(
     "--max-waiting",
