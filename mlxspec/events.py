@@ -79,6 +79,9 @@ class RunRecord:
     sampling: dict[str, Any]
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Of the completion tokens, those of the model's reasoning, its thinking markers
+    # included (set where the answer is read into parts: output_parser.AnswerReader).
+    reasoning_tokens: int = 0
     reused_prompt_tokens: int = 0
     drafted: int = 0
     accepted: int = 0

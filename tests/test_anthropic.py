@@ -12,6 +12,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Response
 from test_server import TinyProvider, serving, tiny_engine
+from test_tool_calls import ScriptedProvider, plain_answer
 
 from mlxspec.conversation import (
     AnswerText,
@@ -23,6 +24,7 @@ from mlxspec.conversation import (
 )
 from mlxspec.engine import GenerationSettings
 from mlxspec.events import Done, RunRecord
+from mlxspec.server import ServerLimits
 from mlxspec.server.anthropic import (
     CountTokensRequest,
     MessageStream,
@@ -40,8 +42,9 @@ WEATHER = {
 }
 
 
-def translated(**body):
-    return conversation(CountTokensRequest.model_validate({"model": "tiny", **body}))
+def translated(template_defaults: dict | None = None, **body):
+    request = CountTokensRequest.model_validate({"model": "tiny", **body})
+    return conversation(request, template_defaults or {})
 
 
 def refusal(**body) -> ApiError:
@@ -78,7 +81,13 @@ def test_a_tool_exchange_becomes_chat_template_messages():
         },
     ]
     system = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}]
-    talk = translated(system=system, messages=turns, tools=[WEATHER], thinking={"type": "disabled"})
+    talk = translated(
+        {"enable_thinking": True, "other": 1},
+        system=system,
+        messages=turns,
+        tools=[WEATHER],
+        thinking={"type": "disabled"},
+    )
     call = {
         "id": "toolu_1",
         "type": "function",
@@ -102,7 +111,7 @@ def test_a_tool_exchange_becomes_chat_template_messages():
         "parameters": WEATHER["input_schema"],
     }
     assert talk.tools == [{"type": "function", "function": function}]
-    assert talk.template_kwargs == {"enable_thinking": False}
+    assert talk.template_kwargs == {"enable_thinking": False, "other": 1}  # the model's yield
 
 
 def test_tool_choice_none_keeps_the_tools_from_the_model():
@@ -447,12 +456,82 @@ def test_count_tokens_needs_the_model_in_memory(base_url):
     assert_serving(base_url)
 
 
-def test_tools_wait_for_the_tool_aware_template(base_url):
-    """Until a Conversation is a prompt of its own (branch `agents`), tools are refused,
-    not dropped: the model could not see them."""
-    body = {"model": "tiny", "max_tokens": 4, "messages": HELLO, "tools": [WEATHER]}
-    for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        response = raw_post(base_url, body, path)
-        assert response.status_code == 400 and response.json()["error"]["message"].startswith(
-            "tools:"
-        )
+# --- Tools and reasoning, from models rigged to write them (scripted.py) ----------------
+
+GET_WEATHER = {**WEATHER, "name": "get_weather"}
+CITIES = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
+def scripted(request) -> Iterator[anthropic.Anthropic]:
+    limits = ServerLimits(max_batch=request.param)
+    with serving(ScriptedProvider(), limits=limits, preload="qwen3-calls") as url:
+        yield anthropic.Anthropic(base_url=url, api_key="-", max_retries=0, timeout=60)
+
+
+def tool_for_template(tool: dict) -> dict:
+    parameters = tool["input_schema"]
+    function = {"name": tool["name"], "description": tool["description"], "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+def test_a_thinking_model_calls_tools_in_content_blocks(scripted):
+    answer = scripted.messages.create(
+        model="qwen3-calls", max_tokens=64, messages=CITIES, tools=[GET_WEATHER]
+    )
+    plain = plain_answer("qwen3-calls", CITIES, [tool_for_template(GET_WEATHER)])
+    assert [block.type for block in answer.content] == ["thinking", "tool_use", "tool_use"]
+    assert answer.content[0].thinking == plain.reasoning == "\nThe user asks for two cities.\n"
+    calls = [(block.name, block.input) for block in answer.content[1:]]
+    assert calls == [(c.name, json.loads(c.arguments)) for c in plain.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    assert all(block.id.startswith("toolu_") for block in answer.content[1:])
+    assert answer.stop_reason == "tool_use"
+    with scripted.messages.stream(
+        model="qwen3-calls", max_tokens=64, messages=CITIES, tools=[GET_WEATHER]
+    ) as stream:
+        final = stream.get_final_message()
+    assert [block.type for block in final.content] == ["thinking", "tool_use", "tool_use"]
+    assert final.content[0].thinking == answer.content[0].thinking
+    assert [(block.name, block.input) for block in final.content[1:]] == calls
+    assert final.stop_reason == "tool_use" and final.usage == answer.usage
+
+
+def test_a_tool_result_is_answered(scripted):
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Ask.", "signature": ""},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_7",
+                    "name": "get_weather",
+                    "input": {"city": "P"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_7", "content": "18C, sunny"}],
+        },
+    ]
+    answer = scripted.messages.create(
+        model="qwen3-answers", max_tokens=64, messages=history, tools=[GET_WEATHER]
+    )
+    assert [block.type for block in answer.content] == ["thinking", "text"]
+    assert answer.content[1].text == "It is 18C and sunny." and answer.stop_reason == "end_turn"
+
+
+def test_count_tokens_counts_tools_and_the_thinking_switch(scripted):
+    def count(**extra) -> int:
+        return scripted.messages.count_tokens(model="qwen3-calls", messages=CITIES, **extra)
+
+    # Counted with the model in memory: a message loads it.
+    scripted.messages.create(model="qwen3-calls", max_tokens=1, messages=CITIES)
+    bare = count().input_tokens
+    assert count(tools=[GET_WEATHER]).input_tokens > bare
+    # Qwen3's template closes an empty think block when thinking is off.
+    assert count(thinking={"type": "disabled"}).input_tokens > bare
+    assert count(tools=[GET_WEATHER], tool_choice={"type": "none"}).input_tokens == bare

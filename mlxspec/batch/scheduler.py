@@ -55,6 +55,7 @@ from mlxspec.batch.rows import (
 from mlxspec.batch.single import SingleCaches
 from mlxspec.batch.target import cache_columns
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
+from mlxspec.conversation import Conversation
 from mlxspec.events import Event
 from mlxspec.proposers.base import (
     Draft,
@@ -148,7 +149,7 @@ class Scheduler:
 
     def submit(
         self,
-        prompt: str | list[int] | list[dict],
+        prompt: str | list[int] | list[dict] | Conversation,
         settings: GenerationSettings | None = None,
         proposer: str | Proposer | None = None,
     ) -> int:

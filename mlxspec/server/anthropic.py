@@ -2,8 +2,8 @@
 the server's settings read; an answer's parts into a message, or into its stream of
 events; an error into Anthropic's shape.
 
-Translation only: app.py's routes run the generation exactly as the OpenAI routes do.
-Every function here is pure, so each translation is tested on its own.
+Translation only: anthropic_routes.py runs the generation as the OpenAI routes do. Every
+function here is pure, so each translation is tested on its own.
 """
 
 from __future__ import annotations
@@ -128,9 +128,10 @@ class MessagesRequest(CountTokensRequest):
     mlxspec: MlxspecOptions = Field(default_factory=MlxspecOptions)
 
 
-def conversation(body: CountTokensRequest) -> Conversation:
-    """The request as Hugging Face chat-template messages, tools and template arguments;
-    ApiError (400) for what cannot be translated."""
+def conversation(body: CountTokensRequest, template_defaults: dict[str, Any]) -> Conversation:
+    """The request as Hugging Face chat-template messages, tools and template arguments
+    (`template_defaults`, the model's, yield to the request's `thinking`); ApiError (400)
+    for what cannot be translated."""
     messages: list[dict[str, Any]] = []
     if body.system:
         messages.append({"role": "system", "content": _text(body.system)})
@@ -143,7 +144,7 @@ def conversation(body: CountTokensRequest) -> Conversation:
             messages.append(_assistant_turn(message.content, where, tool_names))
         else:
             messages.extend(_user_turns(message.content, where, tool_names))
-    template_kwargs = {}
+    template_kwargs = dict(template_defaults)
     if body.thinking is not None and body.thinking.type != "adaptive":
         template_kwargs["enable_thinking"] = body.thinking.type == "enabled"
     return Conversation(messages, _tools(body), template_kwargs)

@@ -8,6 +8,7 @@ ours, so a misspelt key in it is refused.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -17,8 +18,10 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
 
+from mlxspec.conversation import Conversation
 from mlxspec.server.errors import ApiError
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
@@ -84,22 +87,151 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: NonEmptyText
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema object.")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: NonEmptyText
+    arguments: str = Field(description="The arguments, a JSON object as text.")
+
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, arguments: str) -> str:
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"must be a JSON object as text: {err}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object as text")
+        return arguments
+
+
+class CallMade(BaseModel):
+    """An assistant turn's tool call, as the client sends the history back."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: NonEmptyText
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict[str, Any]:
+        """Arguments as a dict: templates iterate over them or write them with tojson."""
+        function = {"name": self.function.name, "arguments": json.loads(self.function.arguments)}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[CallMade] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def for_template(self) -> dict[str, str]:
-        """The plain {role, content} a chat template expects."""
-        role = "system" if self.role == "developer" else self.role  # OpenAI's newer name
+    @model_validator(mode="after")
+    def _whole(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: only an assistant turn with tool_calls may have none")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant turn makes them, not {self.role}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message must name the call it answers")
+        return self
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
-            return {"role": role, "content": self.content}
-        return {"role": role, "content": "".join(part.text for part in self.content)}
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def for_template(self, call_names: dict[str, str]) -> dict[str, Any]:
+        """The message as chat templates expect it. `call_names`: the function each earlier
+        call id named (a tool result carries its function's name, as some templates write)."""
+        role = "system" if self.role == "developer" else self.role  # OpenAI's newer name
+        message: dict[str, Any] = {"role": role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+            message["name"] = self.name or call_names[self.tool_call_id]
+        return message
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: NonEmptyText
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(
+        None, description="Accepted; the calls the model makes are all returned."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra arguments of the chat template, e.g. {enable_thinking: false}."
+    )
+
+    def conversation(self, template_defaults: dict[str, Any]) -> Conversation:
+        """The request as the one shape inside. Tools go to the template unless
+        tool_choice is "none"; `template_defaults` (the model's) yield to the request's."""
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            raise ApiError(
+                400,
+                "tool_choice: 'required' and a named function need constrained decoding, which "
+                "this server does not have yet; use 'auto' or 'none'",
+                code="unsupported_value",
+                param="tool_choice",
+            )
+        call_names: dict[str, str] = {}
+        messages = []
+        for index, message in enumerate(self.messages):
+            if message.role == "tool" and message.tool_call_id not in call_names:
+                raise ApiError(
+                    400,
+                    f"messages[{index}].tool_call_id: {message.tool_call_id!r} answers no "
+                    "tool call of an earlier assistant message",
+                    code="invalid_value",
+                    param=f"messages[{index}].tool_call_id",
+                )
+            call_names.update((call.id, call.function.name) for call in message.tool_calls or ())
+            messages.append(message.for_template(call_names))
+        tools = None
+        if self.tools and self.tool_choice != "none":
+            tools = [tool.for_template() for tool in self.tools]
+        return Conversation(
+            messages, tools, {**template_defaults, **(self.chat_template_kwargs or {})}
+        )
 
 
 class CompletionRequest(GenerationRequest):
