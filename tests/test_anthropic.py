@@ -4,6 +4,7 @@ transport), then the real server driven by that client."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Iterator
 
@@ -23,7 +24,8 @@ from mlxspec.conversation import (
     ToolCallStarted,
 )
 from mlxspec.engine import GenerationSettings
-from mlxspec.events import Done, RunRecord
+from mlxspec.events import Bonus, Done, RunRecord
+from mlxspec.output_parser import Answered, PartsOf
 from mlxspec.server import ServerLimits
 from mlxspec.server.anthropic import (
     CountTokensRequest,
@@ -32,6 +34,7 @@ from mlxspec.server.anthropic import (
     error_event,
     message,
 )
+from mlxspec.server.anthropic_routes import _events
 from mlxspec.server.background import serving_in_thread
 from mlxspec.server.errors import ApiError
 
@@ -535,3 +538,43 @@ def test_count_tokens_counts_tools_and_the_thinking_switch(scripted):
     # Qwen3's template closes an empty think block when thinking is off.
     assert count(thinking={"type": "disabled"}).input_tokens > bare
     assert count(tools=[GET_WEATHER], tool_choice={"type": "none"}).input_tokens == bare
+
+
+def test_sampling_settings_reach_the_engine(client):
+    """Recent SDKs have no temperature, top_p or top_k arguments: they go in extra_body."""
+    sampling = {"temperature": 0.5, "top_p": 0.9, "top_k": 5}
+    answer = ask(client, max_tokens=2, extra_body=sampling)
+    assert {key: answer.x_mlxspec["sampling"][key] for key in sampling} == sampling
+
+
+class Relayed:
+    """An `Answering` stand-in: the outputs it was given, then released."""
+
+    def __init__(self, *outputs):
+        self.outputs, self.released = outputs, False
+
+    async def __aiter__(self):
+        for output in self.outputs:
+            yield output
+
+    def release(self) -> None:
+        self.released = True
+
+
+def test_the_parts_the_end_releases_are_streamed_before_the_stop():
+    """The parser holds back text that may begin a marker until the answer ends (Answered)."""
+    record = finished()
+    done = Done(record, "Hi <", (1, 2))
+    relayed = Relayed(
+        PartsOf(Bonus((1,), "Hi"), (AnswerText("Hi"),)),
+        Answered(done, ParsedAnswer("", "Hi <"), (AnswerText(" <"),)),
+    )
+
+    async def collect() -> list[str]:
+        return [event async for event in _events(relayed, MessageStream("msg_1", "tiny", 7))]
+
+    sse = "".join(asyncio.run(collect()))
+    deltas = [json.loads(line[6:]) for line in sse.splitlines() if '"content_block_delta"' in line]
+    assert "".join(delta["delta"]["text"] for delta in deltas) == "Hi <"
+    assert event_names(sse.encode())[-2:] == ["message_delta", "message_stop"]
+    assert relayed.released
