@@ -116,6 +116,7 @@ class RunRecord:
     k_policy: str = "adaptive"
     cache_strategy: str = "trim"
     finish_reason: str = "length"
+    stop_string: str | None = None  # the stop string that ended the output, if one did
     # Greedy speculative choices whose best two logits were within NEAR_TIE (see
     # `lossless`): where rounding alone could have picked another token than plain decoding.
     near_ties: int = 0

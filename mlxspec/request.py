@@ -170,6 +170,7 @@ class RequestRun:
         if hasattr(self.proposer, "annotate"):  # e.g. drafts from history vs the request
             self.proposer.annotate(self.record)
         self.record.finish_reason = self.finished
+        self.record.stop_string = self.text.matched
         self.record.completion_tokens = len(self.emitted)
         self.record.decode_seconds = time.perf_counter() - self.first_token_at
         return Done(self.record, self.text.text, tuple(self.emitted))

@@ -50,7 +50,7 @@ def _template_args(ctx: click.Context, param: click.Parameter, text: str | None)
 @click.option(
     "--api-key",
     envvar="MLXSPEC_API_KEY",
-    help="Require 'Authorization: Bearer KEY' on /v1 (env: MLXSPEC_API_KEY).",
+    help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 (env: MLXSPEC_API_KEY).",
 )
 @click.option(
     "--max-waiting",

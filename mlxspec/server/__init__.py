@@ -1,12 +1,14 @@
-"""`mlxspec serve`: an OpenAI-compatible local API over the speculative engine.
+"""`mlxspec serve`: OpenAI-compatible and Anthropic APIs, local, over the speculative engine.
 
     app = create_app(RegistryProvider(load_registry()))
 
-Modules: `app` (the app: worker, health, models), `openai_routes` (OpenAI's chat and
-text completions), `answering` (a generation's answer parts, for every dialect),
-`schemas` (request bodies), `responses` (OpenAI's response shapes), `worker` (the one
-thread that runs generations), `providers` (where models come from), `limits`, `errors`
-(OpenAI's error shape), `listen` (the socket, bound first).
+Modules: `app` (the app: worker, health, models, the key check), `openai_routes` (OpenAI's
+chat and text completions), `anthropic_routes` + `anthropic` (Anthropic's messages and
+their translations), `generations` (a request checked against the model and the limits),
+`answering` (a generation's answer parts, for every dialect), `schemas` (OpenAI's request
+bodies), `responses` (OpenAI's response shapes), `worker` (the one thread that runs
+generations), `providers` (where models come from), `limits`, `errors` (each route's
+dialect's error shape), `listen` (the socket, bound first).
 """
 
 from mlxspec.server.app import create_app, run_server

@@ -1,7 +1,8 @@
 """The FastAPI app: each API dialect's routes over one generation worker.
 
 The app picks the worker (one at a time, batched, sharded), and serves health and the
-model list; a dialect's routes (openai_routes.py) validate a request, turn it into a
+model list; a dialect's routes (openai_routes.py, anthropic_routes.py) validate a request,
+turn it into a
 `Generation`, and relay its answer's parts through `Answering` (answering.py), which
 cancels a generation whose client went away.
 """
@@ -16,10 +17,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 import mlxspec
 from mlxspec.processes import stop_signals
+from mlxspec.server.anthropic import error_body
+from mlxspec.server.anthropic_routes import anthropic_router
 from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError, install_error_handlers
 from mlxspec.server.limits import ServerLimits
@@ -55,18 +58,24 @@ class BodyLimit:
 
 DEFAULT_LIMITS = ServerLimits()
 
-BEARER = HTTPBearer(auto_error=False)  # module level: FastAPI resolves annotations here
+# Module level: FastAPI resolves annotations here.
+BEARER = HTTPBearer(auto_error=False)  # OpenAI's clients
+X_API_KEY = APIKeyHeader(name="x-api-key", auto_error=False)  # Anthropic's
 
 
-def bearer_check(api_key: str):
+def key_check(api_key: str):
+    """A dependency that lets a request in when either header carries the key."""
+
     async def check(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
+        x_api_key: Annotated[str | None, Depends(X_API_KEY)],
     ) -> None:
-        given = credentials.credentials.encode() if credentials else b""
-        if not secrets.compare_digest(given, api_key.encode()):
+        given = [credentials.credentials if credentials else "", x_api_key or ""]
+        if not any(secrets.compare_digest(key.encode(), api_key.encode()) for key in given):
             raise ApiError(
                 401,
-                "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                "missing or wrong API key; send the header 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -120,9 +129,9 @@ def create_app(
 
     app = FastAPI(title="mlxspec", version=mlxspec.__version__, lifespan=lifespan)
     app.state.worker = worker
-    install_error_handlers(app)
+    install_error_handlers(app, {"/v1/messages": error_body})
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
-    guarded = [Depends(bearer_check(api_key))] if api_key else []
+    guarded = [Depends(key_check(api_key))] if api_key else []
     api = APIRouter(prefix="/v1", dependencies=guarded)
 
     @app.get("/health")
@@ -146,6 +155,7 @@ def create_app(
         return _model_card(find_model(provider, name))
 
     api.include_router(openai_router(provider, worker, limits))
+    api.include_router(anthropic_router(provider, worker, limits))
     app.include_router(api)
     return app
 

@@ -14,13 +14,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mlxspec.engine import GenerationError, GenerationSettings
 from mlxspec.output_parser import Answered
-from mlxspec.sampling import SamplingSettings
 from mlxspec.server.answering import Answering
 from mlxspec.server.errors import ApiError
+from mlxspec.server.generations import new_generation
 from mlxspec.server.limits import ServerLimits
-from mlxspec.server.providers import ModelInfo, ModelProvider, NotDownloaded, find_model
+from mlxspec.server.providers import ModelProvider, find_model
 from mlxspec.server.responses import Reply, sse
 from mlxspec.server.schemas import ChatRequest, CompletionRequest, GenerationRequest
 from mlxspec.server.worker import Generation, Worker
@@ -34,71 +33,16 @@ def openai_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
     async def chat_completions(body: ChatRequest, request: Request):
         info = find_model(provider, body.model)
         conversation = body.conversation(info.defaults.chat_template_kwargs)
-        generation = _generation(body, info, conversation, provider, limits)
+        generation = new_generation(body, info, conversation, provider, limits)
         return await _respond(request, worker, generation, body, chat=True)
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         info = find_model(provider, body.model)
-        generation = _generation(body, info, body.prompt_input(), provider, limits)
+        generation = new_generation(body, info, body.prompt_input(), provider, limits)
         return await _respond(request, worker, generation, body, chat=False)
 
     return router
-
-
-def _generation(
-    body: GenerationRequest, info: ModelInfo, prompt, provider: ModelProvider, limits: ServerLimits
-) -> Generation:
-    """Check a request against the model and the limits; fill in the model's defaults."""
-    if body.n not in (None, 1):
-        raise ApiError(
-            400, f"n: only n=1 is supported, got {body.n}", code="invalid_value", param="n"
-        )
-    proposer = body.mlxspec.proposer
-    if proposer is not None and proposer not in info.proposers:
-        raise ApiError(
-            400,
-            f"unknown proposer {proposer!r} for {info.name}; choose one of: "
-            + ", ".join(info.proposers),
-            code="invalid_proposer",
-            param="mlxspec.proposer",
-        )
-    try:
-        provider.check(info.name, proposer)
-    except NotDownloaded as err:
-        raise ApiError(404, str(err), code="not_downloaded", param="model") from None
-    return Generation(info.name, prompt, _settings(body, info, limits), proposer)
-
-
-def _settings(body: GenerationRequest, info: ModelInfo, limits: ServerLimits) -> GenerationSettings:
-    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    max_tokens = getattr(body, asked) or min(info.defaults.max_tokens, limits.max_tokens)
-    if max_tokens > limits.max_tokens:
-        raise ApiError(
-            400,
-            f"{asked}: {max_tokens} is over this server's limit of {limits.max_tokens}",
-            code="invalid_value",
-            param=asked,
-        )
-    defaults = info.defaults
-    try:
-        return GenerationSettings(
-            max_tokens=max_tokens,
-            sampling=SamplingSettings(
-                temperature=defaults.temperature if body.temperature is None else body.temperature,
-                top_p=defaults.top_p if body.top_p is None else body.top_p,
-                top_k=defaults.top_k,
-                seed=body.seed,
-            ),
-            stop=body.stop_strings,
-            k=body.mlxspec.k,
-            context=defaults.context,
-            tree=defaults.tree if body.mlxspec.tree is None else body.mlxspec.tree,
-            tree_nodes=defaults.tree_nodes,
-            history=defaults.history and body.mlxspec.history is not False,
-        )
-    except (GenerationError, ValueError) as err:
-        raise ApiError(400, str(err), code="invalid_value") from None
 
 
 async def _respond(

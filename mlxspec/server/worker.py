@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxspec.conversation import Conversation
-from mlxspec.engine import GenerationError, GenerationSettings
+from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Event
 from mlxspec.output_parser import AnswerReader
 from mlxspec.server.errors import ApiError
@@ -128,6 +128,12 @@ class Worker:
     @property
     def waiting(self) -> int:
         return self._waiting.qsize()
+
+    def resident_engine(self, name: str) -> Engine | None:
+        """The engine of `name` when it is the model in memory, for the event loop's own
+        use of its tokenizer (counting a prompt's tokens); None when it is not."""
+        model = self._model
+        return model.engine if model is not None and self.resident == name else None
 
     def start(self) -> None:
         self.thread.start()
