@@ -5,11 +5,17 @@ and nothing is computed for a request that did not ask."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import httpx
 import mlx.core as mx
+import openai
 import pytest
 from lossless import plain_greedy
 from mlx_lm.models.cache import make_prompt_cache
 from test_lossless import CPU_LIKE_COST, Oracle
+from test_server import CHAT, HELLO, TEXT, TinyProvider, serving
+from test_server import tiny_engine as server_engine
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec import request
@@ -18,6 +24,7 @@ from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done
 from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
 from mlxspec.sampling import SamplingSettings
+from mlxspec.server import ServerLimits
 
 TOLERANCE = 1e-4  # float32: a verify pass and one-token steps round differently (~1e-5)
 ECHO = "one two one two one two"  # the tiny llama answers it at length, with drafts
@@ -185,3 +192,98 @@ def test_a_plain_greedy_request_with_logprobs_gets_them_without_a_launched_pass(
 def test_out_of_range_alternatives_are_refused(bad):
     with pytest.raises(GenerationError, match="logprobs"):
         GenerationSettings(logprobs=bad)
+
+
+# The server: the official `openai` client against a real uvicorn, tiny models behind it.
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["alone", "batched"])
+def base_url(request) -> Iterator[str]:
+    with serving(TinyProvider(), limits=ServerLimits(max_batch=request.param)) as url:
+        yield url
+
+
+@pytest.fixture()
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def engine_logprobs(prompt, max_tokens: int, top: int) -> tuple:
+    """What the engine alone reports for the request (its exactness is tested above)."""
+    settings = GenerationSettings(max_tokens=max_tokens, k=4, logprobs=top)
+    return list(server_engine("tiny").stream(prompt, settings, "prompt-lookup"))[-1].logprobs
+
+
+def assert_chat_entries(content: list, expected: tuple, top: int) -> None:
+    assert [c.token for c in content] == [e.text for e in expected]
+    for got, entry in zip(content, expected):
+        assert got.logprob == pytest.approx(entry.logprob, abs=TOLERANCE)
+        assert got.bytes == list(entry.text.encode())
+        assert [a.logprob for a in got.top_logprobs] == pytest.approx(
+            [a.logprob for a in entry.top], abs=TOLERANCE
+        )
+        assert len(got.top_logprobs) == top
+
+
+def test_chat_reports_each_tokens_logprob_and_alternatives(client):
+    asked = dict(model="tiny", messages=[{"role": "user", "content": ECHO}], max_tokens=30)
+    extra = dict(temperature=0, extra_body={"mlxspec": {"k": 4}})
+    response = client.chat.completions.create(**asked, **extra, logprobs=True, top_logprobs=3)
+    expected = engine_logprobs(asked["messages"], 30, 3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert_chat_entries(content, expected, 3)
+    assert response.model_extra["x_mlxspec"]["accepted"] > 0  # the run record rides along
+
+    chunks = list(
+        client.chat.completions.create(**asked, **extra, logprobs=True, top_logprobs=3, stream=True)
+    )
+    streamed = [c for c in chunks if c.choices and c.choices[0].logprobs]
+    assert_chat_entries([e for c in streamed for e in c.choices[0].logprobs.content], expected, 3)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == response.choices[0].message.content
+    assert chunks[-1].model_extra["x_mlxspec"]["accepted"] > 0
+
+    plain = client.chat.completions.create(**asked, **extra)
+    assert plain.choices[0].logprobs is None  # not asked: not reported
+
+
+def test_text_completions_report_the_legacy_lists(client):
+    asked = dict(model="tiny", prompt=ECHO, max_tokens=30, temperature=0, logprobs=2)
+    extra = dict(extra_body={"mlxspec": {"k": 4}})
+    answer = client.completions.create(**asked, **extra).choices[0]
+    expected = engine_logprobs(ECHO, 30, 2)
+    logprobs = answer.logprobs
+    assert logprobs.tokens == [e.text for e in expected]
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in expected], abs=TOLERANCE)
+    assert logprobs.text_offset == [e.offset for e in expected]
+    for alternatives, entry in zip(logprobs.top_logprobs, expected):
+        assert alternatives[entry.text] == pytest.approx(entry.logprob, abs=TOLERANCE)
+        assert 1 <= len(alternatives) <= 3  # the 2 likeliest and the chosen (texts may repeat)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset[-1] < len(answer.text)
+
+    chunks = [c.choices[0] for c in client.completions.create(**asked, **extra, stream=True)]
+    streamed = [c.logprobs for c in chunks if c.logprobs]
+    assert [t for s in streamed for t in s.tokens] == logprobs.tokens
+    assert [o for s in streamed for o in s.text_offset] == logprobs.text_offset
+    assert [p for s in streamed for p in s.token_logprobs] == logprobs.token_logprobs
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        (CHAT, {"messages": HELLO, "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"messages": HELLO, "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"messages": HELLO, "logprobs": 3}, "logprobs"),
+        (TEXT, {"prompt": "hi", "logprobs": 6}, "logprobs"),
+        (TEXT, {"prompt": "hi", "logprobs": True}, "logprobs"),
+    ],
+)
+def test_bad_logprobs_get_a_400_in_openais_shape(base_url, path, body, param):
+    response = httpx.post(base_url + path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_value" and error["param"] == param
+    assert error["type"] == "invalid_request_error" and param in error["message"]

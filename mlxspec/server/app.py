@@ -293,6 +293,7 @@ def _settings(body: GenerationRequest, info: ModelInfo, limits: ServerLimits) ->
             tree=defaults.tree if body.mlxspec.tree is None else body.mlxspec.tree,
             tree_nodes=defaults.tree_nodes,
             history=defaults.history and body.mlxspec.history is not False,
+            logprobs=body.alternatives(),
         )
     except (GenerationError, ValueError) as err:
         raise ApiError(400, str(err), code="invalid_value") from None
@@ -325,7 +326,7 @@ async def _respond(
         done = await _until_done(job, first)
     finally:
         release()
-    return JSONResponse(reply.complete(done.record, done.text))
+    return JSONResponse(reply.complete(done.record, done.text, done.logprobs))
 
 
 def _cancelled() -> ApiError:
@@ -364,7 +365,7 @@ async def _sse(
                     yield sse(reply.usage_chunk(item.record))
                 yield sse("[DONE]")
                 return
-            if item.text:
+            if item.text or item.logprobs:  # a token may add no text yet (part of a character)
                 yield sse(reply.text_chunk(item, body.mlxspec.provenance))
             item = await job.next()
     finally:

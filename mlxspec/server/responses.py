@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from mlxspec.events import Accepted, Event, RunRecord
+from mlxspec.logprobs import TokenLogprob
+from mlxspec.server.logprobs import rendered_logprobs
 
 
 def usage(record: RunRecord) -> dict:
@@ -67,11 +69,15 @@ class Reply:
         message = {"role": "assistant", "content": text}
         return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
 
-    def complete(self, record: RunRecord, text: str) -> dict:
+    def complete(
+        self, record: RunRecord, text: str, logprobs: tuple[TokenLogprob, ...] | None = None
+    ) -> dict:
         """The whole answer, for a request without `stream`."""
+        choice = self._choice(text, record.finish_reason, streamed=False)
+        choice["logprobs"] = rendered_logprobs(logprobs, self.chat)
         return {
             **self._envelope(streamed=False),
-            "choices": [self._choice(text, record.finish_reason, streamed=False)],
+            "choices": [choice],
             "usage": usage(record),
             "x_mlxspec": record.to_dict(),
         }
@@ -86,6 +92,7 @@ class Reply:
 
     def text_chunk(self, event: Event, with_provenance: bool) -> dict:
         choice = self._choice(event.text, None, streamed=True)
+        choice["logprobs"] = rendered_logprobs(event.logprobs, self.chat)
         if with_provenance:
             where = choice["delta"] if self.chat else choice
             where["x_mlxspec"] = {"provenance": provenance(event)}

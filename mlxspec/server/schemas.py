@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models.
 
 Strict types: "5" is not a number and 1 is not a boolean, so a client bug is reported
-rather than guessed at. Fields of OpenAI's API that mlxspec does not use (logprobs,
-user, ...) are ignored so that stock clients work; the `mlxspec` extension object is
+rather than guessed at. Fields of OpenAI's API that mlxspec does not use (user,
+...) are ignored so that stock clients work; the `mlxspec` extension object is
 ours, so a misspelt key in it is refused.
 """
 
@@ -19,7 +19,9 @@ from pydantic import (
     field_validator,
 )
 
+from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.server.errors import ApiError
+from mlxspec.server.logprobs import MAX_COMPLETION_LOGPROBS
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -76,6 +78,11 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def alternatives(self) -> int | None:
+        """How many likeliest alternatives to report with each token's logprob (None: no
+        logprobs); each dialect asks for them its own way."""
+        raise NotImplementedError
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -100,6 +107,20 @@ class Message(BaseModel):
 
 class ChatRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def alternatives(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise ApiError(
+                    400,
+                    "top_logprobs: set logprobs to true to ask for it",
+                    code="invalid_value",
+                    param="top_logprobs",
+                )
+            return None
+        return self.top_logprobs or 0
 
 
 class CompletionRequest(GenerationRequest):
@@ -108,6 +129,12 @@ class CompletionRequest(GenerationRequest):
         | Annotated[list[NonEmptyText], Field(min_length=1)]
         | Annotated[list[TokenId], Field(min_length=1)]
     ) = Field(description="Text, a list of one text, or token ids (one prompt per request).")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="Alternatives per token (legacy)."
+    )
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="wrap")
     @classmethod
