@@ -220,6 +220,7 @@ class Engine:
             policy,
             proposer,
             history=settings.history,
+            top_logprobs=settings.logprobs,
         )
 
     def finish(self, run: RequestRun) -> Done:

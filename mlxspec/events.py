@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mlxspec.logprobs import TokenLogprob
 from mlxspec.speedup import SpeedupEstimate
 
 
@@ -17,6 +18,8 @@ from mlxspec.speedup import SpeedupEstimate
 class TokenEvent:
     tokens: tuple[int, ...]
     text: str
+    # One per token, where the request asked for logprobs (None: it did not).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Accepted(TokenEvent):
@@ -208,6 +211,7 @@ class Done:
     record: RunRecord
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, where asked for
 
 
 Event = Accepted | Corrected | Bonus | Rejected | Step | Done

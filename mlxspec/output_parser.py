@@ -22,6 +22,7 @@ import importlib
 import json
 import logging
 import secrets
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from mlxspec.conversation import (
     ToolCallStarted,
 )
 from mlxspec.events import Done, TokenEvent
+from mlxspec.logprobs import TokenLogprob
 
 log = logging.getLogger("mlxspec.output")
 
@@ -151,6 +153,11 @@ class OutputParser:
         while self._step(parts, final=True):
             pass
         return parts
+
+    @property
+    def consumed(self) -> int:
+        """Characters fed and no longer held: released in parts, or dropped as markup."""
+        return self._fed - len(self._buffer)
 
     @property
     def answer(self) -> ParsedAnswer:
@@ -291,21 +298,25 @@ def reasoning_tokens(tokenizer, token_ids: tuple[int, ...], reasoning_chars: int
 
 @dataclass(frozen=True)
 class PartsOf:
-    """An output event and the answer parts its text completed."""
+    """An output event and the answer parts its text completed; where the request asked
+    for logprobs, the entries of the tokens whose text the parser let go of with them
+    (released in these parts, or dropped as markup), which may be earlier events' tokens."""
 
     event: TokenEvent
     parts: tuple[AnswerPart, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Answered:
     """The end of a generation: its Done (its record counting the reasoning tokens), the
     whole answer, and the parts the end released (text held back for a marker that never
-    came, a call the answer ended in)."""
+    came, a call the answer ended in), with the logprob entries still held (where asked)."""
 
     done: Done
     answer: ParsedAnswer
     parts: tuple[AnswerPart, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class AnswerReader:
@@ -314,13 +325,30 @@ class AnswerReader:
     def __init__(self, tokenizer, prompt: object):
         self.tokenizer = tokenizer
         self.parser = OutputParser(answer_format(tokenizer, prompt))
+        # Logprob entries of tokens whose text the parser still holds, in order.
+        self._held_logprobs: deque[TokenLogprob] = deque()
 
     def read(self, event: TokenEvent | Done) -> PartsOf | Answered:
         if not isinstance(event, Done):
-            return PartsOf(event, tuple(self.parser.feed(event.text)))
+            parts = tuple(self.parser.feed(event.text))
+            if event.logprobs is None:
+                return PartsOf(event, parts)
+            self._held_logprobs.extend(event.logprobs)
+            return PartsOf(event, parts, self._let_go(self.parser.consumed))
         parts = tuple(self.parser.finish())
         record = event.record
         record.reasoning_tokens = reasoning_tokens(
             self.tokenizer, event.token_ids, self.parser.reasoning_chars
         )
-        return Answered(event, self.parser.answer, parts)
+        logprobs = None
+        if event.logprobs is not None:  # the end lets go of every entry still held
+            logprobs, self._held_logprobs = tuple(self._held_logprobs), deque()
+        return Answered(event, self.parser.answer, parts, logprobs)
+
+    def _let_go(self, consumed: int) -> tuple[TokenLogprob, ...]:
+        """The held entries of the tokens whose text starts before `consumed` characters
+        (a token that adds no text yet, a piece of a character, waits for the next)."""
+        released = []
+        while self._held_logprobs and self._held_logprobs[0].offset < consumed:
+            released.append(self._held_logprobs.popleft())
+        return tuple(released)

@@ -72,6 +72,7 @@ def _settings(
             tree=defaults.tree if body.mlxspec.tree is None else body.mlxspec.tree,
             tree_nodes=defaults.tree_nodes,
             history=defaults.history and body.mlxspec.history is not False,
+            logprobs=body.alternatives(),
         )
     except (GenerationError, ValueError) as err:
         raise ApiError(400, str(err), code="invalid_value") from None

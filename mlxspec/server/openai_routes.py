@@ -60,7 +60,7 @@ async def _respond(
     finally:
         answering.release()
     done = answered.done
-    return JSONResponse(reply.complete(done.record, done.text, answered.answer))
+    return JSONResponse(reply.complete(done.record, done.text, answered.answer, done.logprobs))
 
 
 async def _sse(answering: Answering, reply: Reply, body: GenerationRequest) -> AsyncIterator[str]:
@@ -73,8 +73,8 @@ async def _sse(answering: Answering, reply: Reply, body: GenerationRequest) -> A
         async for item in answering:
             if not isinstance(item, Answered):
                 event = item.event
-            for part in item.parts:
-                yield sse(reply.part_chunk(part, event, provenance))
+            for chunk in reply.output_chunks(item.parts, event, provenance, item.logprobs):
+                yield sse(chunk)
             if isinstance(item, Answered):
                 record = item.done.record
                 yield sse(reply.finishing_chunk(record, item.answer))

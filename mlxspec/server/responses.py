@@ -8,6 +8,15 @@ the run record (on the response, or on the stream's finishing chunk). With prove
 asked for, each streamed piece of text says who wrote it: "accepted" for draft tokens
 the target agreed with, "target" for the target's own tokens (a piece held back for a
 possible marker is credited to the event that released it).
+
+Asked for, logprobs cover every emitted token: chat's `logprobs.content` holds the
+reasoning's tokens and the tool calls' markup too, so the entries join up to the whole
+output that `usage.completion_tokens` counts. vLLM's chat server does the same (its
+logprobs run over all the output's token ids, whatever its reasoning and tool parsers made
+of them), and so does mlx-lm's (every generated token, unstreamed; it streams none).
+Streamed, an entry rides on the first chunk that carries its token's text, so a token the
+parser holds back as a possible marker's start waits with its text; markup the parser
+drops gets a chunk with the entries alone.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from mlxspec.conversation import (
     ToolCallStarted,
 )
 from mlxspec.events import Accepted, Event, RunRecord
+from mlxspec.logprobs import TokenLogprob
+from mlxspec.server.logprobs import rendered_logprobs
 
 
 def usage(record: RunRecord) -> dict:
@@ -97,9 +108,16 @@ class Reply:
         message = {"role": "assistant", "content": text}
         return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
 
-    def complete(self, record: RunRecord, text: str, answer: ParsedAnswer) -> dict:
+    def complete(
+        self,
+        record: RunRecord,
+        text: str,
+        answer: ParsedAnswer,
+        logprobs: tuple[TokenLogprob, ...] | None,
+    ) -> dict:
         """The whole answer, for a request without `stream` (`text`: all of it, for a text
-        completion; `answer`: its parts, for chat)."""
+        completion; `answer`: its parts, for chat; `logprobs`: every emitted token's
+        entry, where asked for)."""
         if self.chat:
             # OpenAI's shape: an answer that only called tools has no content, not "".
             content = None if answer.tool_calls and not answer.text else answer.text
@@ -118,6 +136,7 @@ class Reply:
                 ]
         else:
             choice = self._choice(text, record.finish_reason, streamed=False)
+        choice["logprobs"] = rendered_logprobs(logprobs, self.chat)
         return {
             **self._envelope(streamed=False),
             "choices": [choice],
@@ -133,13 +152,42 @@ class Reply:
         chunk["choices"][0]["delta"]["role"] = "assistant"
         return chunk
 
-    def part_chunk(self, part: AnswerPart, event: Event | None, with_provenance: bool) -> dict:
+    def output_chunks(
+        self,
+        parts: tuple[AnswerPart, ...],
+        event: Event | None,
+        with_provenance: bool,
+        logprobs: tuple[TokenLogprob, ...] | None,
+    ) -> list[dict]:
+        """The chunks of what one output let go of: its parts, the logprob entries riding
+        on the first; the entries alone where it released no part (markup, or the whitespace
+        after it, that the parser dropped)."""
+        if not parts:
+            return [self._logprobs_chunk(logprobs)] if logprobs else []
+        return [
+            self._part_chunk(part, event, with_provenance, None if index else logprobs)
+            for index, part in enumerate(parts)
+        ]
+
+    def _logprobs_chunk(self, logprobs: tuple[TokenLogprob, ...]) -> dict:
+        choice = self._choice(None, None, streamed=True)
+        choice["logprobs"] = rendered_logprobs(logprobs, self.chat)
+        return {**self._envelope(streamed=True), "choices": [choice]}
+
+    def _part_chunk(
+        self,
+        part: AnswerPart,
+        event: Event | None,
+        with_provenance: bool,
+        logprobs: tuple[TokenLogprob, ...] | None,
+    ) -> dict:
         """One part of the answer; `event`: the output event that released it (None: the
         end of the answer did)."""
         if self.chat:
             choice = {"index": 0, "delta": _delta(part), "logprobs": None, "finish_reason": None}
         else:
             choice = self._choice(part.text, None, streamed=True)
+        choice["logprobs"] = rendered_logprobs(logprobs, self.chat)
         if with_provenance and isinstance(part, AnswerText):
             where = choice["delta"] if self.chat else choice
             where["x_mlxspec"] = {"provenance": provenance(event) if event else "target"}

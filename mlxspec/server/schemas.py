@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints, as pydantic models.
 
 Strict types: "5" is not a number and 1 is not a boolean, so a client bug is reported
-rather than guessed at. Fields of OpenAI's API that mlxspec does not use (logprobs,
-user, ...) are ignored so that stock clients work; the `mlxspec` extension object is
+rather than guessed at. Fields of OpenAI's API that mlxspec does not use (user,
+...) are ignored so that stock clients work; the `mlxspec` extension object is
 ours, so a misspelt key in it is refused.
 """
 
@@ -22,7 +22,9 @@ from pydantic import (
 )
 
 from mlxspec.conversation import Conversation
+from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.server.errors import ApiError
+from mlxspec.server.logprobs import MAX_COMPLETION_LOGPROBS
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -78,6 +80,12 @@ class GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def alternatives(self) -> int | None:
+        """How many likeliest alternatives to report with each token's logprob (None: no
+        logprobs); each dialect asks for them its own way, and one without them (Anthropic's)
+        asks for none."""
+        return None
 
 
 class TextPart(BaseModel):
@@ -193,6 +201,8 @@ class NamedToolChoice(BaseModel):
 
 class ChatRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(
@@ -233,6 +243,18 @@ class ChatRequest(GenerationRequest):
             messages, tools, {**template_defaults, **(self.chat_template_kwargs or {})}
         )
 
+    def alternatives(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise ApiError(
+                    400,
+                    "top_logprobs: set logprobs to true to ask for it",
+                    code="invalid_value",
+                    param="top_logprobs",
+                )
+            return None
+        return self.top_logprobs or 0
+
 
 class CompletionRequest(GenerationRequest):
     prompt: (
@@ -240,6 +262,12 @@ class CompletionRequest(GenerationRequest):
         | Annotated[list[NonEmptyText], Field(min_length=1)]
         | Annotated[list[TokenId], Field(min_length=1)]
     ) = Field(description="Text, a list of one text, or token ids (one prompt per request).")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="Alternatives per token (legacy)."
+    )
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="wrap")
     @classmethod
