@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from scripted import scripted_model, scripted_tokenizer
+from test_logprobs import assert_chat_entries, assert_plain_logprobs
 from test_server import CHAT, HELLO, TinyProvider, serving, tiny_engine
 from test_units import CPU_LIKE_COST
 
@@ -78,6 +79,12 @@ SCRIPTS = {
     "qwen3-answers": (
         "qwen3.jinja",
         ["<think>", "\nThe tool said 18C.\n", "</think>", "\n\n", "It is 18C", " and sunny."],
+    ),
+    # Qwen3 writing tokens that may start a marker, held back whole: "</" in the reasoning
+    # until the next token, "<t" at the answer's end until the end.
+    "qwen3-holds": (
+        "qwen3.jinja",
+        ["<think>", "\nSay ", "</", "b>.\n", "</think>", "\n\n", "It is", "<t"],
     ),
     # SmolLM2 knows nothing of tools: the fallback format, its markers cut across tokens.
     "smollm2-calls": (
@@ -298,6 +305,44 @@ def test_concurrent_tool_requests_each_get_their_own_parts(client):
         answers = list(pool.map(lambda r: create(client, *r).choices[0].message, requests))
     assert all(calls_of(a.tool_calls) == CALLED for a in answers)
     assert len({call.id for a in answers for call in a.tool_calls}) == 6
+
+
+def plain_logprobs(model: str, messages) -> tuple:
+    """Plain decoding's logprob entries for the conversation (with the likeliest
+    alternative), checked against the model's one-token steps."""
+    conversation = Conversation(_for_template(messages), [WEATHER])
+    engine = ScriptedRuntime(model).engine
+    settings = GenerationSettings(max_tokens=64, logprobs=1)
+    done = list(engine.stream(conversation, settings, "none"))[-1]
+    prompt = encode_chat(engine.tokenizer, conversation, generation_prompt=True)
+    assert_plain_logprobs(engine.target.model, prompt, done, 1, model)
+    return done.logprobs
+
+
+@pytest.mark.parametrize(
+    "model, messages",
+    [
+        ("qwen3-calls", ASK),
+        ("qwen3-answers", HISTORY),
+        ("qwen3-holds", ASK),
+        ("smollm2-calls", ASK),
+    ],
+)
+def test_logprobs_cover_every_token_once_in_order_whatever_the_parser_holds(
+    client, model, messages
+):
+    """The parser holds text back (a marker's possible start, a call until it closes) and
+    drops markup; each token's entry still comes once, in order, reasoning and markup
+    included, streamed or not, and is plain decoding's."""
+    expected = plain_logprobs(model, messages)
+    assert [entry.text for entry in expected] == SCRIPTS[model][1]
+    asked = dict(logprobs=True, top_logprobs=1)
+    whole = create(client, model, messages, **asked)
+    assert whole.usage.completion_tokens == len(expected)
+    assert_chat_entries(whole.choices[0].logprobs.content, expected, 1)
+    chunks = [c.choices[0] for c in streamed(client, model, messages, **asked)["chunks"]]
+    entries = [e for c in chunks if c.logprobs for e in c.logprobs.content]
+    assert_chat_entries(entries, expected, 1)
 
 
 def test_tool_choice_none_keeps_tools_out_of_the_prompt_and_calls_as_text(client):
