@@ -24,6 +24,7 @@ from mlxspec import device
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
 from mlxspec.chat_template import encode_chat
+from mlxspec.conversation import Conversation
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
 from mlxspec.policy import Policy
 from mlxspec.proposers.base import ProposalContext, Proposer
@@ -127,19 +128,22 @@ class Engine:
         cost = self.verify_cost if fixed_k is None else VerifyCost({1: 1.0, 2: 1.0}, 1.0)
         return Policy(cost, fixed_k=fixed_k)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids for a conversation, through the model's own chat template."""
+    def encode_chat(self, conversation: Conversation | list[dict]) -> list[int]:
+        """Token ids for a conversation (or bare messages), through the model's own chat
+        template, ready for the assistant's answer."""
+        messages = conversation.messages if isinstance(conversation, Conversation) else conversation
         if not messages:
             raise GenerationError("messages must not be empty")
-        return encode_chat(self.tokenizer, messages, generation_prompt=True)
+        return encode_chat(self.tokenizer, conversation, generation_prompt=True)
 
     def stream(
         self,
-        prompt: str | list[int] | list[dict],
+        prompt: str | list[int] | list[dict] | Conversation,
         settings: GenerationSettings | None = None,
         proposer: str | None = None,
     ) -> Iterator[Event]:
-        """Generate from a raw string, token ids or chat messages; yield events.
+        """Generate from a raw string, token ids, chat messages or a conversation (with
+        tools); yield events.
 
         A batch of one through the scheduler's round. Events come a round at a time,
         after the round's cache work: closing the generator between them leaves the
@@ -159,7 +163,7 @@ class Engine:
 
     def check_request(
         self,
-        prompt: str | list[int] | list[dict],
+        prompt: str | list[int] | list[dict] | Conversation,
         settings: GenerationSettings,
         proposer: str | None,
     ) -> tuple[list[int], int]:
@@ -167,7 +171,7 @@ class Engine:
         wrong with the request."""
         if isinstance(prompt, str):
             prompt_tokens = self.tokenizer.encode(prompt)
-        elif prompt and isinstance(prompt[0], dict):
+        elif isinstance(prompt, Conversation) or (prompt and isinstance(prompt[0], dict)):
             prompt_tokens = self.encode_chat(prompt)
         else:
             prompt_tokens = list(prompt)
@@ -216,6 +220,7 @@ class Engine:
             policy,
             proposer,
             history=settings.history,
+            top_logprobs=settings.logprobs,
         )
 
     def finish(self, run: RequestRun) -> Done:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mlxspec.logprobs import TokenLogprob
 from mlxspec.speedup import SpeedupEstimate
 
 
@@ -17,6 +18,8 @@ from mlxspec.speedup import SpeedupEstimate
 class TokenEvent:
     tokens: tuple[int, ...]
     text: str
+    # One per token, where the request asked for logprobs (None: it did not).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Accepted(TokenEvent):
@@ -79,6 +82,9 @@ class RunRecord:
     sampling: dict[str, Any]
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Of the completion tokens, those of the model's reasoning, its thinking markers
+    # included (set where the answer is read into parts: output_parser.AnswerReader).
+    reasoning_tokens: int = 0
     reused_prompt_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -113,6 +119,7 @@ class RunRecord:
     k_policy: str = "adaptive"
     cache_strategy: str = "trim"
     finish_reason: str = "length"
+    stop_string: str | None = None  # the stop string that ended the output, if one did
     # Greedy speculative choices whose best two logits were within NEAR_TIE (see
     # `lossless`): where rounding alone could have picked another token than plain decoding.
     near_ties: int = 0
@@ -204,6 +211,7 @@ class Done:
     record: RunRecord
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token id, where asked for
 
 
 Event = Accepted | Corrected | Bonus | Rejected | Step | Done

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -62,6 +62,9 @@ class Defaults:
     tree_nodes: int = 32
     history: bool = True  # keep and read the model's history of requests (suffix decoding)
     weights: str = "auto"  # auto, quantized or dequantized (mlxspec/weights.py); --weights
+    # Extra arguments of the chat template (e.g. {"enable_thinking": False}); a request's
+    # own chat_template_kwargs win key by key; --chat-template-args
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,7 @@ _REQUIRED = object()
 
 @dataclass(frozen=True)
 class _Option:
-    type: type  # int, float, str or list (of strings)
+    type: type  # int, float, str, list (of strings) or dict (a table)
     rule: str  # what a valid value is, as a noun phrase for error messages
     default: Any = _REQUIRED  # None: optional without a value
     ok: Callable[[Any], bool] = lambda value: True
@@ -186,6 +189,7 @@ _DEFAULTS_OPTIONS = {
     "tree_nodes": _int(1, None),
     "history": _Option(bool, "true or false", None),
     "weights": _Option(str, "'auto', 'quantized' or 'dequantized'", None, lambda v: v in CHOICES),
+    "chat_template_kwargs": _Option(dict, "a table, e.g. { enable_thinking = false }", None),
 }
 _KIND_OPTIONS: dict[str, dict[str, _Option]] = {
     kind: {**options, "k_max": _int(1, 32)}
@@ -269,6 +273,8 @@ def _value(value: Any, key: str, spec: _Option, where: _Where, section: str) -> 
         raise where.error(f"{wrong} {value!r}")
     if spec.type is list:
         return tuple(value)  # frozen, like everything a registry hands out
+    if spec.type is dict:
+        return MappingProxyType(value)
     return _resolve(value, key, where, section) if spec.reference else value
 
 

@@ -9,6 +9,7 @@ events, so a request accepts and emits the same way alone and in a batch.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
+from mlxspec.logprobs import PendingLogprobs, TokenLogprob, pending_logprobs
 from mlxspec.policy import Policy
 from mlxspec.proposers.base import Draft, Proposer, Situation
 from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
@@ -38,8 +40,11 @@ class RequestRun:
         policy: Policy,
         proposer: Proposer | None,
         history: bool = True,
+        top_logprobs: int | None = None,
     ):
         self.tokenizer, self.record = tokenizer, record
+        # Alternatives reported with each token's logprob (None: no logprobs at all).
+        self.top_logprobs = top_logprobs
         self.history = history  # may proposers read, and the engine feed, the model's history?
         # Verified in a pass shared with other requests (the batch): even a plain round is
         # then not plain decoding (its row is padded to the others'), so it counts near ties.
@@ -56,6 +61,9 @@ class RequestRun:
         self.sequence = list(prompt_tokens)  # ends with the pending token
         self.produced: list[int] = []  # generated, EOS excluded
         self.emitted: list[int] = []  # released as output: produced, cut at a stop string
+        # Where asked for, one per token of `produced` and of `emitted`.
+        self.produced_logprobs: list[TokenLogprob] = []
+        self.emitted_logprobs: list[TokenLogprob] = []
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
         self.finished: str | None = None
@@ -103,6 +111,17 @@ class RequestRun:
             return list(range(1, n + 1)), own_token
         return sample_walk(tree, target_probs, self.rng)
 
+    def pending_logprobs(
+        self, tree: DraftTree, processed: mx.array, path: list[int], own_token: int
+    ) -> PendingLogprobs | None:
+        """The round's new tokens' logprobs (lazy), where the request asked for them: node
+        `path[j]` was predicted by its parent's row (`path[j - 1]`, the pending token's row
+        0 for the first), the target's own token by the last kept node's row."""
+        if self.top_logprobs is None:
+            return None
+        new_tokens = [*tree.path_tokens(path[-1] if path else 0), own_token]
+        return pending_logprobs(processed, [0, *path], new_tokens, self.top_logprobs)
+
     def advance(
         self,
         tree: DraftTree,
@@ -112,12 +131,14 @@ class RequestRun:
         draft_seconds: float,
         round_start: float,
         price: Callable[[float], float] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> Iterator[Event]:
         """Take in one verified round: count it, extend the sequence, yield its events.
 
         `price(round_seconds)` is what the round cost in plain target steps
         (mlxspec/speedup.py); the run record's speedup estimate adds it up. A batched
-        round shares its pass with other requests and has no such price (None)."""
+        round shares its pass with other requests and has no such price (None).
+        `logprobs`: one per new token (`pending_logprobs`, read), where asked for."""
         n_accepted, record = len(path), self.record
         if tree.tokens:
             depth = max(tree.depths)
@@ -128,11 +149,13 @@ class RequestRun:
             "bonus" if not tree.children()[path[-1] if path else 0] else "corrected"
         ]
         produced_before = len(self.produced)
-        for token, kind in zip(new_tokens, kinds):
+        for j, (token, kind) in enumerate(zip(new_tokens, kinds)):
             if token in self.eos:
                 self.finished = "stop"
                 break
             self.produced.append(token)
+            if logprobs is not None:
+                self.produced_logprobs.append(logprobs[j])
             self.text.add(kind, token)
             if len(self.produced) >= self.max_tokens:
                 self.finished = "length"
@@ -148,9 +171,17 @@ class RequestRun:
             yield Rejected(rejected, self.tokenizer.decode(list(rejected)))
         if self.finished is not None:
             self.text.finish()
+        released_before = self.text.released
         pieces = self.text.release(final=self.finished is not None)
+        emitted_before = len(self.emitted)
         self.emitted.extend(piece.token for piece in pieces if piece.token >= 0)
-        yield from _events(pieces)
+        placed = None
+        if self.top_logprobs is not None:
+            # Emitted tokens are the first of those produced: a stop string cuts the rest.
+            entries = self.produced_logprobs[emitted_before : len(self.emitted)]
+            placed = _placed(pieces, entries, released_before)
+            self.emitted_logprobs.extend(placed)
+        yield from _events(pieces, placed)
         if self.text.stopped:
             self.finished = "stop"
         round_seconds = time.perf_counter() - round_start + draft_seconds
@@ -170,9 +201,11 @@ class RequestRun:
         if hasattr(self.proposer, "annotate"):  # e.g. drafts from history vs the request
             self.proposer.annotate(self.record)
         self.record.finish_reason = self.finished
+        self.record.stop_string = self.text.matched
         self.record.completion_tokens = len(self.emitted)
         self.record.decode_seconds = time.perf_counter() - self.first_token_at
-        return Done(self.record, self.text.text, tuple(self.emitted))
+        logprobs = None if self.top_logprobs is None else tuple(self.emitted_logprobs)
+        return Done(self.record, self.text.text, tuple(self.emitted), logprobs)
 
 
 def refused_line(tree: DraftTree, path: list[int]) -> list[int]:
@@ -197,18 +230,32 @@ def match_width(probs: mx.array | None, width: int) -> np.ndarray | None:
     return rows[:, :width]
 
 
-def _events(pieces) -> Iterator[Event]:
-    """Group consecutive pieces of one kind into one event."""
+def _placed(pieces, entries: list[TokenLogprob], offset: int) -> list[TokenLogprob]:
+    """`entries` (one per released token, in order) with where each token's text starts
+    in the output; `offset`: where the first piece starts."""
+    placed, upcoming = [], iter(entries)
+    for piece in pieces:
+        if piece.token >= 0:
+            placed.append(dataclasses.replace(next(upcoming), offset=offset))
+        offset += len(piece.text)
+    return placed
+
+
+def _events(pieces, logprobs: list[TokenLogprob] | None = None) -> Iterator[Event]:
+    """Group consecutive pieces of one kind into one event (with its tokens' share of
+    `logprobs`, one per released token, where asked for)."""
+    upcoming = iter(logprobs or ())
     group: list = []
     for piece in pieces:
         if group and group[-1].kind != piece.kind:
-            yield _event(group)
+            yield _event(group, upcoming, logprobs is not None)
             group = []
         group.append(piece)
     if group:
-        yield _event(group)
+        yield _event(group, upcoming, logprobs is not None)
 
 
-def _event(group) -> Event:
+def _event(group, logprobs: Iterator[TokenLogprob], with_logprobs: bool) -> Event:
     tokens = tuple(p.token for p in group if p.token >= 0)
-    return EVENT_FOR_KIND[group[0].kind](tokens, "".join(p.text for p in group))
+    entries = tuple(next(logprobs) for _ in tokens) if with_logprobs else None
+    return EVENT_FOR_KIND[group[0].kind](tokens, "".join(p.text for p in group), entries)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.sampling import SamplingSettings
 
 
@@ -23,6 +24,9 @@ class GenerationSettings:
     tree: bool = False  # verify a tree of candidates per round instead of one line
     tree_nodes: int = 32  # most draft nodes a tree may have (its verify cost prunes it)
     history: bool = True  # read and feed the model's history of earlier requests
+    # Report each emitted token's log-probability with this many likeliest alternatives
+    # (0..MAX_TOP_LOGPROBS); None: no logprobs, nothing computed.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -31,3 +35,7 @@ class GenerationSettings:
             raise GenerationError(f"k must be >= 0, got {self.k}")
         if self.tree_nodes < 1:
             raise GenerationError(f"tree_nodes must be >= 1, got {self.tree_nodes}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationError(
+                f"logprobs must be in 0..{MAX_TOP_LOGPROBS} alternatives, got {self.logprobs}"
+            )

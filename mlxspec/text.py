@@ -26,7 +26,11 @@ class TextStream:
         self.text = ""  # all text so far, held-back part included
         self.released = 0  # characters already handed out
         self._pending: list[Piece] = []
-        self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text, once one has
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def add(self, kind: str, token: int) -> None:
         self.detokenizer.add_token(token)
@@ -46,12 +50,13 @@ class TextStream:
                 self._pending.append(Piece("bonus", -1, tail))
 
     def release(self, final: bool = False) -> list[Piece]:
-        """Pieces that can be shown now; sets `stopped` when a stop string appeared."""
+        """Pieces that can be shown now; sets `matched` when a stop string appeared (the
+        one that starts first, which an API may report: Anthropic's `stop_sequence`)."""
         cut = len(self.text)
         for stop in self.stop:
             found = self.text.find(stop, max(0, self.released - len(stop) + 1))
             if found != -1 and found < cut:
-                cut, self.stopped = found, True
+                cut, self.matched = found, stop
         if not self.stopped and not final:
             cut -= self._held_back()
         out, position = [], self.released

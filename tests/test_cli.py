@@ -41,6 +41,8 @@ BAD_INPUT = [
     (["generate", "hi", "--top-p", "0"], ["--top-p"]),
     (["generate", "   "], ["prompt is empty"]),
     (["pull", "no-such-model"], ["unknown model"]),
+    (["serve", "--chat-template-args", "{enable_thinking: false}"], ["not valid JSON"]),
+    (["serve", "--chat-template-args", "[1]"], ["must be a JSON object", "[1]"]),
 ]
 
 

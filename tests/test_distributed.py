@@ -50,11 +50,12 @@ TRIO = dict(
 )
 
 
-def save_model(model, config: dict, folder: Path) -> Path:
+def save_model(model, config: dict, folder: Path, tokenizer=None) -> Path:
+    """A model folder mlx-lm loads; the byte tokenizer unless another is given."""
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 256}))
-    byte_tokenizer()._tokenizer.save_pretrained(str(folder))
+    (tokenizer or byte_tokenizer())._tokenizer.save_pretrained(str(folder))
     return folder
 
 
@@ -920,6 +921,61 @@ def test_serve_sharded_batch_gives_each_client_its_one_process_answer(tiny):
             time.sleep(0.1)
         last = complete(0, SERVE_PROMPTS[3])  # every rank still holds the same rows
         assert last.choices[0].text == expected[SERVE_PROMPTS[3]]
+
+
+@pytest.mark.parametrize("max_batch", ["1", "4"])
+def test_serve_sharded_reads_tool_calls_and_reasoning(tmp_path, max_batch):
+    """`serve --ranks 2` (one at a time, batched) on a llama rigged to think and call a tool
+    (scripted.py) over Qwen3's template, loaded by mlx-lm (which names its tool parser):
+    the conversation reaches every rank as token ids, and rank 0 reads the answer's parts."""
+    from scripted import scripted_config, scripted_model, scripted_tokenizer
+
+    pieces = [
+        "<think>",
+        "\nParis, then.\n",
+        "</think>",
+        "\n\n",
+        "<tool_call>",
+        CALL_BODY,
+        "</tool_call>",
+    ]
+    template = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
+    tokenizer = scripted_tokenizer(pieces, template)
+    (newline,) = tokenizer.encode("\n")
+    model = scripted_model(tokenizer, pieces, newline)
+    save_model(model, scripted_config(tokenizer), tmp_path / "qwen3", tokenizer)
+    (tmp_path / "models.toml").write_text('default = "tools"\n[models.tools]\ntarget = "./qwen3"\n')
+    seed_flat_calibration(tmp_path, "tools", 2)
+    asked = dict(
+        model="tools",
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather"}}],
+        max_tokens=32,
+        temperature=0,
+    )
+    with serving_ranks(tmp_path, "--max-batch", max_batch, model="tools") as (_, client, _url):
+        response = client.chat.completions.create(**asked)
+        chunks = list(client.chat.completions.create(**asked, stream=True))
+    message = response.choices[0].message
+    assert message.model_extra["reasoning_content"] == "\nParis, then.\n"
+    assert message.content is None and response.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    assert response.usage.completion_tokens_details.reasoning_tokens == 3
+    assert response.model_extra["x_mlxspec"]["ranks"] == 2
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert (
+        "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "\nParis, then.\n"
+    )
+    assert not any(d.content for d in deltas)
+    calls = [call for d in deltas for call in d.tool_calls or ()]
+    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    assert "".join(call.function.arguments for call in calls) == '{"city": "Paris"}'
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+CALL_BODY = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
 
 
 @pytest.mark.parametrize("max_batch", ["1", "4"])

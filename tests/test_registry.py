@@ -209,6 +209,18 @@ def test_tree_defaults_parse_and_flags_override_them_for_every_entry(tmp_path):
     assert registry.with_defaults(tree=False).get("foo").defaults.tree is False
 
 
+def test_chat_template_arguments_are_a_table_and_the_server_flag_replaces_them(tmp_path):
+    text = ENTRY + "[models.foo.defaults]\nchat_template_kwargs = { enable_thinking = false }\n"
+    entries = parse_registry_text(text, tmp_path / "models.toml")[0]
+    assert entries["foo"].defaults.chat_template_kwargs == {"enable_thinking": False}
+    assert Defaults().chat_template_kwargs == {}
+    with pytest.raises(RegistryError, match="kwargs in .* must be a table, .*, got a string"):
+        bad = ENTRY + '[models.foo.defaults]\nchat_template_kwargs = "thinking"\n'
+        parse_registry_text(bad, tmp_path / "m.toml")
+    registry = Registry(entries, "foo", ()).with_defaults(chat_template_kwargs={"x": 1})
+    assert registry.get("foo").defaults.chat_template_kwargs == {"x": 1}
+
+
 def test_unknown_model_names_the_known_ones_and_the_user_file(isolated_config):
     with pytest.raises(RegistryError) as error:
         load_registry().get("gpt-5")

@@ -135,6 +135,15 @@ def test_text_stream_never_shows_a_stop_string_split_across_tokens():
     assert shown == "abc" and stream.stopped and stream.text == "abc"
 
 
+def test_text_stream_says_which_stop_string_ended_it():
+    tokenizer = byte_tokenizer()
+    stream = TextStream(tokenizer, stop=["zz", "b", "cd"])
+    for ch in "abcdb":
+        stream.add("bonus", tokenizer.encode(ch)[0])
+    stream.release()
+    assert stream.matched == "b" and stream.text == "a"  # the first to appear, not the first listed
+
+
 def test_text_stream_releases_held_text_that_turned_out_harmless():
     tokenizer = byte_tokenizer()
     stream = TextStream(tokenizer, stop=["END"])

@@ -10,28 +10,40 @@ round differently, become rare and the lossless tests keep their teeth.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map_with_path
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 
 EOS = "<|end|>"
 
 
-def byte_tokenizer() -> TokenizerWrapper:
-    """256 byte tokens + an end-of-text token: every string encodes, every id decodes."""
+def byte_tokenizer(pieces: Sequence[str] = ()) -> TokenizerWrapper:
+    """256 byte tokens + an end-of-text token: every string encodes, every id decodes.
+    `pieces`: more tokens after those, each several characters long, that no merge makes:
+    encoding never gives them, decoding writes them (for a model rigged to, scripted.py)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     vocab[EOS] = len(vocab)
+    for piece in pieces:
+        vocab[byte_level(piece)] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
     return TokenizerWrapper(hf, BPEStreamingDetokenizer)
+
+
+def byte_level(text: str) -> str:
+    """`text` as the byte-level vocabulary spells it (a character per byte)."""
+    byte_chars = bytes_to_unicode()
+    return "".join(byte_chars[b] for b in text.encode())
 
 
 VOCAB = 257

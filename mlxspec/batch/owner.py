@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from mlxspec.conversation import Conversation
 from mlxspec.events import Done
 from mlxspec.policy import Policy
 from mlxspec.proposers.base import ProposalContext, Proposer
@@ -37,7 +38,7 @@ class RoundOwner(Protocol):
 
     def check_request(
         self,
-        prompt: str | list[int] | list[dict],
+        prompt: str | list[int] | list[dict] | Conversation,
         settings: GenerationSettings,
         proposer: str | None,
     ) -> tuple[list[int], int]: ...

@@ -11,6 +11,7 @@ import copy
 
 import mlx.core as mx
 
+from mlxspec.logprobs import PendingLogprobs, TokenLogprob
 from mlxspec.proposers.base import Proposer
 from mlxspec.proposers.self_spec import SelfSpeculation
 from mlxspec.request import RequestRun
@@ -83,6 +84,18 @@ def split_reads(whole: dict[str, mx.array], lengths: list[int]) -> list[dict[str
     arrays, read to the host in one go."""
     host = {name: values.tolist() for name, values in whole.items()}
     return [{name: rows[i][:n] for name, rows in host.items()} for i, n in enumerate(lengths)]
+
+
+def read_logprobs(
+    runs: list[RequestRun], pending: list[PendingLogprobs | None]
+) -> list[list[TokenLogprob] | None]:
+    """Each row's new tokens' logprobs from `RequestRun.pending_logprobs` (None where its
+    request did not ask): what every asking row chose, and its top N, read back in one
+    evaluation once acceptance chose the tokens."""
+    asked = [array for p in pending if p is not None for array in p.arrays]
+    if asked:
+        mx.eval(asked)
+    return [None if p is None else p.entries(run.tokenizer.decode) for run, p in zip(runs, pending)]
 
 
 def as_list(read: mx.array | list | None) -> list | None:

@@ -49,13 +49,16 @@ from mlxspec.batch.rows import (
     greedy_reads,
     one_step,
     private_copy,
+    read_logprobs,
     split_reads,
     unbatchable_reason,
 )
 from mlxspec.batch.single import SingleCaches
 from mlxspec.batch.target import cache_columns
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
+from mlxspec.conversation import Conversation
 from mlxspec.events import Event
+from mlxspec.logprobs import TokenLogprob
 from mlxspec.proposers.base import (
     Draft,
     ProposalContext,
@@ -148,7 +151,7 @@ class Scheduler:
 
     def submit(
         self,
-        prompt: str | list[int] | list[dict],
+        prompt: str | list[int] | list[dict] | Conversation,
         settings: GenerationSettings | None = None,
         proposer: str | Proposer | None = None,
     ) -> int:
@@ -404,8 +407,13 @@ class Scheduler:
             self.pass_cost.observe(
                 len(rows), max(map(len, rows)), time.perf_counter() - round_start
             )
+        pending = [  # logprobs, for the requests that asked
+            None if slot.error else slot.run.pending_logprobs(r.tree, rows_processed, *kept)
+            for slot, r, rows_processed, kept in zip(self.active, rounds, processed, accepted)
+        ]
+        logprobs = read_logprobs([slot.run for slot in self.active], pending)
         batch = len(self.active)
-        for slot, r, (path, own_token) in zip(self.active, rounds, accepted):
+        for slot, r, (path, own_token), entries in zip(self.active, rounds, accepted, logprobs):
             if slot.error:
                 continue
             if not r.tree.is_chain:
@@ -420,20 +428,25 @@ class Scheduler:
                 sizes = slot.run.record.batch_sizes
                 sizes.extend([0] * (batch + 1 - len(sizes)))
                 sizes[batch] += 1
-            self._guarded(slot, self._advance, slot, r, path, own_token, round_start, price)
+            self._guarded(
+                slot, self._advance, slot, r, path, own_token, round_start, price, entries
+            )
 
     def _launches_next(self, rows: list[list[int]]) -> bool:
         """Whether the next round's pass may start before this round's token is known on
         the host (mlx-lm's `generate_step` pipelines every step so): alone, on caches that
         can take it back, for a greedy request that drafts nothing this round nor the
         next (k fixed at 0) and that this round does not end by its length. A round that
-        ends it otherwise (EOS, a stop string, a cancel) takes the pass back."""
+        ends it otherwise (EOS, a stop string, a cancel) takes the pass back. A request
+        that asked for logprobs reads them once its token is known, which would wait
+        behind the launched pass: it is not launched for."""
         if not (self.solo and self.caches.can_launch):
             return False
         (slot,) = self.active
         run = slot.run
         return (
             rows == [[run.sequence[-1]]]
+            and run.top_logprobs is None  # its logprobs are read after the round's token
             and run.sampling.greedy
             and run.policy.fixed_k == 0
             and len(run.produced) + 1 < run.max_tokens
@@ -505,12 +518,15 @@ class Scheduler:
         own_token: int,
         round_start: float,
         price: Callable[[float], float] | None,
+        logprobs: list[TokenLogprob] | None,
     ) -> None:
         run = slot.run
         if r.unverified_first is not None and r.situation is not None:
             run.policy.observe_unverified(r.situation, r.unverified_first == own_token)
         slot.events.extend(
-            run.advance(r.tree, path, own_token, r.situation, r.draft_seconds, round_start, price)
+            run.advance(
+                r.tree, path, own_token, r.situation, r.draft_seconds, round_start, price, logprobs
+            )
         )
         if run.finished is None:
             return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from mlxspec.cli.errors import fail_cleanly
@@ -25,6 +27,22 @@ ROW_FLOOR_OPTION = click.option(
 )
 
 
+def _template_args(ctx: click.Context, param: click.Parameter, text: str | None) -> dict | None:
+    """--chat-template-args: a JSON object, or one line saying what is wrong with it."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise click.ClickException(f"--chat-template-args is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise click.ClickException(
+            f"--chat-template-args must be a JSON object, e.g. '{{\"enable_thinking\": false}}', "
+            f"got {text}"
+        )
+    return value
+
+
 @click.command()
 @model_option("Model loaded at start and used when a request names none. " + MODEL_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -32,7 +50,7 @@ ROW_FLOOR_OPTION = click.option(
 @click.option(
     "--api-key",
     envvar="MLXSPEC_API_KEY",
-    help="Require 'Authorization: Bearer KEY' on /v1 (env: MLXSPEC_API_KEY).",
+    help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 (env: MLXSPEC_API_KEY).",
 )
 @click.option(
     "--max-waiting",
@@ -69,6 +87,14 @@ ROW_FLOOR_OPTION = click.option(
     help="On SIGINT, SIGTERM or SIGHUP: seconds running requests get to finish before they "
     "end with a 503; then the server exits 0.",
 )
+@click.option(
+    "--chat-template-args",
+    callback=_template_args,
+    metavar="JSON",
+    help="Extra arguments of the chat template for every model, a JSON object, e.g. "
+    "'{\"enable_thinking\": false}' (default: the model's `chat_template_kwargs`); a "
+    "request's chat_template_kwargs win key by key.",
+)
 @TREE_OPTION
 @WEIGHTS_OPTION
 @distributed_options
@@ -84,6 +110,7 @@ def serve(
     row_floor,
     kv_memory,
     shutdown_timeout,
+    chat_template_args,
     tree,
     weights,
 ):
@@ -93,7 +120,8 @@ def serve(
     others wait in line (bounded by --max-waiting; beyond it, 429). Requests may name any
     registry model (one is in memory at a time) and pass {"mlxspec": {"proposer": ...,
     "k": ..., "tree": ..., "history": false, "provenance": true}}; answers carry the run
-    record as x_mlxspec.
+    record as x_mlxspec. Chat requests may pass tools (OpenAI's function tools; calls come
+back as tool_calls) and chat_template_kwargs; reasoning comes back as reasoning_content.
 
     \b
     Examples:
@@ -113,7 +141,10 @@ def serve(
         run_server,
     )
 
-    registry = load_registry().including(model).with_defaults(tree=tree, weights=weights)
+    registry = load_registry().including(model)
+    registry = registry.with_defaults(
+        tree=tree, weights=weights, chat_template_kwargs=chat_template_args
+    )
     max_batch = max_batch or DEFAULT_MAX_BATCH
     rank = current_rank()  # None unless launched with --ranks/--hostfile
     if rank is None:

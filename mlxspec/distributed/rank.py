@@ -21,7 +21,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 
 import mlx.core as mx
@@ -280,6 +280,8 @@ class RankSession:
     ) -> Iterator[Event]:
         """An agreed request on this rank (see `stream`)."""
         engine = runtime.engine
+        if not self.front:  # it prints nothing: its logprobs would be read for no one
+            settings = replace(settings, logprobs=None)
         start_seconds = self.collectives.seconds
         rounds = 0
         self.watchdog.arm("prefilling the prompt")

@@ -1,8 +1,10 @@
-"""The FastAPI app: OpenAI-compatible routes over one generation worker.
+"""The FastAPI app: each API dialect's routes over one generation worker.
 
-Handlers validate a request, turn it into a `Generation`, queue it, and relay the
-worker's events: collected into one JSON answer, or as server-sent events. A client
-that goes away cancels its generation (see `_cancel_on_disconnect`).
+The app picks the worker (one at a time, batched, sharded), and serves health and the
+model list; a dialect's routes (openai_routes.py, anthropic_routes.py) validate a request,
+turn it into a
+`Generation`, and relay its answer's parts through `Answering` (answering.py), which
+cancels a generation whose client went away.
 """
 
 from __future__ import annotations
@@ -10,44 +12,26 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 import mlxspec
-from mlxspec.batch.width import ROW_FLOOR
-from mlxspec.engine import GenerationError, GenerationSettings
-from mlxspec.events import Done
 from mlxspec.processes import stop_signals
-from mlxspec.sampling import SamplingSettings
+from mlxspec.server.anthropic import error_body
+from mlxspec.server.anthropic_routes import anthropic_router
 from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError, install_error_handlers
-from mlxspec.server.providers import ModelInfo, ModelProvider, NotDownloaded
-from mlxspec.server.responses import Reply, sse
-from mlxspec.server.schemas import ChatRequest, CompletionRequest, GenerationRequest
-from mlxspec.server.worker import Generation, Job, Worker
+from mlxspec.server.limits import ServerLimits
+from mlxspec.server.openai_routes import openai_router
+from mlxspec.server.providers import ModelInfo, ModelProvider, find_model
+from mlxspec.server.worker import Worker
 
 if TYPE_CHECKING:
     from mlxspec.distributed.rank import RankSession
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    max_body_bytes: int = 1 << 20
-    max_tokens: int = 4096  # per request; longer prompts are bounded by the model's context
-    max_waiting: int = 16  # requests queued behind the running one; more get 429
-    max_batch: int = 1  # requests generating together (continuous batching when > 1)
-    # The least share of its plain speed a request keeps while others' drafts widen the
-    # shared pass (mlxspec.batch.width.choose_width).
-    row_floor: float = ROW_FLOOR
-    # GB of KV a batch may hold (None: a share of the device's memory; 0: no bound).
-    kv_memory: float | None = None
 
 
 class BodyLimit:
@@ -72,18 +56,26 @@ class BodyLimit:
         return await self.app(scope, limited_receive, send)
 
 
-BEARER = HTTPBearer(auto_error=False)  # module level: FastAPI resolves annotations here
+DEFAULT_LIMITS = ServerLimits()
+
+# Module level: FastAPI resolves annotations here.
+BEARER = HTTPBearer(auto_error=False)  # OpenAI's clients
+X_API_KEY = APIKeyHeader(name="x-api-key", auto_error=False)  # Anthropic's
 
 
-def bearer_check(api_key: str):
+def key_check(api_key: str):
+    """A dependency that lets a request in when either header carries the key."""
+
     async def check(
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)],
+        x_api_key: Annotated[str | None, Depends(X_API_KEY)],
     ) -> None:
-        given = credentials.credentials.encode() if credentials else b""
-        if not secrets.compare_digest(given, api_key.encode()):
+        given = [credentials.credentials if credentials else "", x_api_key or ""]
+        if not any(secrets.compare_digest(key.encode(), api_key.encode()) for key in given):
             raise ApiError(
                 401,
-                "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                "missing or wrong API key; send the header 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -95,7 +87,7 @@ def create_app(
     provider: ModelProvider,
     *,
     api_key: str | None = None,
-    limits: ServerLimits = ServerLimits(),
+    limits: ServerLimits = DEFAULT_LIMITS,
     preload: str | None = None,
     ranks: RankSession | None = None,
 ) -> FastAPI:
@@ -137,9 +129,9 @@ def create_app(
 
     app = FastAPI(title="mlxspec", version=mlxspec.__version__, lifespan=lifespan)
     app.state.worker = worker
-    install_error_handlers(app)
+    install_error_handlers(app, {"/v1/messages": error_body})
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
-    guarded = [Depends(bearer_check(api_key))] if api_key else []
+    guarded = [Depends(key_check(api_key))] if api_key else []
     api = APIRouter(prefix="/v1", dependencies=guarded)
 
     @app.get("/health")
@@ -160,19 +152,10 @@ def create_app(
 
     @api.get("/models/{name}")
     async def get_model(name: str) -> dict:
-        return _model_card(_model_info(provider, name))
+        return _model_card(find_model(provider, name))
 
-    @api.post("/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        messages = [message.for_template() for message in body.messages]
-        generation = _generation(body, messages, provider, limits)
-        return await _respond(request, worker, generation, body, chat=True)
-
-    @api.post("/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        generation = _generation(body, body.prompt_input(), provider, limits)
-        return await _respond(request, worker, generation, body, chat=False)
-
+    api.include_router(openai_router(provider, worker, limits))
+    api.include_router(anthropic_router(provider, worker, limits))
     app.include_router(api)
     return app
 
@@ -220,18 +203,6 @@ def run_server(
     worker.stop(CUT_SECONDS)  # after a second signal, uvicorn left it running
 
 
-def _model_info(provider: ModelProvider, name: str | None) -> ModelInfo:
-    info = provider.models.get(provider.default if name is None else name)
-    if info is None:
-        raise ApiError(
-            404,
-            f"unknown model {name!r}; this server has: {', '.join(provider.models)}",
-            code="model_not_found",
-            param="model",
-        )
-    return info
-
-
 def _model_card(info: ModelInfo) -> dict:
     return {
         "id": info.name,
@@ -240,140 +211,3 @@ def _model_card(info: ModelInfo) -> dict:
         "owned_by": "mlxspec",
         "x_mlxspec": {"description": info.description, "proposers": list(info.proposers)},
     }
-
-
-def _generation(
-    body: GenerationRequest, prompt, provider: ModelProvider, limits: ServerLimits
-) -> Generation:
-    """Check a request against the model and the limits; fill in the model's defaults."""
-    info = _model_info(provider, body.model)
-    if body.n not in (None, 1):
-        raise ApiError(
-            400, f"n: only n=1 is supported, got {body.n}", code="invalid_value", param="n"
-        )
-    proposer = body.mlxspec.proposer
-    if proposer is not None and proposer not in info.proposers:
-        raise ApiError(
-            400,
-            f"unknown proposer {proposer!r} for {info.name}; choose one of: "
-            + ", ".join(info.proposers),
-            code="invalid_proposer",
-            param="mlxspec.proposer",
-        )
-    try:
-        provider.check(info.name, proposer)
-    except NotDownloaded as err:
-        raise ApiError(404, str(err), code="not_downloaded", param="model") from None
-    return Generation(info.name, prompt, _settings(body, info, limits), proposer)
-
-
-def _settings(body: GenerationRequest, info: ModelInfo, limits: ServerLimits) -> GenerationSettings:
-    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    max_tokens = getattr(body, asked) or min(info.defaults.max_tokens, limits.max_tokens)
-    if max_tokens > limits.max_tokens:
-        raise ApiError(
-            400,
-            f"{asked}: {max_tokens} is over this server's limit of {limits.max_tokens}",
-            code="invalid_value",
-            param=asked,
-        )
-    defaults = info.defaults
-    try:
-        return GenerationSettings(
-            max_tokens=max_tokens,
-            sampling=SamplingSettings(
-                temperature=defaults.temperature if body.temperature is None else body.temperature,
-                top_p=defaults.top_p if body.top_p is None else body.top_p,
-                top_k=defaults.top_k,
-                seed=body.seed,
-            ),
-            stop=body.stop_strings,
-            k=body.mlxspec.k,
-            context=defaults.context,
-            tree=defaults.tree if body.mlxspec.tree is None else body.mlxspec.tree,
-            tree_nodes=defaults.tree_nodes,
-            history=defaults.history and body.mlxspec.history is not False,
-        )
-    except (GenerationError, ValueError) as err:
-        raise ApiError(400, str(err), code="invalid_value") from None
-
-
-async def _respond(
-    request: Request, worker: Worker, generation: Generation, body: GenerationRequest, chat: bool
-):
-    """Queue the generation; answer with JSON, or stream once its first event is in."""
-    job = worker.submit(generation)
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
-
-    def release() -> None:
-        job.cancel()  # a no-op once the job has ended
-        watcher.cancel()
-
-    reply = Reply(chat=chat, model=generation.model)
-    try:
-        # Errors found before any output (a bad proposer, a prompt too long) get a
-        # real HTTP status, even for streams.
-        first = _raise_failure(await job.next())
-    except BaseException:
-        release()
-        raise
-    if body.stream:
-        stream = _sse(job, first, reply, body, release)
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-    try:
-        done = await _until_done(job, first)
-    finally:
-        release()
-    return JSONResponse(reply.complete(done.record, done.text))
-
-
-def _cancelled() -> ApiError:
-    """A job that ended without an answer: its client left, or the server is stopping."""
-    return ApiError(503, "the request was cancelled", code="cancelled", type="server_error")
-
-
-def _raise_failure(item: object) -> object:
-    if isinstance(item, ApiError):
-        raise item
-    if item is None:
-        raise _cancelled()
-    return item
-
-
-async def _until_done(job: Job, item: object) -> Done:
-    while not isinstance(item, Done):
-        item = _raise_failure(await job.next())
-    return item
-
-
-async def _sse(
-    job: Job, item: object, reply: Reply, body: GenerationRequest, release
-) -> AsyncIterator[str]:
-    try:
-        opening = reply.opening_chunk()
-        if opening is not None:
-            yield sse(opening)
-        while True:
-            if item is None or isinstance(item, ApiError):  # too late for a status
-                yield sse((item or _cancelled()).body())
-                return
-            if isinstance(item, Done):
-                yield sse(reply.finishing_chunk(item.record))
-                if body.include_usage:
-                    yield sse(reply.usage_chunk(item.record))
-                yield sse("[DONE]")
-                return
-            if item.text:
-                yield sse(reply.text_chunk(item, body.mlxspec.provenance))
-            item = await job.next()
-    finally:
-        release()
-
-
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    """The body has been read, so the next message comes when the client leaves (or the
-    response is complete, when cancelling is a no-op)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    job.cancel()

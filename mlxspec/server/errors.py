@@ -1,12 +1,15 @@
-"""Every error the API returns, in OpenAI's shape: {"error": {message, type, param, code}}.
+"""Every error the API returns, in its route's dialect: OpenAI's shape
+{"error": {message, type, param, code}} unless a dialect's routes ask for their own
+(Anthropic's, see `install_error_handlers`).
 
-Clients (the `openai` package, editors) read that shape to show the user a reason, so
-nothing may leave the server as a bare 422 list or a 500 with a traceback.
+Clients (the `openai` and `anthropic` packages, editors) read that shape to show the user a
+reason, so nothing may leave the server as a bare 422 list or a 500 with a traceback.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,8 +49,13 @@ class ApiError(HTTPException):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def response(self, shape: ErrorShape | None = None) -> JSONResponse:
+        """The JSON response, in OpenAI's shape or `shape`'s."""
+        body = self.body() if shape is None else shape(self)
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+ErrorShape = Callable[[ApiError], dict]  # an error as a dialect's JSON body
 
 
 def _is_union_tag(part: object) -> bool:
@@ -82,14 +90,20 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{param}: {reason}", code="invalid_value", param=param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, shapes: Mapping[str, ErrorShape] = {}) -> None:
+    """Every error as JSON; `shapes`: a path prefix -> the shape of errors on its routes."""
+
+    def shape(request: Request) -> ErrorShape | None:
+        path = request.url.path
+        return next((found for prefix, found in shapes.items() if path.startswith(prefix)), None)
+
     @app.exception_handler(ApiError)
     async def refused(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+        return exc.response(shape(request))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc).response(shape(request))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -98,10 +112,12 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code
         )
         message = f"{exc.detail}: {request.method} {request.url.path}"
-        return ApiError(exc.status_code, message, code=code, headers=exc.headers).response()
+        refusal = ApiError(exc.status_code, message, code=code, headers=exc.headers)
+        return refusal.response(shape(request))
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error serving %s %s", request.method, request.url.path)
         message = "internal error; the server log has the details"
-        return ApiError(500, message, code="internal_error", type="server_error").response()
+        failure = ApiError(500, message, code="internal_error", type="server_error")
+        return failure.response(shape(request))

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from mlxspec.engine import Engine
 from mlxspec.registry import Defaults, ModelEntry, ProposerConfig, Registry
+from mlxspec.server.errors import ApiError
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,19 @@ class ModelProvider(Protocol):
 
     def open(self, name: str) -> OpenModel:
         """Load a model (slow; runs on the worker thread, which does all MLX work)."""
+
+
+def find_model(provider: ModelProvider, name: str | None) -> ModelInfo:
+    """The named model (None: the provider's default), or a 404 naming what there is."""
+    info = provider.models.get(provider.default if name is None else name)
+    if info is None:
+        raise ApiError(
+            404,
+            f"unknown model {name!r}; this server has: {', '.join(provider.models)}",
+            code="model_not_found",
+            param="model",
+        )
+    return info
 
 
 class NotDownloaded(RuntimeError):

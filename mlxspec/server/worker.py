@@ -3,10 +3,11 @@
 MLX arrays and streams are not meant to be driven from several threads at once, and
 one model fills the machine anyway. So requests wait in a bounded FIFO queue and a
 single worker thread takes them in turn: it opens the requested model (one resident
-at a time), runs `engine.stream`, and hands each event to the request's asyncio queue
-on the event loop. A request whose client went away is skipped while it waits, and
-stopped between two events while it runs; the engine's generator is closed, which
-leaves its KV cache consistent for the next request.
+at a time), runs `engine.stream`, reads each output event into answer parts (reasoning,
+text, tool calls: `output_parser.AnswerReader`, with the model's tokenizer at hand) and
+hands them to the request's asyncio queue on the event loop. A request whose client
+went away is skipped while it waits, and stopped between two events while it runs; the
+engine's generator is closed, which leaves its KV cache consistent for the next request.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxspec.engine import GenerationError, GenerationSettings
+from mlxspec.conversation import Conversation
+from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Event
+from mlxspec.output_parser import AnswerReader
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelProvider, OpenModel
 
@@ -41,7 +44,7 @@ class Generation:
     """Everything the worker needs to run one request."""
 
     model: str
-    prompt: str | list[int] | list[dict]
+    prompt: str | list[int] | Conversation  # a Conversation's answer is read into parts
     settings: GenerationSettings
     proposer: str | None  # None: the model's default
 
@@ -56,6 +59,7 @@ class Job:
         self._loop = loop
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
+        self.reader: AnswerReader | None = None  # made by the worker at the first output
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -65,7 +69,8 @@ class Job:
         return self._cancelled.is_set()
 
     def post(self, item: object) -> None:
-        """Worker thread: hand an event (or an ApiError) to the request's handler."""
+        """Worker thread: hand an output (PartsOf, Answered) or an ApiError to the
+        request's handler."""
         try:
             self._loop.call_soon_threadsafe(self._inbox.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -75,7 +80,7 @@ class Job:
         self.post(self._END)
 
     async def next(self) -> object | None:
-        """Event loop: the next output event, Done or ApiError; None once it has ended."""
+        """Event loop: the next PartsOf, Answered or ApiError; None once it has ended."""
         item = await self._inbox.get()
         return None if item is self._END else item
 
@@ -102,11 +107,14 @@ class Worker:
         return sum(n for _, n in list(self._relayed)) / RATE_WINDOW
 
     def _relay(self, job: Job, event: object) -> None:
-        """Hand an output event or Done to its request, counting its tokens."""
+        """Hand an output event or Done to its request, read into answer parts, counting
+        its tokens. Every worker relays here, with the job's model resident."""
         if isinstance(event, OUTPUT_EVENTS):
             self._relayed.append((time.monotonic(), len(event.tokens)))
         if isinstance(event, (*OUTPUT_EVENTS, Done)):
-            job.post(event)
+            if job.reader is None:
+                job.reader = AnswerReader(self._model.engine.tokenizer, job.generation.prompt)
+            job.post(job.reader.read(event))
 
     @property
     def active(self) -> int:
@@ -120,6 +128,12 @@ class Worker:
     @property
     def waiting(self) -> int:
         return self._waiting.qsize()
+
+    def resident_engine(self, name: str) -> Engine | None:
+        """The engine of `name` when it is the model in memory, for the event loop's own
+        use of its tokenizer (counting a prompt's tokens); None when it is not."""
+        model = self._model
+        return model.engine if model is not None and self.resident == name else None
 
     def start(self) -> None:
         self.thread.start()

@@ -1,0 +1,354 @@
+"""Generated text split into its parts as it streams: reasoning, answer text, tool calls.
+
+The markup comes from the model: mlx-lm's `TokenizerWrapper` knows a model's thinking
+markers (`<think>` ... `</think>` where they are tokens) and, for a tokenizer it loaded, its
+tool-call markers and parser (`mlx_lm.tool_parsers`). Where it does not, the chat template's
+text says: a template that writes `<think>` and `</think>` makes the model write them too,
+even where they are plain text to the tokenizer, and mlx-lm's own inference names the
+tool-call format from the template. A template without tool support gets the fallback
+format (chat_template.py), which is read back here. Whether the answer starts inside the
+reasoning is read off the rendered prompt: a template that opens the thinking block in the
+generation prompt (DeepSeek-R1's ends with `<think>\\n`) leaves only its end to the model.
+
+Text is released as soon as it cannot be the start of a marker, so only a possible
+marker's prefix is held back. A tool call is released whole, once its end marker is in
+(its arguments in one piece): a call that does not parse comes back as answer text, logged,
+never as an error. Tool calls are read only where the request gave tools.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.tokenizer_utils import _infer_tool_parser
+
+from mlxspec.chat_template import render_chat, template_text
+from mlxspec.conversation import (
+    AnswerPart,
+    AnswerText,
+    Conversation,
+    ParsedAnswer,
+    ReasoningText,
+    ToolCall,
+    ToolCallArguments,
+    ToolCallStarted,
+)
+from mlxspec.events import Done, TokenEvent
+from mlxspec.logprobs import TokenLogprob
+
+log = logging.getLogger("mlxspec.output")
+
+# mlx-lm's parser for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`: the format of
+# Qwen, Hermes, and our fallback.
+JSON_TOOLS = "json_tools"
+THINK_START, THINK_END = "<think>", "</think>"
+
+ToolParser = Callable[[str, Any], Any]  # body, tools -> {"name", "arguments"} or a list
+
+
+@dataclass(frozen=True)
+class AnswerFormat:
+    """The markup an answer may hold; a marker left None is not looked for."""
+
+    think_start: str | None = None
+    think_end: str | None = None
+    starts_in_reasoning: bool = False  # the prompt opened the thinking block
+    tool_call_start: str | None = None
+    tool_call_end: str = ""  # "": a call runs to the end of the answer (Mistral's)
+    tool_parser: ToolParser | None = None
+    tools: list[dict[str, Any]] | None = None  # handed to the tool parser
+
+
+PLAIN = AnswerFormat()  # raw text completions: nothing is parsed
+
+
+def answer_format(tokenizer, prompt: object) -> AnswerFormat:
+    """What to look for in the answer to `prompt` (a Conversation or bare messages; a raw
+    string or token ids are answered as plain text)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        prompt = Conversation(prompt)
+    if not isinstance(prompt, Conversation):
+        return PLAIN
+    template = template_text(tokenizer) or ""
+    if getattr(tokenizer, "has_thinking", False):
+        think_start, think_end = tokenizer.think_start, tokenizer.think_end
+    elif THINK_START in template and THINK_END in template:
+        think_start, think_end = THINK_START, THINK_END
+    else:
+        think_start = think_end = None
+    opened = False
+    if think_start is not None:
+        rendered = render_chat(tokenizer, prompt)
+        opened = rendered.rfind(think_start) > rendered.rfind(think_end)
+    tool_markup = _tool_markup(tokenizer, template) if prompt.tools else {}
+    return AnswerFormat(think_start, think_end, opened, tools=prompt.tools, **tool_markup)
+
+
+def _tool_markup(tokenizer, template: str) -> dict[str, Any]:
+    """The tool-call markers and parser: the tokenizer's (mlx-lm loaded it), else mlx-lm's
+    inference from the template, else the fallback format's."""
+    if getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_parser is not None:
+        source = tokenizer
+    else:
+        name = (_infer_tool_parser(tokenizer) if "tools" in template else None) or JSON_TOOLS
+        module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+        source = _ToolModule(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
+    return {
+        "tool_call_start": source.tool_call_start,
+        "tool_call_end": source.tool_call_end or "",
+        "tool_parser": source.tool_parser,
+    }
+
+
+@dataclass(frozen=True)
+class _ToolModule:
+    """A `mlx_lm.tool_parsers` module's markers and parser, named as the tokenizer names them."""
+
+    tool_call_start: str
+    tool_call_end: str
+    tool_parser: ToolParser
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+REASONING, ANSWER, TOOL_CALL = "reasoning", "answer", "tool call"
+
+
+class OutputParser:
+    """Feed it the generated text piece by piece; each piece gives the parts it completed.
+    `finish()` releases what was held back; `answer` is then the whole answer."""
+
+    def __init__(self, form: AnswerFormat):
+        self.form = form
+        self._state = REASONING if form.starts_in_reasoning else ANSWER
+        self._buffer = ""  # fed, not yet released
+        self._fed = 0  # characters fed so far
+        # The answer may open a thinking block only before it has said anything else.
+        self._may_open_reasoning = form.think_start is not None and not form.starts_in_reasoning
+        self._after_marker = False  # whitespace right after a closing marker is dropped
+        self.reasoning_chars = 0  # text fed up to the reasoning's end marker (included)
+        self._reasoning: list[str] = []
+        self._text: list[str] = []
+        self._calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[AnswerPart]:
+        self._buffer += text
+        self._fed += len(text)
+        parts: list[AnswerPart] = []
+        while self._step(parts, final=False):
+            pass
+        return parts
+
+    def finish(self) -> list[AnswerPart]:
+        parts: list[AnswerPart] = []
+        while self._step(parts, final=True):
+            pass
+        return parts
+
+    @property
+    def consumed(self) -> int:
+        """Characters fed and no longer held: released in parts, or dropped as markup."""
+        return self._fed - len(self._buffer)
+
+    @property
+    def answer(self) -> ParsedAnswer:
+        return ParsedAnswer("".join(self._reasoning), "".join(self._text), tuple(self._calls))
+
+    def _step(self, parts: list[AnswerPart], final: bool) -> bool:
+        """Release what the buffer's start allows; True when a marker moved the state on."""
+        if self._state == REASONING:
+            return self._in_reasoning(parts, final)
+        if self._state == TOOL_CALL:
+            return self._in_tool_call(parts, final)
+        return self._in_answer(parts, final)
+
+    def _in_reasoning(self, parts: list[AnswerPart], final: bool) -> bool:
+        end = self.form.think_end
+        found = self._buffer.find(end)
+        if found >= 0:
+            self._reason(parts, self._buffer[:found])
+            self._buffer = self._buffer[found + len(end) :]
+            self.reasoning_chars = self._fed - len(self._buffer)
+            self._state, self._after_marker = ANSWER, True
+            return True
+        released = self._release(final, end)
+        self._reason(parts, released)
+        if final:
+            self.reasoning_chars = self._fed  # cut off while reasoning: all of it was
+        return False
+
+    def _in_answer(self, parts: list[AnswerPart], final: bool) -> bool:
+        if self._after_marker:
+            self._buffer = self._buffer.lstrip()
+            if not self._buffer:
+                return False
+            self._after_marker = False
+        if self._may_open_reasoning:
+            start, said = self.form.think_start, self._buffer.lstrip()
+            if said.startswith(start):
+                self._buffer = said[len(start) :]
+                self._state, self._may_open_reasoning = REASONING, False
+                return True
+            if start.startswith(said) and not final:
+                return False  # it may yet be the opening marker
+            self._may_open_reasoning = False
+        start = self.form.tool_call_start if self.form.tools else None
+        found = self._buffer.find(start) if start else -1
+        if found >= 0:
+            self._say(parts, self._buffer[:found])
+            self._buffer = self._buffer[found + len(start) :]
+            self._state = TOOL_CALL
+            return True
+        self._say(parts, self._release(final, start))
+        return False
+
+    def _in_tool_call(self, parts: list[AnswerPart], final: bool) -> bool:
+        end = self.form.tool_call_end
+        found = self._buffer.find(end) if end else -1
+        if found < 0 and not final:
+            return False  # a call is released whole
+        closed = found >= 0
+        body = self._buffer[:found] if closed else self._buffer
+        self._buffer = self._buffer[found + len(end) :] if closed else ""
+        self._call(parts, body, closed)
+        self._state, self._after_marker = ANSWER, True
+        return closed
+
+    def _release(self, final: bool, marker: str | None) -> str:
+        """Take from the buffer all but the longest end that may start `marker`."""
+        keep = 0 if final or not marker else _marker_prefix(self._buffer, marker)
+        released = self._buffer[: len(self._buffer) - keep]
+        self._buffer = self._buffer[len(released) :]
+        return released
+
+    def _call(self, parts: list[AnswerPart], body: str, closed: bool) -> None:
+        try:
+            calls = _parsed_calls(self.form.tool_parser(body, self.form.tools))
+        except Exception as err:  # any parser's failure: the text is still the model's answer
+            log.warning("a tool call did not parse (%s), kept as text: %r", err, body)
+            end = self.form.tool_call_end if closed else ""
+            self._say(parts, f"{self.form.tool_call_start}{body}{end}")
+            return
+        for name, arguments, call_id in calls:
+            index = len(self._calls)
+            self._calls.append(ToolCall(call_id, name, arguments))
+            parts.append(ToolCallStarted(index, call_id, name))
+            parts.append(ToolCallArguments(index, arguments))
+
+    def _reason(self, parts: list[AnswerPart], text: str) -> None:
+        if text:
+            self._reasoning.append(text)
+            parts.append(ReasoningText(text))
+
+    def _say(self, parts: list[AnswerPart], text: str) -> None:
+        if text:
+            self._text.append(text)
+            parts.append(AnswerText(text))
+
+
+def _marker_prefix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+def _parsed_calls(parsed: Any) -> list[tuple[str, str, str]]:
+    """(name, arguments as JSON text, id) of each call a tool parser returned; ValueError
+    for anything that is not a call with a name and an object of arguments."""
+    calls = parsed if isinstance(parsed, list) else [parsed]
+    if not calls:
+        raise ValueError("no call in it")
+    out = []
+    for call in calls:
+        name, arguments = call.get("name"), call.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+            raise ValueError("a call needs a name and an object of arguments")
+        call_id = call.get("id") if isinstance(call.get("id"), str) else new_call_id()
+        out.append((name, json.dumps(arguments, ensure_ascii=False), call_id))
+    return out
+
+
+def reasoning_tokens(tokenizer, token_ids: tuple[int, ...], reasoning_chars: int) -> int:
+    """How many of the first output tokens it takes to write the first `reasoning_chars`
+    characters of the answer (the reasoning and its markers)."""
+    if reasoning_chars <= 0:
+        return 0
+    low, high = 1, len(token_ids)  # the answer: the fewest tokens whose text reaches it
+    while low < high:
+        middle = (low + high) // 2
+        if len(tokenizer.decode(list(token_ids[:middle]))) >= reasoning_chars:
+            high = middle
+        else:
+            low = middle + 1
+    return high
+
+
+@dataclass(frozen=True)
+class PartsOf:
+    """An output event and the answer parts its text completed; where the request asked
+    for logprobs, the entries of the tokens whose text the parser let go of with them
+    (released in these parts, or dropped as markup), which may be earlier events' tokens."""
+
+    event: TokenEvent
+    parts: tuple[AnswerPart, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Answered:
+    """The end of a generation: its Done (its record counting the reasoning tokens), the
+    whole answer, and the parts the end released (text held back for a marker that never
+    came, a call the answer ended in), with the logprob entries still held (where asked)."""
+
+    done: Done
+    answer: ParsedAnswer
+    parts: tuple[AnswerPart, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+class AnswerReader:
+    """One generation's events read into answer parts (the server's workers, the TUI)."""
+
+    def __init__(self, tokenizer, prompt: object):
+        self.tokenizer = tokenizer
+        self.parser = OutputParser(answer_format(tokenizer, prompt))
+        # Logprob entries of tokens whose text the parser still holds, in order.
+        self._held_logprobs: deque[TokenLogprob] = deque()
+
+    def read(self, event: TokenEvent | Done) -> PartsOf | Answered:
+        if not isinstance(event, Done):
+            parts = tuple(self.parser.feed(event.text))
+            if event.logprobs is None:
+                return PartsOf(event, parts)
+            self._held_logprobs.extend(event.logprobs)
+            return PartsOf(event, parts, self._let_go(self.parser.consumed))
+        parts = tuple(self.parser.finish())
+        record = event.record
+        record.reasoning_tokens = reasoning_tokens(
+            self.tokenizer, event.token_ids, self.parser.reasoning_chars
+        )
+        logprobs = None
+        if event.logprobs is not None:  # the end lets go of every entry still held
+            logprobs, self._held_logprobs = tuple(self._held_logprobs), deque()
+        return Answered(event, self.parser.answer, parts, logprobs)
+
+    def _let_go(self, consumed: int) -> tuple[TokenLogprob, ...]:
+        """The held entries of the tokens whose text starts before `consumed` characters
+        (a token that adds no text yet, a piece of a character, waits for the next)."""
+        released = []
+        while self._held_logprobs and self._held_logprobs[0].offset < consumed:
+            released.append(self._held_logprobs.popleft())
+        return tuple(released)

@@ -1,0 +1,83 @@
+"""A generation as every API dialect sees it: queued, its answer's parts as they come, its end.
+
+Dialect-neutral: OpenAI chat, OpenAI completions and Anthropic messages each start an
+`Answering` for their `Generation` and translate what it yields into their own shapes. It
+queues the generation, cancels it when the client leaves (`_cancel_on_disconnect`), and
+relays the worker's outputs: `PartsOf` (an output event and the answer parts its text
+completed) until `Answered` (the Done, the whole parsed answer, the last parts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from mlxspec.output_parser import Answered, PartsOf
+from mlxspec.server.errors import ApiError
+from mlxspec.server.worker import Generation, Job, Worker
+
+
+class Answering:
+    """One queued generation. `await Answering.start(...)` returns once its first output is
+    in, so an error found before any (a bad proposer, a prompt too long) raises ApiError
+    there, in time for a real HTTP status; after that, iterate it (or await `answered()`)
+    and `release()` it when done, whatever happened."""
+
+    def __init__(self, job: Job, watcher: asyncio.Task, first: PartsOf | Answered):
+        self.job, self._watcher, self._first = job, watcher, first
+
+    @classmethod
+    async def start(cls, request: Request, worker: Worker, generation: Generation) -> Answering:
+        job = worker.submit(generation)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        try:
+            first = _output(await job.next())
+        except BaseException:
+            job.cancel()
+            watcher.cancel()
+            raise
+        return cls(job, watcher, first)
+
+    async def __aiter__(self) -> AsyncIterator[PartsOf | Answered]:
+        """Outputs up to and including Answered; ApiError when the generation failed or was
+        cancelled after its first output (too late for a status: the dialect says so in its
+        stream)."""
+        item = self._first
+        while not isinstance(item, Answered):
+            yield item
+            item = _output(await self.job.next())
+        yield item
+
+    async def answered(self) -> Answered:
+        """Wait for the whole answer."""
+        async for item in self:
+            if isinstance(item, Answered):
+                return item
+        raise AssertionError("a generation's outputs end with Answered")
+
+    def release(self) -> None:
+        self.job.cancel()  # a no-op once the job has ended
+        self._watcher.cancel()
+
+
+def cancelled() -> ApiError:
+    """A job that ended without an answer: its client left, or the server is stopping."""
+    return ApiError(503, "the request was cancelled", code="cancelled", type="server_error")
+
+
+def _output(item: object) -> PartsOf | Answered:
+    if isinstance(item, ApiError):
+        raise item
+    if item is None:
+        raise cancelled()
+    return item
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """The body has been read, so the next message comes when the client leaves (or the
+    response is complete, when cancelling is a no-op)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()

@@ -1,0 +1,430 @@
+"""Anthropic's Messages API, translated: a request into a `Conversation` and the fields
+the server's settings read; an answer's parts into a message, or into its stream of
+events; an error into Anthropic's shape.
+
+Translation only: anthropic_routes.py runs the generation as the OpenAI routes do. Every
+function here is pure, so each translation is tested on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mlxspec.conversation import (
+    AnswerPart,
+    AnswerText,
+    Conversation,
+    ParsedAnswer,
+    ReasoningText,
+    ToolCallArguments,
+    ToolCallStarted,
+)
+from mlxspec.events import RunRecord
+from mlxspec.server.errors import ApiError
+from mlxspec.server.schemas import Count, GenerationRequest, MlxspecOptions
+
+# --- The request ------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # Fields of Anthropic's API that mlxspec does not use (cache_control, citations,
+    # service_tier...) are ignored so that stock clients work.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1)]
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool | None = None  # the template has no place for it: the content says it
+
+
+class ThinkingBlock(_Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(_Strict):
+    type: Literal["redacted_thinking"]  # encrypted by Anthropic: nothing a template can show
+
+
+class UnsupportedBlock(_Strict):
+    type: Literal["image", "document"]  # accepted here, refused with a reason (`_refuse`)
+
+
+Block = Annotated[
+    TextBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock
+    | UnsupportedBlock,
+    Field(discriminator="type"),
+]
+
+
+class MessageParam(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Strict):
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search...) are not
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(_Strict):
+    type: Literal["enabled", "disabled", "adaptive"]  # adaptive: as the template has it
+    budget_tokens: Annotated[int, Field(ge=1)] | None = None  # not enforced: no budget yet
+
+
+class CountTokensRequest(_Strict):
+    """What `/v1/messages/count_tokens` takes: the conversation part of a request."""
+
+    model: str
+    messages: Annotated[list[MessageParam], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """A `/v1/messages` request body."""
+
+    max_tokens: Count
+    stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: Count | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None  # ignored
+    mlxspec: MlxspecOptions = Field(default_factory=MlxspecOptions)
+
+
+def conversation(body: CountTokensRequest, template_defaults: dict[str, Any]) -> Conversation:
+    """The request as Hugging Face chat-template messages, tools and template arguments
+    (`template_defaults`, the model's, yield to the request's `thinking`); ApiError (400)
+    for what cannot be translated."""
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        messages.append({"role": "system", "content": _text(body.system)})
+    tool_names: dict[str, str] = {}  # tool_use id -> the tool's name, as calls are made
+    for position, message in enumerate(body.messages):
+        where = f"messages[{position}]"
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+        elif message.role == "assistant":
+            messages.append(_assistant_turn(message.content, where, tool_names))
+        else:
+            messages.extend(_user_turns(message.content, where, tool_names))
+    template_kwargs = dict(template_defaults)
+    if body.thinking is not None and body.thinking.type != "adaptive":
+        template_kwargs["enable_thinking"] = body.thinking.type == "enabled"
+    return Conversation(messages, _tools(body), template_kwargs)
+
+
+def generation_request(body: MessagesRequest) -> GenerationRequest:
+    """The fields the server's settings read, in the shape the OpenAI routes give them
+    (top_k, which OpenAI lacks, is passed on its own). Built without validating again:
+    Anthropic's limits (temperature up to 1, stop sequences) were checked on `body`."""
+    return GenerationRequest.model_construct(
+        model=body.model,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        stop=body.stop_sequences,
+        stream=body.stream,
+        mlxspec=body.mlxspec,
+    )
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "\n".join(block.text for block in content)
+
+
+def _refuse(block: BaseModel, where: str, why: str) -> ApiError:
+    return ApiError(400, f"{where}: {block.type} blocks {why}", code="invalid_value", param=where)
+
+
+def _assistant_turn(blocks: list[Block], where: str, tool_names: dict[str, str]) -> dict:
+    """One assistant message: its text, its reasoning (for templates that show earlier
+    reasoning as `reasoning_content`; others ignore it) and its tool calls."""
+    texts, reasoning, calls = [], [], []
+    for index, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            reasoning.append(block.thinking)
+        elif isinstance(block, ToolUseBlock):
+            tool_names[block.id] = block.name
+            function = {"name": block.name, "arguments": block.input}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        elif isinstance(block, UnsupportedBlock):
+            raise _refuse(block, f"{where}.content[{index}]", "are not supported by this server")
+        elif isinstance(block, ToolResultBlock):
+            raise _refuse(block, f"{where}.content[{index}]", "belong in a user turn")
+    turn: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if reasoning:
+        turn["reasoning_content"] = "\n".join(reasoning)
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _user_turns(blocks: list[Block], where: str, tool_names: dict[str, str]) -> list[dict]:
+    """A tool message per tool result (Anthropic puts them first in a user turn), then
+    the user's text, if any."""
+    turns, texts = [], []
+    for index, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            name = tool_names.get(block.tool_use_id)
+            if name is None:
+                raise ApiError(
+                    400,
+                    f"{where}.content[{index}].tool_use_id: {block.tool_use_id!r} answers no "
+                    "earlier tool_use block",
+                    code="invalid_value",
+                    param=f"{where}.content[{index}].tool_use_id",
+                )
+            turns.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.tool_use_id,
+                    "name": name,
+                    "content": _text(block.content),
+                }
+            )
+        elif isinstance(block, UnsupportedBlock):
+            raise _refuse(block, f"{where}.content[{index}]", "are not supported by this server")
+        elif not isinstance(block, RedactedThinkingBlock):
+            raise _refuse(block, f"{where}.content[{index}]", "belong in an assistant turn")
+    if texts:
+        turns.append({"role": "user", "content": "\n".join(texts)})
+    return turns
+
+
+def _tools(body: CountTokensRequest) -> list[dict] | None:
+    """The tools in OpenAI's function form, or None where the model must not see them."""
+    choice = body.tool_choice.type if body.tool_choice else "auto"
+    if choice in ("any", "tool"):
+        raise ApiError(
+            400,
+            f"tool_choice: {choice!r} needs constrained decoding, which this server does not "
+            "have yet; use 'auto' or 'none'",
+            code="unsupported",
+            param="tool_choice",
+        )
+    if choice == "none" or not body.tools:
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": tool.name,
+                "description": tool.description or "",
+                "parameters": tool.input_schema,
+            },
+        }
+        for tool in body.tools
+    ]
+
+
+# --- The answer -------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    """Anthropic-style ids: msg_... for a message, toolu_... for a tool call."""
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def stop_reason(record: RunRecord, called_tools: bool) -> str:
+    if record.finish_reason == "length":
+        return "max_tokens"
+    if record.stop_string is not None:
+        return "stop_sequence"
+    return "tool_use" if called_tools else "end_turn"
+
+
+def usage(record: RunRecord) -> dict:
+    return {"input_tokens": record.prompt_tokens, "output_tokens": record.completion_tokens}
+
+
+def message(message_id: str, model: str, answer: ParsedAnswer, record: RunRecord) -> dict:
+    """The whole answer, for a request without `stream`; `x_mlxspec` is the run record."""
+    content: list[dict] = []
+    if answer.reasoning:
+        content.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+    if answer.text:
+        content.append({"type": "text", "text": answer.text})
+    for call in answer.tool_calls:
+        arguments = _tool_input(call.arguments)
+        block = {"type": "tool_use", "id": new_id("toolu"), "name": call.name, "input": arguments}
+        content.append(block)
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(record, bool(answer.tool_calls)),
+        "stop_sequence": record.stop_string,
+        "usage": usage(record),
+        "x_mlxspec": record.to_dict(),
+    }
+
+
+def _tool_input(arguments: str) -> dict:
+    """A call's arguments as the object Anthropic's `input` is. Text that is not a JSON
+    object (a model's malformed call) is kept whole under "_arguments", not lost."""
+    try:
+        parsed = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"_arguments": arguments}
+
+
+def event(name: str, payload: dict) -> str:
+    """One server-sent event as Anthropic streams them: its type on an `event:` line."""
+    return f"event: {name}\ndata: {json.dumps(payload)}\n\n"
+
+
+BLOCK_OF = {ReasoningText: "thinking", AnswerText: "text"}
+DELTA_OF = {"thinking": "thinking_delta", "text": "text_delta"}
+
+
+@dataclass
+class MessageStream:
+    """One streamed answer's events: each part becomes a delta of the content block of
+    its kind, a block opening when the kind changes (or a tool call starts) and closing
+    before the next one opens. A tool call's arguments follow its start."""
+
+    message_id: str
+    model: str
+    input_tokens: int  # the prompt's, for message_start (message_delta has the record's)
+    _open: str | None = None  # the kind of the open block: "thinking", "text", "tool_use"
+    _blocks: int = 0  # blocks opened so far; the open one is the last
+    _called_tools: bool = False
+
+    def opening(self) -> list[str]:
+        """message_start, then a ping."""
+        start = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
+        return [
+            event("message_start", {"type": "message_start", "message": start}),
+            event("ping", {"type": "ping"}),
+        ]
+
+    def part(self, part: AnswerPart) -> list[str]:
+        if isinstance(part, ToolCallStarted):
+            self._called_tools = True
+            block = {"type": "tool_use", "id": new_id("toolu"), "name": part.name, "input": {}}
+            return self._start("tool_use", block)
+        if isinstance(part, ToolCallArguments):
+            delta = {"type": "input_json_delta", "partial_json": part.text}
+            return [self._delta(delta)] if part.text else []
+        if not part.text:
+            return []
+        kind = BLOCK_OF[type(part)]
+        opened = []
+        if self._open != kind:
+            empty = {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {})
+            opened = self._start(kind, empty)
+        return [*opened, self._delta({"type": DELTA_OF[kind], kind: part.text})]
+
+    def closing(self, record: RunRecord) -> list[str]:
+        """The open block's end, message_delta (why it stopped, the usage and the run
+        record), message_stop."""
+        delta = {
+            "type": "message_delta",
+            "delta": {
+                "stop_reason": stop_reason(record, self._called_tools),
+                "stop_sequence": record.stop_string,
+            },
+            "usage": usage(record),
+            "x_mlxspec": record.to_dict(),
+        }
+        return [
+            *self._stop(),
+            event("message_delta", delta),
+            event("message_stop", {"type": "message_stop"}),
+        ]
+
+    def _start(self, kind: str, block: dict) -> list[str]:
+        stopped = self._stop()
+        self._open, self._blocks = kind, self._blocks + 1
+        start = {"type": "content_block_start", "index": self._blocks - 1, "content_block": block}
+        return [*stopped, event("content_block_start", start)]
+
+    def _delta(self, delta: dict) -> str:
+        payload = {"type": "content_block_delta", "index": self._blocks - 1, "delta": delta}
+        return event("content_block_delta", payload)
+
+    def _stop(self) -> list[str]:
+        if self._open is None:
+            return []
+        self._open = None
+        stop = {"type": "content_block_stop", "index": self._blocks - 1}
+        return [event("content_block_stop", stop)]
+
+
+# --- Errors -----------------------------------------------------------------------------
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(err: ApiError) -> dict:
+    """An error as Anthropic's API gives it: its kind from the status."""
+    fallback = "invalid_request_error" if err.status_code < 500 else "api_error"
+    kind = ERROR_TYPES.get(err.status_code, fallback)
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def error_event(err: ApiError) -> str:
+    """An error after the stream has begun, too late for a status."""
+    return event("error", error_body(err))

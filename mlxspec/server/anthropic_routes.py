@@ -1,0 +1,98 @@
+"""Anthropic's dialect: `/v1/messages` and `/v1/messages/count_tokens`, in and out of the
+one request shape inside (the translations are anthropic.py's).
+
+A request becomes a `Conversation` and a `Generation` for the worker; its answer's parts
+come back through `Answering` and leave as a message or as Anthropic's stream of events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+import mlxspec.server.anthropic as anthropic
+from mlxspec.conversation import Conversation
+from mlxspec.engine import GenerationError
+from mlxspec.output_parser import Answered
+from mlxspec.server.answering import Answering
+from mlxspec.server.errors import ApiError
+from mlxspec.server.generations import new_generation
+from mlxspec.server.limits import ServerLimits
+from mlxspec.server.providers import ModelProvider, find_model
+from mlxspec.server.worker import Worker
+
+
+def anthropic_router(provider: ModelProvider, worker: Worker, limits: ServerLimits) -> APIRouter:
+    """The two Messages routes (the app adds the /v1 prefix, the key check and Anthropic's
+    error shape)."""
+    router = APIRouter()
+
+    @router.post("/messages")
+    async def messages(body: anthropic.MessagesRequest, request: Request):
+        info = find_model(provider, body.model)
+        conversation = anthropic.conversation(body, info.defaults.chat_template_kwargs)
+        asked = anthropic.generation_request(body)
+        generation = new_generation(asked, info, conversation, provider, limits, body.top_k)
+        answering = await Answering.start(request, worker, generation)
+        message_id = anthropic.new_id("msg")
+        try:
+            if body.stream:
+                # message_start says the prompt's size, before the run record can.
+                input_tokens = await _prompt_tokens(worker, info.name, conversation)
+                stream = anthropic.MessageStream(message_id, info.name, input_tokens)
+                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+                events = _events(answering, stream)
+                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            answered = await answering.answered()
+        except BaseException:
+            answering.release()
+            raise
+        answering.release()
+        record = answered.done.record
+        return JSONResponse(anthropic.message(message_id, info.name, answered.answer, record))
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(body: anthropic.CountTokensRequest) -> dict:
+        info = find_model(provider, body.model)
+        conversation = anthropic.conversation(body, info.defaults.chat_template_kwargs)
+        return {"input_tokens": await _prompt_tokens(worker, info.name, conversation)}
+
+    return router
+
+
+async def _prompt_tokens(worker: Worker, model: str, conversation: Conversation) -> int:
+    """How many tokens the model's chat template makes of the conversation, counted with
+    the tokenizer of the model in memory (loading one is the worker's job, not the loop's)."""
+    engine = worker.resident_engine(model)
+    if engine is None:
+        raise ApiError(
+            503,
+            f"{model} is not loaded now, and tokens are counted with a loaded model's chat "
+            "template; a message to it loads it",
+            code="model_not_loaded",
+            type="server_error",
+        )
+    try:
+        return len(await asyncio.to_thread(engine.encode_chat, conversation))
+    except GenerationError as err:
+        raise ApiError(400, str(err), code="invalid_request") from None
+
+
+async def _events(answering: Answering, stream: anthropic.MessageStream) -> AsyncIterator[str]:
+    try:
+        for event in stream.opening():
+            yield event
+        async for item in answering:
+            for part in item.parts:
+                for event in stream.part(part):
+                    yield event
+            if isinstance(item, Answered):
+                for event in stream.closing(item.done.record):
+                    yield event
+    except ApiError as err:  # too late for a status
+        yield anthropic.error_event(err)
+    finally:
+        answering.release()

@@ -1,0 +1,78 @@
+"""A request's `Generation`: what every dialect's routes check against the model and the
+server's limits, with the model's defaults filled in. The fields are read in the shape of
+OpenAI's request (`GenerationRequest`); other dialects translate into it.
+"""
+
+from __future__ import annotations
+
+from mlxspec.engine import GenerationError, GenerationSettings
+from mlxspec.sampling import SamplingSettings
+from mlxspec.server.errors import ApiError
+from mlxspec.server.limits import ServerLimits
+from mlxspec.server.providers import ModelInfo, ModelProvider, NotDownloaded
+from mlxspec.server.schemas import GenerationRequest
+from mlxspec.server.worker import Generation
+
+
+def new_generation(
+    body: GenerationRequest,
+    info: ModelInfo,
+    prompt,
+    provider: ModelProvider,
+    limits: ServerLimits,
+    top_k: int | None = None,
+) -> Generation:
+    """Check a request against the model and the limits; fill in the model's defaults.
+    `top_k`: a dialect's own (Anthropic's; None: the model's)."""
+    if body.n not in (None, 1):
+        raise ApiError(
+            400, f"n: only n=1 is supported, got {body.n}", code="invalid_value", param="n"
+        )
+    proposer = body.mlxspec.proposer
+    if proposer is not None and proposer not in info.proposers:
+        raise ApiError(
+            400,
+            f"unknown proposer {proposer!r} for {info.name}; choose one of: "
+            + ", ".join(info.proposers),
+            code="invalid_proposer",
+            param="mlxspec.proposer",
+        )
+    try:
+        provider.check(info.name, proposer)
+    except NotDownloaded as err:
+        raise ApiError(404, str(err), code="not_downloaded", param="model") from None
+    return Generation(info.name, prompt, _settings(body, info, limits, top_k), proposer)
+
+
+def _settings(
+    body: GenerationRequest, info: ModelInfo, limits: ServerLimits, top_k: int | None
+) -> GenerationSettings:
+    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = getattr(body, asked) or min(info.defaults.max_tokens, limits.max_tokens)
+    if max_tokens > limits.max_tokens:
+        raise ApiError(
+            400,
+            f"{asked}: {max_tokens} is over this server's limit of {limits.max_tokens}",
+            code="invalid_value",
+            param=asked,
+        )
+    defaults = info.defaults
+    try:
+        return GenerationSettings(
+            max_tokens=max_tokens,
+            sampling=SamplingSettings(
+                temperature=defaults.temperature if body.temperature is None else body.temperature,
+                top_p=defaults.top_p if body.top_p is None else body.top_p,
+                top_k=defaults.top_k if top_k is None else top_k,
+                seed=body.seed,
+            ),
+            stop=body.stop_strings,
+            k=body.mlxspec.k,
+            context=defaults.context,
+            tree=defaults.tree if body.mlxspec.tree is None else body.mlxspec.tree,
+            tree_nodes=defaults.tree_nodes,
+            history=defaults.history and body.mlxspec.history is not False,
+            logprobs=body.alternatives(),
+        )
+    except (GenerationError, ValueError) as err:
+        raise ApiError(400, str(err), code="invalid_value") from None

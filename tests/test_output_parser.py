@@ -1,0 +1,189 @@
+"""The output parser on real markup: each format's answer, cut into pieces at every point,
+gives the same parts; text is held back only while it may still be a marker; a call that
+does not parse is answer text."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from tiny_models import byte_tokenizer
+
+from mlxspec.conversation import (
+    AnswerText,
+    Conversation,
+    ParsedAnswer,
+    ReasoningText,
+    ToolCallArguments,
+    ToolCallStarted,
+)
+from mlxspec.output_parser import AnswerFormat, OutputParser, answer_format, reasoning_tokens
+
+TEMPLATES = Path(__file__).parent / "templates"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+
+# Qwen3's answer: reasoning, a sentence, two calls made at once.
+QWEN3_ANSWER = (
+    "<think>\nTwo cities: two calls.\n</think>\n\nLet me look.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+)
+QWEN3_PARSED = ParsedAnswer("\nTwo cities: two calls.\n", "Let me look.\n", ())
+CALLED = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+
+
+def tokenizer_with(template: str | None):
+    tokenizer = byte_tokenizer()
+    tokenizer._tokenizer.chat_template = (TEMPLATES / template).read_text() if template else None
+    return tokenizer
+
+
+def form_of(template: str | None, tools=(WEATHER,), **kwargs) -> AnswerFormat:
+    conversation = Conversation(ASK, list(tools) or None, kwargs)
+    return answer_format(tokenizer_with(template), conversation)
+
+
+def parse(form: AnswerFormat, pieces: list[str]) -> tuple[list, ParsedAnswer]:
+    parser = OutputParser(form)
+    parts = [part for piece in pieces for part in parser.feed(piece)]
+    return parts + parser.finish(), parser.answer
+
+
+def joined(parts, kind) -> str:
+    return "".join(part.text for part in parts if isinstance(part, kind))
+
+
+def calls_of(parts) -> list[tuple[str, dict]]:
+    names = {part.index: part.name for part in parts if isinstance(part, ToolCallStarted)}
+    arguments: dict[int, str] = {}
+    for part in parts:
+        if isinstance(part, ToolCallArguments):
+            arguments[part.index] = arguments.get(part.index, "") + part.text
+    return [(names[index], json.loads(arguments[index])) for index in sorted(names)]
+
+
+def test_qwen3_markup_is_read_from_the_template():
+    form = form_of("qwen3.jinja")
+    assert (form.think_start, form.think_end) == ("<think>", "</think>")
+    assert (form.tool_call_start, form.tool_call_end) == ("<tool_call>", "</tool_call>")
+    assert not form.starts_in_reasoning  # Qwen3 leaves opening the block to the model
+
+
+@pytest.mark.parametrize("cut", range(1, len(QWEN3_ANSWER)))
+def test_an_answer_cut_anywhere_gives_the_same_parts(cut):
+    parts, answer = parse(form_of("qwen3.jinja"), [QWEN3_ANSWER[:cut], QWEN3_ANSWER[cut:]])
+    assert (answer.reasoning, answer.text) == (QWEN3_PARSED.reasoning, QWEN3_PARSED.text)
+    assert joined(parts, ReasoningText) == QWEN3_PARSED.reasoning
+    assert joined(parts, AnswerText) == QWEN3_PARSED.text
+    assert calls_of(parts) == CALLED
+
+
+def test_an_answer_fed_a_character_at_a_time_streams_its_parts_in_order():
+    parts, answer = parse(form_of("qwen3.jinja"), list(QWEN3_ANSWER))
+    kinds = [type(part) for part in parts]
+    first_text, first_call = kinds.index(AnswerText), kinds.index(ToolCallStarted)
+    assert set(kinds[:first_text]) == {ReasoningText}
+    assert first_text < first_call
+    assert kinds[first_call:] == [ToolCallStarted, ToolCallArguments] * 2
+    assert [call.name for call in answer.tool_calls] == ["get_weather"] * 2
+    ids = [call.id for call in answer.tool_calls]
+    assert all(i.startswith("call_") and len(i) == 29 for i in ids) and len(set(ids)) == 2
+    assert [part.id for part in parts if isinstance(part, ToolCallStarted)] == ids
+    assert [json.loads(call.arguments) for call in answer.tool_calls] == [c[1] for c in CALLED]
+
+
+def test_only_a_possible_markers_start_is_held_back():
+    parser = OutputParser(form_of("qwen3.jinja"))
+    assert parser.feed("Hi") == [AnswerText("Hi")]  # no longer a possible "<think>"
+    assert parser.feed(" there <tool") == [AnswerText(" there ")]
+    assert parser.feed("kit> ok") == [AnswerText("<toolkit> ok")]
+    assert parser.feed("<") == []
+    assert parser.finish() == [AnswerText("<")]
+
+
+def test_reasoning_the_prompt_opened_needs_no_opening_marker():
+    form = form_of("deepseek-r1-distill.jinja")
+    assert form.starts_in_reasoning
+    parts, answer = parse(form, ["Paris is in", " France.\n</th", "ink>\n\nIt is sunny."])
+    assert (answer.reasoning, answer.text) == ("Paris is in France.\n", "It is sunny.")
+
+
+def test_thinking_turned_off_closes_the_block_in_the_prompt():
+    assert not form_of("qwen3.jinja", enable_thinking=False).starts_in_reasoning
+    parts, answer = parse(form_of("qwen3.jinja", enable_thinking=False), ["It is sunny."])
+    assert answer == ParsedAnswer("", "It is sunny.")
+
+
+def test_an_answer_cut_off_while_reasoning_is_all_reasoning():
+    parts, answer = parse(form_of("qwen3.jinja"), ["<think>\nHmm, the wea", "ther in </thi"])
+    assert answer == ParsedAnswer("\nHmm, the weather in </thi", "")
+
+
+def test_a_call_that_does_not_parse_is_answer_text_and_logged(caplog):
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    with caplog.at_level(logging.WARNING, logger="mlxspec.output"):
+        parts, answer = parse(form_of("qwen3.jinja"), ["Sure. ", broken, " Done."])
+    assert answer.tool_calls == ()
+    assert answer.text == "Sure. " + broken + "Done."
+    assert "did not parse" in caplog.text
+
+
+def test_a_call_the_answer_ends_in_is_read_without_its_end_marker():
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    parts, answer = parse(form_of("hermes3.jinja"), [call])
+    assert calls_of(parts) == CALLED[:1] and answer.text == ""
+
+
+def test_tool_markup_is_text_where_the_request_gave_no_tools():
+    parts, answer = parse(form_of("qwen3.jinja", tools=()), [QWEN3_ANSWER])
+    assert answer.tool_calls == () and "<tool_call>" in answer.text
+
+
+def test_mistral_calls_run_to_the_end_of_the_answer():
+    form = form_of("mistral-nemo.jinja")
+    assert (form.tool_call_start, form.tool_call_end) == ("[TOOL_CALLS]", "")
+    answer_text = (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abc123XYZ"},'
+        ' {"name": "get_weather", "arguments": {"city": "Rome"}, "id": "def456UVW"}]'
+    )
+    parts, answer = parse(form, [answer_text[:20], answer_text[20:]])
+    assert calls_of(parts) == CALLED
+    assert [call.id for call in answer.tool_calls] == ["abc123XYZ", "def456UVW"]
+
+
+@pytest.mark.parametrize("template", ["smollm2.jinja", None])
+def test_a_model_without_tool_support_is_read_in_the_fallback_format(template):
+    form = form_of(template)
+    assert (form.tool_call_start, form.tool_call_end) == ("<tool_call>", "</tool_call>")
+    assert form.think_start is None  # nothing in its template or vocabulary says <think>
+    parts, answer = parse(form, ["<think>x</think>", QWEN3_ANSWER.split("</think>\n\n")[1]])
+    assert calls_of(parts) == CALLED
+    assert answer.text.startswith("<think>x</think>Let me look.")
+
+
+def test_plain_completions_parse_nothing():
+    form = answer_format(tokenizer_with("qwen3.jinja"), "a raw prompt")
+    parts, answer = parse(form, [QWEN3_ANSWER])
+    assert answer == ParsedAnswer("", QWEN3_ANSWER) and parts == [AnswerText(QWEN3_ANSWER)]
+
+
+def test_reasoning_tokens_are_those_that_write_the_reasoning_and_its_markers():
+    tokenizer = byte_tokenizer()
+    text = "<think>ab</think>cd"
+    ids = tuple(tokenizer.encode(text))
+    parser = OutputParser(form_of("qwen3.jinja"))
+    parser.feed(text)
+    parser.finish()
+    assert parser.reasoning_chars == len("<think>ab</think>")
+    assert reasoning_tokens(tokenizer, ids, parser.reasoning_chars) == len("<think>ab</think>")
+    assert reasoning_tokens(tokenizer, ids, 0) == 0
