@@ -81,17 +81,7 @@ class TinyModels:
         self.opened.append(entry.name)
         if self.load_gate is not None:
             self.load_gate.wait(timeout=10)
-        if entry.name not in SEEDS:
-            raise LoadError(f"no model weights at {entry.target}")
-        loaded = LoadedModel(
-            entry.target,
-            tiny_model("llama", seed=SEEDS[entry.name]),
-            byte_tokenizer(),
-            Path(entry.target),
-            "float32",
-            False,
-            {},
-        )
+        loaded = self.loaded(entry)
         runtime = Runtime(entry, loaded, notify)
         # A fixed verify cost instead of a timed calibration: the same drafts every run.
         runtime.engine = Engine(
@@ -99,6 +89,14 @@ class TinyModels:
         )
         runtime.engine.stream = self._recording(runtime.engine.stream)
         return runtime
+
+    def loaded(self, entry) -> LoadedModel:
+        if entry.name not in SEEDS:
+            raise LoadError(f"no model weights at {entry.target}")
+        model = tiny_model("llama", seed=SEEDS[entry.name])
+        return LoadedModel(
+            entry.target, model, byte_tokenizer(), Path(entry.target), "float32", False, {}
+        )
 
     def _recording(self, stream):
         def recording_stream(prompt, settings=None, proposer=None):
