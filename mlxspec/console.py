@@ -1,4 +1,4 @@
-"""Terminal output shared by the CLI and `chat --plain`: one-line messages, coloured tokens.
+"""Terminal output shared by the CLI and `chat --plain`: one-line messages, coloured answers.
 
 It sits below both front ends (they import it, it imports neither), so the CLI can start
 the plain chat without the two importing each other.
@@ -7,11 +7,16 @@ the plain chat without the two importing each other.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import click
 
 from mlxspec import blas
-from mlxspec.events import Accepted, Bonus, Corrected, Event, ProgressNote
+from mlxspec.events import Accepted, Bonus, Corrected, ProgressNote
+
+if TYPE_CHECKING:  # the parser's imports (transformers) wait for a command that answers
+    from mlxspec.answer_pieces import Piece
 
 # Text events and the colour each is shown in (None: the terminal's own).
 COLOURS = {Accepted: "green", Corrected: None, Bonus: None}
@@ -37,11 +42,46 @@ def say(message: str) -> None:
     click.echo(line, err=True)
 
 
-def echo_text(event: Event, colour: bool) -> None:
-    """Stream one text event to stdout, accepted drafts coloured when `colour`."""
-    style = COLOURS[type(event)] if colour else None
-    # color=colour: click would strip the colours from a pipe even with --color.
-    click.echo(click.style(event.text, fg=style) if style else event.text, nl=False, color=colour)
+class AnswerEcho:
+    """Streams an answer's pieces: the answer to stdout, the reasoning to stderr, dimmed,
+    so a pipe gets the answer alone; accepted drafts coloured in both. `colour`: style
+    stdout; `reasoning_colour`: style stderr (each defaults to its stream being a TTY)."""
+
+    def __init__(self, colour: bool, reasoning_colour: bool):
+        self.colour, self.reasoning_colour = colour, reasoning_colour
+        self._reasoning_line_open = False  # the reasoning on stderr wants a newline
+        self._reasoning_started = False
+
+    def show(self, pieces: Iterable[Piece]) -> None:
+        for piece in pieces:
+            if piece.reasoning:
+                self._reason(piece)
+            else:
+                self._close_reasoning()
+                style = COLOURS[piece.source] if self.colour else None
+                # color=: click would strip the colours from a pipe even with --color.
+                text = click.style(piece.text, fg=style) if style else piece.text
+                click.echo(text, nl=False, color=self.colour)
+
+    def end(self) -> None:
+        """End the answer's line (and the reasoning's, if the answer never came)."""
+        self._close_reasoning()
+        click.echo()
+
+    def _reason(self, piece: Piece) -> None:
+        text = piece.text if self._reasoning_started else piece.text.lstrip()
+        if not text:
+            return
+        self._reasoning_started = True
+        self._reasoning_line_open = not text.endswith("\n")
+        if self.reasoning_colour:
+            text = click.style(text, fg=COLOURS[piece.source], dim=True)
+        click.echo(text, nl=False, err=True, color=self.reasoning_colour)
+
+    def _close_reasoning(self) -> None:
+        if self._reasoning_line_open:
+            click.echo(err=True)
+            self._reasoning_line_open = False
 
 
 def warn_if_slow_blas() -> None:

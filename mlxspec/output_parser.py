@@ -123,6 +123,16 @@ def new_call_id() -> str:
 REASONING, ANSWER, TOOL_CALL = "reasoning", "answer", "tool call"
 
 
+@dataclass(frozen=True)
+class Placed:
+    """A part, and where its text starts in all the parser was fed (None: a tool call's
+    parts, read from a call's markup rather than copied from it), so a front end can tell
+    which output event wrote each character even where text was held back for a marker."""
+
+    part: AnswerPart
+    start: int | None = None
+
+
 class OutputParser:
     """Feed it the generated text piece by piece; each piece gives the parts it completed.
     `finish()` releases what was held back; `answer` is then the whole answer."""
@@ -141,29 +151,42 @@ class OutputParser:
         self._calls: list[ToolCall] = []
 
     def feed(self, text: str) -> list[AnswerPart]:
+        return [placed.part for placed in self.feed_placed(text)]
+
+    def finish(self) -> list[AnswerPart]:
+        return [placed.part for placed in self.finish_placed()]
+
+    def feed_placed(self, text: str) -> list[Placed]:
+        """`feed`, each part with where its text lies in all that was fed."""
         self._buffer += text
         self._fed += len(text)
-        parts: list[AnswerPart] = []
+        parts: list[Placed] = []
         while self._step(parts, final=False):
             pass
         return parts
 
-    def finish(self) -> list[AnswerPart]:
-        parts: list[AnswerPart] = []
+    def finish_placed(self) -> list[Placed]:
+        parts: list[Placed] = []
         while self._step(parts, final=True):
             pass
         return parts
 
     @property
     def consumed(self) -> int:
-        """Characters fed and no longer held: released in parts, or dropped as markup."""
+        """Characters fed and no longer held (released in parts, or dropped as markup):
+        where the buffer starts in all that was fed."""
         return self._fed - len(self._buffer)
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text fed so far ends inside the reasoning."""
+        return self._state == REASONING
 
     @property
     def answer(self) -> ParsedAnswer:
         return ParsedAnswer("".join(self._reasoning), "".join(self._text), tuple(self._calls))
 
-    def _step(self, parts: list[AnswerPart], final: bool) -> bool:
+    def _step(self, parts: list[Placed], final: bool) -> bool:
         """Release what the buffer's start allows; True when a marker moved the state on."""
         if self._state == REASONING:
             return self._in_reasoning(parts, final)
@@ -171,22 +194,22 @@ class OutputParser:
             return self._in_tool_call(parts, final)
         return self._in_answer(parts, final)
 
-    def _in_reasoning(self, parts: list[AnswerPart], final: bool) -> bool:
+    def _in_reasoning(self, parts: list[Placed], final: bool) -> bool:
         end = self.form.think_end
         found = self._buffer.find(end)
         if found >= 0:
-            self._reason(parts, self._buffer[:found])
+            self._reason(parts, self._buffer[:found], self.consumed)
             self._buffer = self._buffer[found + len(end) :]
             self.reasoning_chars = self._fed - len(self._buffer)
             self._state, self._after_marker = ANSWER, True
             return True
-        released = self._release(final, end)
-        self._reason(parts, released)
+        at = self.consumed
+        self._reason(parts, self._release(final, end), at)
         if final:
             self.reasoning_chars = self._fed  # cut off while reasoning: all of it was
         return False
 
-    def _in_answer(self, parts: list[AnswerPart], final: bool) -> bool:
+    def _in_answer(self, parts: list[Placed], final: bool) -> bool:
         if self._after_marker:
             self._buffer = self._buffer.lstrip()
             if not self._buffer:
@@ -204,14 +227,15 @@ class OutputParser:
         start = self.form.tool_call_start if self.form.tools else None
         found = self._buffer.find(start) if start else -1
         if found >= 0:
-            self._say(parts, self._buffer[:found])
+            self._say(parts, self._buffer[:found], self.consumed)
             self._buffer = self._buffer[found + len(start) :]
             self._state = TOOL_CALL
             return True
-        self._say(parts, self._release(final, start))
+        at = self.consumed
+        self._say(parts, self._release(final, start), at)
         return False
 
-    def _in_tool_call(self, parts: list[AnswerPart], final: bool) -> bool:
+    def _in_tool_call(self, parts: list[Placed], final: bool) -> bool:
         end = self.form.tool_call_end
         found = self._buffer.find(end) if end else -1
         if found < 0 and not final:
@@ -230,29 +254,30 @@ class OutputParser:
         self._buffer = self._buffer[len(released) :]
         return released
 
-    def _call(self, parts: list[AnswerPart], body: str, closed: bool) -> None:
+    def _call(self, parts: list[Placed], body: str, closed: bool) -> None:
         try:
             calls = _parsed_calls(self.form.tool_parser(body, self.form.tools))
         except Exception as err:  # any parser's failure: the text is still the model's answer
             log.warning("a tool call did not parse (%s), kept as text: %r", err, body)
             end = self.form.tool_call_end if closed else ""
-            self._say(parts, f"{self.form.tool_call_start}{body}{end}")
+            text = f"{self.form.tool_call_start}{body}{end}"
+            self._say(parts, text, self.consumed - len(text))
             return
         for name, arguments, call_id in calls:
             index = len(self._calls)
             self._calls.append(ToolCall(call_id, name, arguments))
-            parts.append(ToolCallStarted(index, call_id, name))
-            parts.append(ToolCallArguments(index, arguments))
+            parts.append(Placed(ToolCallStarted(index, call_id, name)))
+            parts.append(Placed(ToolCallArguments(index, arguments)))
 
-    def _reason(self, parts: list[AnswerPart], text: str) -> None:
+    def _reason(self, parts: list[Placed], text: str, start: int) -> None:
         if text:
             self._reasoning.append(text)
-            parts.append(ReasoningText(text))
+            parts.append(Placed(ReasoningText(text), start))
 
-    def _say(self, parts: list[AnswerPart], text: str) -> None:
+    def _say(self, parts: list[Placed], text: str, start: int) -> None:
         if text:
             self._text.append(text)
-            parts.append(AnswerText(text))
+            parts.append(Placed(AnswerText(text), start))
 
 
 def _marker_prefix(text: str, marker: str) -> int:
@@ -335,15 +360,17 @@ class AnswerReader:
                 return PartsOf(event, parts)
             self._held_logprobs.extend(event.logprobs)
             return PartsOf(event, parts, self._let_go(self.parser.consumed))
-        parts = tuple(self.parser.finish())
-        record = event.record
-        record.reasoning_tokens = reasoning_tokens(
-            self.tokenizer, event.token_ids, self.parser.reasoning_chars
+        return self.answered(event, self.parser.finish())
+
+    def answered(self, done: Done, parts: list[AnswerPart]) -> Answered:
+        """The end, once the parser has finished (`parts`: what finishing released)."""
+        done.record.reasoning_tokens = reasoning_tokens(
+            self.tokenizer, done.token_ids, self.parser.reasoning_chars
         )
         logprobs = None
-        if event.logprobs is not None:  # the end lets go of every entry still held
+        if done.logprobs is not None:  # the end lets go of every entry still held
             logprobs, self._held_logprobs = tuple(self._held_logprobs), deque()
-        return Answered(event, self.parser.answer, parts, logprobs)
+        return Answered(done, self.parser.answer, tuple(parts), logprobs)
 
     def _let_go(self, consumed: int) -> tuple[TokenLogprob, ...]:
         """The held entries of the tokens whose text starts before `consumed` characters

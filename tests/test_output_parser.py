@@ -88,6 +88,29 @@ def test_an_answer_cut_anywhere_gives_the_same_parts(cut):
     assert calls_of(parts) == CALLED
 
 
+BROKEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "answer_text",
+    [QWEN3_ANSWER, f"<think>a <b</think>\n\nSure. {BROKEN_CALL} Done <"],
+    ids=["calls", "a broken call"],
+)
+def test_each_text_part_says_where_its_text_was_fed(answer_text):
+    """Front ends colour text by the event that wrote it, held back or not."""
+    for cut in [*range(1, len(answer_text)), None]:
+        pieces = list(answer_text) if cut is None else [answer_text[:cut], answer_text[cut:]]
+        parser = OutputParser(form_of("qwen3.jinja"))
+        placed = [p for piece in pieces for p in parser.feed_placed(piece)]
+        placed += parser.finish_placed()
+        texts = [p for p in placed if isinstance(p.part, (ReasoningText, AnswerText))]
+        assert texts and all(
+            answer_text[p.start : p.start + len(p.part.text)] == p.part.text for p in texts
+        )
+        starts = [p.start for p in texts]
+        assert starts == sorted(starts)
+
+
 def test_an_answer_fed_a_character_at_a_time_streams_its_parts_in_order():
     parts, answer = parse(form_of("qwen3.jinja"), list(QWEN3_ANSWER))
     kinds = [type(part) for part in parts]
@@ -130,7 +153,7 @@ def test_an_answer_cut_off_while_reasoning_is_all_reasoning():
 
 
 def test_a_call_that_does_not_parse_is_answer_text_and_logged(caplog):
-    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    broken = BROKEN_CALL
     with caplog.at_level(logging.WARNING, logger="mlxspec.output"):
         parts, answer = parse(form_of("qwen3.jinja"), ["Sure. ", broken, " Done."])
     assert answer.tool_calls == ()

@@ -22,6 +22,7 @@ from textual.widgets import Input, LoadingIndicator, Markdown, Select
 from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec import runtime as runtime_module
+from mlxspec.answer_pieces import PieceReader
 from mlxspec.cli import main
 from mlxspec.engine import Engine
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Rejected, Step
@@ -61,6 +62,7 @@ CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.2
 class Call:
     messages: list
     proposer: str
+    template_kwargs: dict = field(default_factory=dict)
     events: list = field(default_factory=list)
 
 
@@ -79,17 +81,7 @@ class TinyModels:
         self.opened.append(entry.name)
         if self.load_gate is not None:
             self.load_gate.wait(timeout=10)
-        if entry.name not in SEEDS:
-            raise LoadError(f"no model weights at {entry.target}")
-        loaded = LoadedModel(
-            entry.target,
-            tiny_model("llama", seed=SEEDS[entry.name]),
-            byte_tokenizer(),
-            Path(entry.target),
-            "float32",
-            False,
-            {},
-        )
+        loaded = self.loaded(entry)
         runtime = Runtime(entry, loaded, notify)
         # A fixed verify cost instead of a timed calibration: the same drafts every run.
         runtime.engine = Engine(
@@ -98,9 +90,17 @@ class TinyModels:
         runtime.engine.stream = self._recording(runtime.engine.stream)
         return runtime
 
+    def loaded(self, entry) -> LoadedModel:
+        if entry.name not in SEEDS:
+            raise LoadError(f"no model weights at {entry.target}")
+        model = tiny_model("llama", seed=SEEDS[entry.name])
+        return LoadedModel(
+            entry.target, model, byte_tokenizer(), Path(entry.target), "float32", False, {}
+        )
+
     def _recording(self, stream):
         def recording_stream(prompt, settings=None, proposer=None):
-            call = Call(list(prompt), proposer)
+            call = Call(prompt.messages, proposer, prompt.template_kwargs)
             self.calls.append(call)
             with contextlib.closing(stream(prompt, settings, proposer)) as events:
                 for event in events:
@@ -411,6 +411,7 @@ def test_ctrl_q_quits_even_mid_answer(models):
 
 def test_answer_places_ghosts_before_the_correction():
     answer = Answer()
+    reader = PieceReader(byte_tokenizer(), "a raw prompt")  # answer text only
     for event in [
         Rejected((5, 6), "xy"),
         Accepted((1, 2), "ab"),
@@ -419,7 +420,7 @@ def test_answer_places_ghosts_before_the_correction():
         Bonus((4,), "d"),
         Step("none", 0, 0, 0.01),
     ]:
-        answer.add(event, now=0.0)
+        answer.add(event if isinstance(event, (Rejected, Step)) else reader.read(event), now=0.0)
     assert [(s.kind, s.text) for s in answer.segments] == [
         (ACCEPTED, "ab"),
         (REJECTED, "xy"),

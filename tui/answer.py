@@ -1,10 +1,12 @@
-"""One answer as it streams in: its text by provenance, and the rounds that produced it.
+"""One answer as it streams in: its text by part and provenance, and the rounds behind it.
 
-Built from the engine's events alone (front ends never re-decode). The text is a list of
-segments, each `accepted` (draft tokens the target agreed with), `own` (the target's own
-tokens: corrections and bonus tokens) or `rejected` (drafts the target refused). Rejected
-drafts are ghosts: never part of the answer, shown where they were tried (after the
-round's accepted drafts, before the target's correction) and faded out after
+Built from the engine's events alone (front ends never re-decode), their text read into
+reasoning and answer by the shared output parser on the engine thread
+(`mlxspec.answer_pieces`). The text is a list of segments, each of the reasoning or of
+the answer, and each `accepted` (draft tokens the target agreed with), `own` (the target's
+own tokens: corrections and bonus tokens) or `rejected` (drafts the target refused).
+Rejected drafts are ghosts: never part of the answer, shown where they were tried (after
+the round's accepted drafts, before the target's correction) and faded out after
 GHOST_SECONDS unless the user keeps them.
 """
 
@@ -17,13 +19,15 @@ from typing import Any
 from rich.style import Style
 from rich.text import Text
 
-from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, Step
+from mlxspec.answer_pieces import Finished, Piece, Written
+from mlxspec.events import Accepted, Bonus, Corrected, Event, Rejected, Step
 from mlxspec.speedup import SpeedupEstimate
 
 ACCEPTED, OWN, REJECTED = "accepted", "own", "rejected"
 KINDS = (ACCEPTED, OWN, REJECTED)
 KIND_OF_EVENT = {Accepted: ACCEPTED, Corrected: OWN, Bonus: OWN}
 GHOST_SECONDS = 1.5
+REASONING = "reasoning"  # a saved segment's third field, where it is of the reasoning
 
 
 @dataclass
@@ -31,6 +35,7 @@ class Segment:
     kind: str
     text: str
     shown_at: float = 0.0  # when a ghost appeared (time.monotonic()); saved ghosts: 0
+    reasoning: bool = False
 
 
 class Answer:
@@ -54,16 +59,22 @@ class Answer:
         self.last_step: Step | None = None
         self.speedup = SpeedupEstimate()  # live, from the rounds' own plain-step costs
         self._ghost: Segment | None = None  # refused drafts waiting for their place
+        self._reasoning_now = False  # the last text the engine wrote was of the reasoning
+        self._live_reasoning_tokens = 0  # tokens of events that wrote reasoning, until Done
 
-    def add(self, event: Event, now: float) -> None:
-        """Take one engine event; `now` (time.monotonic()) times ghosts and tokens/s."""
+    def add(self, event: Event | Written | Finished, now: float) -> None:
+        """Take one engine event (its text as the engine thread read it: Written, and
+        Finished for Done); `now` (time.monotonic()) times ghosts and tokens/s."""
         if isinstance(event, Rejected):
             self._ghost = Segment(REJECTED, event.text, now)
-        elif type(event) in KIND_OF_EVENT:
-            if isinstance(event, Corrected):
+        elif isinstance(event, Written):
+            self._reasoning_now = event.reasoning
+            if isinstance(event.event, Corrected):
                 self._place_ghost()
-            self._append(KIND_OF_EVENT[type(event)], event.text)
-            self.n_tokens += len(event.tokens)
+            self._add_pieces(event.pieces)
+            tokens = len(event.event.tokens)
+            self.n_tokens += tokens
+            self._live_reasoning_tokens += tokens if event.reasoning else 0
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
         elif isinstance(event, Step):
@@ -75,28 +86,60 @@ class Answer:
                 self.accepted += event.accepted
                 self.draft_rounds += 1
                 self.accepted_lengths.append(event.accepted)
-        elif isinstance(event, Done):
+        elif isinstance(event, Finished):
             self._place_ghost()
-            self.record = event.record.to_dict()
+            self._add_pieces(event.pieces)
+            self.record = event.answered.done.record.to_dict()
 
-    def _append(self, kind: str, text: str) -> None:
+    def _add_pieces(self, pieces: tuple[Piece, ...]) -> None:
+        for piece in pieces:
+            self._append(KIND_OF_EVENT[piece.source], piece.text, piece.reasoning)
+
+    def _append(self, kind: str, text: str, reasoning: bool) -> None:
         if not text:
             return
         last = self.segments[-1] if self.segments else None
-        if last is not None and last.kind == kind != REJECTED:
+        if last is not None and last.kind == kind != REJECTED and last.reasoning == reasoning:
             last.text += text  # keep few segments: rendering cost grows with their number
         else:
-            self.segments.append(Segment(kind, text))
+            self.segments.append(Segment(kind, text, reasoning=reasoning))
 
     def _place_ghost(self) -> None:
         if self._ghost is not None:
+            self._ghost.reasoning = self._reasoning_now
             self.segments.append(self._ghost)
             self._ghost = None
 
+    def _part(self, reasoning: bool) -> str:
+        return "".join(
+            s.text for s in self.segments if s.kind != REJECTED and s.reasoning == reasoning
+        )
+
     @property
     def text(self) -> str:
-        """The answer itself: what the engine output, without ghosts."""
-        return "".join(s.text for s in self.segments if s.kind != REJECTED)
+        """The answer itself: what the engine output, without reasoning or ghosts."""
+        return self._part(reasoning=False)
+
+    @property
+    def reasoning(self) -> str:
+        """What the model thought before answering (without its markers)."""
+        return self._part(reasoning=True)
+
+    @property
+    def has_reasoning(self) -> bool:
+        return any(s.reasoning for s in self.segments)
+
+    @property
+    def answer_started(self) -> bool:
+        """The answer itself has begun (the thinking, if any, is over)."""
+        return any(not s.reasoning and s.kind != REJECTED for s in self.segments)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """The run record's count once done; live, the tokens of events that wrote some."""
+        if self.record is not None and "reasoning_tokens" in self.record:
+            return self.record["reasoning_tokens"]
+        return self._live_reasoning_tokens
 
     @property
     def finished(self) -> bool:
@@ -131,10 +174,15 @@ class Answer:
     def ghosts_showing(self, now: float) -> bool:
         return any(s.kind == REJECTED and now - s.shown_at < GHOST_SECONDS for s in self.segments)
 
-    def to_text(self, styles: Mapping[str, Style], show_rejected: bool, now: float) -> Text:
-        """The answer as Rich text, one style per provenance; ghosts while they last."""
+    def to_text(
+        self, styles: Mapping[str, Style], show_rejected: bool, now: float, reasoning=False
+    ) -> Text:
+        """The answer (or its reasoning) as Rich text, one style per provenance; ghosts
+        while they last."""
         text = Text()
         for segment in self.segments:
+            if segment.reasoning != reasoning:
+                continue
             if segment.kind == REJECTED and not (
                 show_rejected or now - segment.shown_at < GHOST_SECONDS
             ):
@@ -144,7 +192,11 @@ class Answer:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "segments": [[s.kind, s.text] for s in self.segments],
+            "segments": [
+                [s.kind, s.text, REASONING] if s.reasoning else [s.kind, s.text]
+                for s in self.segments
+            ],
+            "reasoning": self.reasoning,
             "cancelled": self.cancelled,
             "error": self.error,
             "record": self.record,
@@ -155,7 +207,7 @@ class Answer:
         # A message written without segments (by hand, say) shows as the target's own text.
         segments = data.get("segments") or [[OWN, data.get("content", "")]]
         return cls(
-            [Segment(kind, text) for kind, text in segments],
+            [Segment(kind, text, reasoning=REASONING in rest) for kind, text, *rest in segments],
             cancelled=bool(data.get("cancelled")),
             error=data.get("error"),
             record=data.get("record"),

@@ -29,13 +29,21 @@ if TYPE_CHECKING:
 
 from mlxspec import blas, device
 from mlxspec.events import Rejected
-from mlxspec.registry import Registry
+from mlxspec.registry import ModelEntry, Registry
 from mlxspec.runtime import open_runtime as default_open_runtime
 from tui import store
 from tui.answer import Answer
 from tui.screens import Choices, OpenScreen, SettingsScreen
 from tui.store import Conversation
-from tui.widgets import AnswerText, AnswerView, Legend, RoundsLabel, StatusBar, UserMessage
+from tui.widgets import (
+    AnswerText,
+    AnswerView,
+    Legend,
+    RoundsLabel,
+    StatusBar,
+    ThinkingText,
+    UserMessage,
+)
 from tui.worker import (
     AnswerJob,
     Ended,
@@ -53,6 +61,11 @@ REDRAW_SECONDS = 1 / 20  # a streaming answer is redrawn at most this often
 TEMPERATURE_PRESETS = (0.0, 0.7, 1.0)
 
 
+def thinks_by_default(entry: ModelEntry) -> bool:
+    """The model's enable_thinking (models.toml or --chat-template-args), else on."""
+    return bool(entry.defaults.chat_template_kwargs.get("enable_thinking", True))
+
+
 class ChatApp(App):
     CSS_PATH = "chat.tcss"
     TITLE = "mlxspec chat"
@@ -66,6 +79,7 @@ class ChatApp(App):
         Binding("ctrl+s", "settings", "Settings"),
         Binding("ctrl+t", "toggle_view", "Markdown"),
         Binding("ctrl+r", "toggle_ghosts", "Ghosts"),
+        Binding("ctrl+g", "toggle_thinking", "Thinking"),
     ]
 
     proposer = reactive("")
@@ -74,6 +88,8 @@ class ChatApp(App):
     model_ready = reactive(False)
     markdown_view = reactive(False)
     keep_rejected = reactive(False)
+    thinking = reactive(True)  # the chat template's enable_thinking, from the next answer
+    show_thinking = reactive(False)  # answers' thinking unfolded, not one summary line
 
     def __init__(
         self,
@@ -93,6 +109,7 @@ class ChatApp(App):
         self.entry.proposer(proposer)  # an unknown name fails here, before any loading
         self.set_reactive(ChatApp.proposer, proposer or self.entry.default_proposer)
         self.set_reactive(ChatApp.temperature, self.entry.defaults.temperature)
+        self.set_reactive(ChatApp.thinking, thinks_by_default(self.entry))
         if ranks is None:
             self.engine_thread = EngineThread(self.post_message, open_runtime)
         else:
@@ -172,7 +189,9 @@ class ChatApp(App):
         self.status.note = "no model loaded; pick one with ctrl+s"
         self.query_one(LoadingIndicator).display = False
 
-    def switch_model(self, name: str, proposer: str | None = None, temperature=None) -> None:
+    def switch_model(
+        self, name: str, proposer: str | None = None, temperature=None, thinking=None
+    ) -> None:
         if self._refuse_while_busy():
             return
         if self.ranks is not None and name != self.entry.name:
@@ -185,6 +204,7 @@ class ChatApp(App):
         entry = self.registry.get(name)
         self.proposer = proposer or entry.default_proposer
         self.temperature = entry.defaults.temperature if temperature is None else temperature
+        self.thinking = thinks_by_default(entry) if thinking is None else thinking
         if self.ranks is None and (name != self.entry.name or not self.model_ready):
             self.load(entry)  # sharded: loaded once, in step with the other ranks
 
@@ -195,6 +215,10 @@ class ChatApp(App):
     def set_temperature(self, temperature: float) -> None:
         self.temperature = temperature
         self.notify(f"temperature {temperature:g} from the next answer")
+
+    def set_thinking(self, thinking: bool) -> None:
+        self.thinking = thinking
+        self.notify(f"thinking {'on' if thinking else 'off'} from the next answer")
 
     def watch_proposer(self, name: str) -> None:
         self.status.proposer = name
@@ -214,7 +238,7 @@ class ChatApp(App):
         event.input.clear()
         self.conversation.add_user(prompt)
         self.sub_title = self.conversation.title
-        self.current = AnswerView(Answer(), self.entry.name, self.keep_rejected)
+        self.current = AnswerView(Answer(), self.entry.name, self.keep_rejected, self.show_thinking)
         conversation = self.query_one("#conversation", VerticalScroll)
         conversation.mount(UserMessage(prompt), self.current)
         conversation.anchor()
@@ -223,6 +247,7 @@ class ChatApp(App):
         self.status.show(self.current.answer)
         self.job = AnswerJob(
             self.conversation.engine_messages(),
+            {**self.entry.defaults.chat_template_kwargs, "enable_thinking": self.thinking},
             generation_settings(self.entry, self.temperature),
             self.proposer,
         )
@@ -237,7 +262,7 @@ class ChatApp(App):
         for event in events:
             answer.add(event, now)
             if isinstance(event, Rejected):
-                self.current.body.ghost_added()
+                self.current.ghost_added()
         # Events can come faster than a screen needs redrawing: batch them.
         if not self._redraw_due:
             self._redraw_due = True
@@ -248,7 +273,7 @@ class ChatApp(App):
         if self.current is None:
             return
         answer = self.current.answer
-        self.current.body.redraw()
+        self.current.redraw()
         self.status.note = ""  # e.g. "loading draft model ..." is over once drafts come
         self.status.show(answer)
         recent = answer.accepted_lengths[-SPARKLINE_ROUNDS:]
@@ -320,7 +345,12 @@ class ChatApp(App):
         view = self.query_one("#conversation", VerticalScroll)
         await view.remove_children()
         await view.mount_all(
-            AnswerView(Answer.from_dict(m), m.get("model", "assistant"), self.keep_rejected)
+            AnswerView(
+                Answer.from_dict(m),
+                m.get("model", "assistant"),
+                self.keep_rejected,
+                self.show_thinking,
+            )
             if m["role"] == "assistant"
             else UserMessage(m["content"])
             for m in conversation.messages
@@ -342,12 +372,14 @@ class ChatApp(App):
     # --- Settings and views ----------------------------------------------------------------
 
     def action_settings(self) -> None:
-        current = Choices(self.entry.name, self.proposer, self.temperature)
+        current = Choices(self.entry.name, self.proposer, self.temperature, self.thinking)
         self.push_screen(SettingsScreen(self.registry, current), self.apply_choices)
 
     def apply_choices(self, choices: Choices | None) -> None:
         if choices is not None:
-            self.switch_model(choices.model, choices.proposer, choices.temperature)
+            self.switch_model(
+                choices.model, choices.proposer, choices.temperature, choices.thinking
+            )
 
     def action_toggle_view(self) -> None:
         self.markdown_view = not self.markdown_view
@@ -361,6 +393,13 @@ class ChatApp(App):
     def watch_keep_rejected(self, keep: bool) -> None:
         for answer_text in self.query(AnswerText):
             answer_text.show_rejected = keep
+
+    def action_toggle_thinking(self) -> None:
+        self.show_thinking = not self.show_thinking
+
+    def watch_show_thinking(self, show: bool) -> None:
+        for thinking in self.query(ThinkingText):
+            thinking.unfolded = show
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
@@ -380,6 +419,11 @@ class ChatApp(App):
                 entry.description or entry.target,
                 partial(self.switch_model, entry.name),
             )
+        yield SystemCommand(
+            f"Thinking: {'off' if self.thinking else 'on'}",
+            "Sets the template's enable_thinking from the next answer",
+            partial(self.set_thinking, not self.thinking),
+        )
         for temperature in TEMPERATURE_PRESETS:
             yield SystemCommand(
                 f"Temperature: {temperature:g}",

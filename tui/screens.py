@@ -1,4 +1,5 @@
-"""Modal screens: settings (model, proposer, temperature) and opening a saved conversation."""
+"""Modal screens: settings (model, proposer, temperature, thinking) and opening a saved
+conversation."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, Select
+from textual.widgets import Button, Input, Label, OptionList, Select, Switch
 from textual.widgets.option_list import Option
 
 from mlxspec.registry import Registry
@@ -20,6 +21,7 @@ class Choices:
     model: str
     proposer: str
     temperature: float
+    thinking: bool  # the chat template's enable_thinking
 
 
 class SettingsScreen(ModalScreen[Choices | None]):
@@ -44,6 +46,9 @@ class SettingsScreen(ModalScreen[Choices | None]):
             )
             yield Label("Temperature (0 = greedy)")
             yield Input(str(self.current.temperature), type="number", id="temperature")
+            with Horizontal(id="thinking-row"):
+                yield Switch(self.current.thinking, id="thinking")
+                yield Label("Thinking (the template's enable_thinking)")
             with Horizontal(id="buttons"):
                 yield Button("Apply", variant="primary", id="apply")
                 yield Button("Cancel", id="cancel")
@@ -74,6 +79,7 @@ class SettingsScreen(ModalScreen[Choices | None]):
                 str(self.query_one("#model", Select).value),
                 str(self.query_one("#proposer", Select).value),
                 temperature,
+                self.query_one("#thinking", Switch).value,
             )
         )
 

@@ -2,7 +2,9 @@
 
 A conversation's messages are what the engine is sent ({"role", "content"}); assistant
 messages also carry their provenance segments and run record, so a reopened chat shows
-what speculation did.
+what speculation did, and the model's reasoning apart (`reasoning`, and the segments
+marked as its): an assistant's content is its answer alone, so the history sent back to
+the model holds no reasoning.
 """
 
 from __future__ import annotations

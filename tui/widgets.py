@@ -1,4 +1,5 @@
-"""The chat's widgets: messages, the provenance-coloured answer, its legend, the status bar.
+"""The chat's widgets: messages, the provenance-coloured answer and its folding thinking,
+the legend, the status bar.
 
 Provenance styles live in chat.tcss as component classes (`provenance--accepted`, ...), so
 the answer text, the legend and any theme agree on them.
@@ -38,6 +39,7 @@ class AnswerText(Widget):
     """The streaming answer, coloured by provenance, with fading ghosts of rejected drafts."""
 
     COMPONENT_CLASSES = PROVENANCE_CLASSES
+    REASONING = False  # which part of the answer it shows
     show_rejected = reactive(False, layout=True)
 
     def __init__(self, answer: Answer, show_rejected: bool) -> None:
@@ -54,7 +56,9 @@ class AnswerText(Widget):
     def rich_text(self) -> Text:
         if self._styles is None:
             self._styles = provenance_styles(self)
-        return self.answer.to_text(self._styles, self.show_rejected, time.monotonic())
+        return self.answer.to_text(
+            self._styles, self.show_rejected, time.monotonic(), self.REASONING
+        )
 
     def render(self) -> Text:
         return self.rich_text()
@@ -83,16 +87,42 @@ class AnswerText(Widget):
             self._fade = None
 
 
-class AnswerView(Vertical):
-    """One assistant turn: provenance view while streaming, markdown once finished."""
+class ThinkingText(AnswerText):
+    """The model's reasoning, dimmed (chat.tcss): shown as it streams, folded to one line
+    once the answer starts unless `unfolded`."""
 
-    def __init__(self, answer: Answer, model: str, show_rejected: bool) -> None:
+    REASONING = True
+    unfolded = reactive(False, layout=True)
+
+    def __init__(self, answer: Answer, show_rejected: bool, unfolded: bool) -> None:
+        super().__init__(answer, show_rejected)
+        self.set_reactive(ThinkingText.unfolded, unfolded)
+
+    @property
+    def folded(self) -> bool:
+        return self.answer.answer_started and not self.unfolded
+
+    def rich_text(self) -> Text:
+        if self.folded:
+            return Text(f"▸ Thought for {self.answer.reasoning_tokens} tokens (ctrl+g shows)")
+        return super().rich_text()
+
+
+class AnswerView(Vertical):
+    """One assistant turn: its thinking, if any, apart; provenance view while streaming,
+    markdown once finished."""
+
+    def __init__(
+        self, answer: Answer, model: str, show_rejected: bool, show_thinking: bool
+    ) -> None:
         super().__init__()
         self.answer, self.model = answer, model
+        self.thinking = ThinkingText(answer, show_rejected, show_thinking)
         self.body = AnswerText(answer, show_rejected)
 
     def compose(self) -> ComposeResult:
         yield Static(self.model, classes="who", markup=False)
+        yield self.thinking
         yield self.body
         yield Markdown()
         yield Static(classes="meta", markup=False)
@@ -101,6 +131,16 @@ class AnswerView(Vertical):
         if self.answer.finished:
             self.finish()
 
+    def ghost_added(self) -> None:
+        self.thinking.ghost_added()
+        self.body.ghost_added()
+
+    def redraw(self) -> None:
+        """Repaint what streamed in (see AnswerText.redraw)."""
+        self.set_class(self.answer.has_reasoning, "-thinking")
+        self.thinking.redraw()
+        self.body.redraw()
+
     def finish(self) -> None:
         """Show the clean markdown and a one-line summary (or why it stopped)."""
         self.add_class("-finished")
@@ -108,7 +148,7 @@ class AnswerView(Vertical):
         self.query_one(".meta", Static).update(summary(self.answer))
         self.set_class(self.answer.cancelled, "-cancelled")
         self.set_class(self.answer.error is not None, "-failed")
-        self.body.redraw()
+        self.redraw()
 
 
 def summary(answer: Answer) -> str:
@@ -117,7 +157,10 @@ def summary(answer: Answer) -> str:
     record = answer.record
     parts = ["cancelled"] if answer.cancelled else []
     if record is not None:
-        speed = f"{record['completion_tokens']} tokens, {record['tokens_per_second']:.1f} tok/s"
+        thought = record.get("reasoning_tokens")
+        tokens = f"{record['completion_tokens']} tokens"
+        tokens += f" ({thought} thinking)" if thought else ""
+        speed = f"{tokens}, {record['tokens_per_second']:.1f} tok/s"
         if record.get("estimated_speedup"):  # records saved before it existed lack it
             speed += f" ({record['estimated_speedup']:.2f}× plain)"
         parts.append(speed)

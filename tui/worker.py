@@ -5,7 +5,8 @@ them on Metal, so loading, calibration and generation all run on a single long-l
 thread rather than a fresh thread per job. The thread owns the runtime and only posts
 messages; the app owns everything the screen shows. On a sharded target (`chat --ranks`)
 this thread is rank 0's: it announces every answer to the other ranks (`stream`) and,
-when it stops, tells them there will be no more (`on_stop`).
+when it stops, tells them there will be no more (`on_stop`). It also reads each answer's
+text into reasoning and answer (`mlxspec.answer_pieces`), so the screen only shows parts.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from textual.message import Message
 
+from mlxspec.answer_pieces import Finished, PieceReader, Written
+from mlxspec.conversation import Conversation
 from mlxspec.engine import GenerationSettings
-from mlxspec.events import Event
+from mlxspec.events import Done, Event
 from mlxspec.pull import ensure_packaged_model, is_packaged, is_present
 from mlxspec.registry import ModelEntry
 from mlxspec.sampling import SamplingSettings
+from tui.answer import KIND_OF_EVENT
 
 
 def generation_settings(entry: ModelEntry, temperature: float | None = None) -> GenerationSettings:
@@ -65,7 +69,8 @@ class LoadFailed(Message):
 
 
 class Streamed(Message):
-    """New events wait in the thread's outbox (see EngineThread.take_events)."""
+    """New events wait in the thread's outbox (see EngineThread.take_events): text events
+    as Written, Done as Finished, the others as the engine sent them."""
 
 
 class Ended(Message):
@@ -84,15 +89,16 @@ class LoadJob:
 @dataclass
 class AnswerJob:
     messages: list[dict]
+    template_kwargs: dict  # the chat template's extra arguments (enable_thinking)
     settings: GenerationSettings
     proposer: str
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
-def local_stream(runtime, messages, settings, proposer: str, stop: Callable[[], bool]):
+def local_stream(runtime, prompt, settings, proposer: str, stop: Callable[[], bool]):
     """The engine's own stream, left between two events once `stop()` says so: asked
     before the next event, which after a round's last one would run another round."""
-    events = runtime.engine.stream(messages, settings, proposer)
+    events = runtime.engine.stream(prompt, settings, proposer)
     try:
         while not stop():
             event = next(events, None)
@@ -111,7 +117,7 @@ class EngineThread:
         stream: Callable[..., Iterator[Event]] = local_stream,
         on_stop: Callable[[], None] | None = None,
     ):
-        """`stream(runtime, messages, settings, proposer, stop)`: an answer's events,
+        """`stream(runtime, conversation, settings, proposer, stop)`: an answer's events,
         ending early once `stop()` is true; `on_stop`: run last, on this thread, while a
         model is loaded."""
         self.post, self.open_runtime = post, open_runtime
@@ -120,10 +126,10 @@ class EngineThread:
         self._jobs: queue.SimpleQueue[LoadJob | AnswerJob | None] = queue.SimpleQueue()
         # Events go through an outbox with one wake-up message at a time, not a message
         # each: a fast model makes events faster than the screen needs them.
-        self._outbox: deque[Event] = deque()
+        self._outbox: deque[Event | Written | Finished] = deque()
         self._woken = threading.Event()
 
-    def take_events(self) -> list[Event]:
+    def take_events(self) -> list[Event | Written | Finished]:
         """The app's side: all events so far (clear the flag first, then drain)."""
         self._woken.clear()
         events = []
@@ -131,7 +137,7 @@ class EngineThread:
             events.append(self._outbox.popleft())
         return events
 
-    def _deliver(self, event: Event) -> None:
+    def _deliver(self, event: Event | Written | Finished) -> None:
         self._outbox.append(event)
         if not self._woken.is_set():
             self._woken.set()
@@ -189,10 +195,17 @@ class EngineThread:
         try:
             proposer = self.runtime.proposer(job.proposer)
             stop = job.cancel.is_set  # a cancelled answer stops between two rounds
-            events = self.stream(self.runtime, job.messages, job.settings, proposer, stop)
+            conversation = Conversation(job.messages, None, job.template_kwargs)
+            reader = PieceReader(self.runtime.engine.tokenizer, conversation)
+            events = self.stream(self.runtime, conversation, job.settings, proposer, stop)
             try:
                 for event in events:
-                    self._deliver(event)
+                    if isinstance(event, Done):
+                        self._deliver(reader.finish(event))
+                    elif type(event) in KIND_OF_EVENT:  # the answer's text
+                        self._deliver(reader.read(event))
+                    else:
+                        self._deliver(event)
             finally:
                 events.close()
         except Exception as err:

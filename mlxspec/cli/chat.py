@@ -13,6 +13,7 @@ from mlxspec.cli.options import (
     PROPOSER_OPTION,
     TREE_OPTION,
     WEIGHTS_OPTION,
+    chat_template_args_option,
     model_option,
 )
 from mlxspec.console import say, warn_if_slow_blas
@@ -28,18 +29,23 @@ from mlxspec.registry import load_registry
     "--plain", is_flag=True, help="Line-based chat on stdin/stdout (default off a terminal)."
 )
 @click.option(
-    "--color/--no-color", default=None, help="--plain: colour accepted drafts (default: on a TTY)."
+    "--color/--no-color",
+    default=None,
+    help="--plain: colour accepted drafts and dim the reasoning (default: on a TTY).",
 )
+@chat_template_args_option()
 @TREE_OPTION
 @NO_HISTORY_OPTION
 @WEIGHTS_OPTION
 @distributed_options
 @fail_cleanly
-def chat(model, proposer, plain, color, tree, no_history, weights):
+def chat(model, proposer, plain, color, chat_template_args, tree, no_history, weights):
     """Chat with a model and watch speculation at work.
 
     Accepted drafts are coloured as they stream in; the status bar shows the proposer,
-    draft length, acceptance and speed. --plain reads one turn per line; /quit ends.
+    draft length, acceptance and speed. A model's thinking shows apart, dimmed, and
+    folds once the answer starts (ctrl+g unfolds it; ctrl+s turns thinking off). --plain
+    reads one turn per line, its reasoning to stderr; /quit ends.
 
     \b
     Examples:
@@ -53,7 +59,12 @@ def chat(model, proposer, plain, color, tree, no_history, weights):
     registry = (
         load_registry()
         .including(model)
-        .with_defaults(tree=tree, history=False if no_history else None, weights=weights)
+        .with_defaults(
+            tree=tree,
+            history=False if no_history else None,
+            weights=weights,
+            chat_template_kwargs=chat_template_args,
+        )
     )
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
@@ -72,8 +83,11 @@ def chat(model, proposer, plain, color, tree, no_history, weights):
         else:
             runtime = rank.open_runtime(entry, say, calibrate=True)
             stream = partial(rank.stream, runtime)
-        colour = sys.stdout.isatty() if color is None else color
-        run_plain(runtime, proposer, sys.stdin, colour, sys.stdin.isatty(), stream)
+        colours = (
+            sys.stdout.isatty() if color is None else color,
+            sys.stderr.isatty() if color is None else color,
+        )
+        run_plain(runtime, proposer, sys.stdin, colours, sys.stdin.isatty(), stream)
         if rank is not None:
             rank.end_following()
         return

@@ -13,10 +13,11 @@ from mlxspec.cli.options import (
     PROPOSER_OPTION,
     TREE_OPTION,
     WEIGHTS_OPTION,
+    chat_template_args_option,
     model_option,
     sampling_options,
 )
-from mlxspec.console import COLOURS, echo_text, say, warn_if_slow_blas
+from mlxspec.console import COLOURS, AnswerEcho, say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
 from mlxspec.events import Done
 from mlxspec.registry import load_registry
@@ -34,9 +35,17 @@ from mlxspec.registry import load_registry
 )
 @TREE_OPTION
 @click.option("--chat/--raw", default=True, help="Apply the chat template (default) or not.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the run record.")
+@chat_template_args_option()
 @click.option(
-    "--color/--no-color", default=None, help="Colour accepted drafts (default: on a TTY)."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object: the answer's text, reasoning and tool calls, and the run record.",
+)
+@click.option(
+    "--color/--no-color",
+    default=None,
+    help="Colour accepted drafts and dim the reasoning (default: on a TTY).",
 )
 @NO_HISTORY_OPTION
 @WEIGHTS_OPTION
@@ -55,6 +64,7 @@ def generate(
     fixed_k,
     tree,
     chat,
+    chat_template_args,
     as_json,
     color,
     no_history,
@@ -62,13 +72,19 @@ def generate(
 ):
     """Generate an answer to PROMPT ('-' reads stdin), streaming it to stdout.
 
+    A model that thinks (Qwen3's <think>...</think>) streams its reasoning to stderr,
+    dimmed, and the answer alone to stdout.
+
     \b
     Examples:
       mlxspec generate "Summarise: ..." --proposer prompt-lookup
       mlxspec generate "Tell me about owls" --proposer head --tree --json
       echo "Rename x to count in: ..." | mlxspec generate - --json
       mlxspec generate "Repeat: a, b, c" --ranks 3 --json     # target sharded over 3 ranks
+      mlxspec generate "Hi" -m qwen3-8b --chat-template-args '{"enable_thinking": false}'
     """
+    from mlxspec.answer_pieces import PieceReader
+    from mlxspec.conversation import Conversation
     from mlxspec.distributed.rank import current_rank
     from mlxspec.engine import GenerationSettings
     from mlxspec.runtime import open_runtime
@@ -79,7 +95,9 @@ def generate(
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
     warn_if_slow_blas()
-    entry = load_registry().including(model).with_defaults(weights=weights).get(model)
+    registry = load_registry().including(model)
+    registry = registry.with_defaults(weights=weights, chat_template_kwargs=chat_template_args)
+    entry = registry.get(model)
     defaults = entry.defaults
     proposer_name = entry.proposer(proposer)  # validate before loading weights
     rank = current_rank()  # None unless launched with --ranks/--hostfile
@@ -104,32 +122,52 @@ def generate(
         tree_nodes=defaults.tree_nodes,
         history=defaults.history and not no_history,
     )
-    request = [{"role": "user", "content": prompt}] if chat else prompt
-    colour = sys.stdout.isatty() if color is None else color
-    done = None
+    if chat:
+        request = Conversation(
+            [{"role": "user", "content": prompt}], None, dict(defaults.chat_template_kwargs)
+        )
+    else:
+        request = prompt
+    reader = PieceReader(runtime.engine.tokenizer, request)
+    echo = AnswerEcho(
+        sys.stdout.isatty() if color is None else color,
+        sys.stderr.isatty() if color is None else color,
+    )
+    finished = None
     stream = rank.stream if rank else lambda rt, *a: rt.engine.stream(*a)
     for event in stream(runtime, request, settings, active):
         if isinstance(event, Done):
-            done = event
-        elif not as_json and type(event) in COLOURS:
-            echo_text(event, colour)
+            finished = reader.finish(event)
+        elif type(event) in COLOURS:
+            written = reader.read(event)
+            if not as_json:
+                echo.show(written.pieces)
     if rank and not rank.front:
         return  # rank 0 owns stdout
+    done, answer = finished.answered.done, finished.answered.answer
     if as_json:
+        calls = [
+            {"id": call.id, "name": call.name, "arguments": json.loads(call.arguments)}
+            for call in answer.tool_calls
+        ]
         click.echo(
             json.dumps(
                 {
-                    "text": done.text,
+                    "text": answer.text,
+                    "reasoning": answer.reasoning,
+                    "tool_calls": calls,
                     "token_ids": list(done.token_ids),
                     "record": done.record.to_dict(),
                 }
             )
         )
         return
-    click.echo()
+    echo.show(finished.pieces)
+    echo.end()
     record = done.record
+    thought = f" ({record.reasoning_tokens} reasoning)" if record.reasoning_tokens else ""
     say(
-        f"{record.completion_tokens} tokens, {record.tokens_per_second:.1f} tok/s "
+        f"{record.completion_tokens} tokens{thought}, {record.tokens_per_second:.1f} tok/s "
         f"({record.speedup_estimate.value:.2f}x plain), proposer {record.proposer}, "
         f"accepted {record.accepted}/{record.drafted} drafts, finish: {record.finish_reason}"
     )

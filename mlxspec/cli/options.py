@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from mlxspec.weights import CHOICES as WEIGHT_CHOICES
@@ -17,6 +19,33 @@ MODEL_HELP = (
 def model_option(help: str = MODEL_HELP):
     """`--model/-m`; serve and train-drafter say more about what the model is for."""
     return click.option("--model", "-m", help=help)
+
+
+CHAT_TEMPLATE_ARGS_HELP = (
+    "Extra arguments of the chat template, a JSON object, e.g. "
+    "'{\"enable_thinking\": false}' (default: the model's `chat_template_kwargs`)."
+)
+
+
+def chat_template_args_option(help: str = CHAT_TEMPLATE_ARGS_HELP):
+    """`--chat-template-args JSON`, read into a dict; serve says it holds for every model."""
+    return click.option("--chat-template-args", callback=_template_args, metavar="JSON", help=help)
+
+
+def _template_args(ctx: click.Context, param: click.Parameter, text: str | None) -> dict | None:
+    """--chat-template-args: a JSON object, or one line saying what is wrong with it."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise click.ClickException(f"--chat-template-args is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise click.ClickException(
+            f"--chat-template-args must be a JSON object, e.g. '{{\"enable_thinking\": false}}', "
+            f"got {text}"
+        )
+    return value
 
 
 PROPOSER_OPTION = click.option(

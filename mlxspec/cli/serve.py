@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from mlxspec.cli.errors import fail_cleanly
-from mlxspec.cli.options import MODEL_HELP, TREE_OPTION, WEIGHTS_OPTION, model_option
+from mlxspec.cli.options import (
+    MODEL_HELP,
+    TREE_OPTION,
+    WEIGHTS_OPTION,
+    chat_template_args_option,
+    model_option,
+)
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
 from mlxspec.registry import load_registry
@@ -25,22 +29,6 @@ ROW_FLOOR_OPTION = click.option(
     "drafts widen the shared pass (default 0.95; 0: the batch's total tokens/s first). "
     "See docs/batching.md.",
 )
-
-
-def _template_args(ctx: click.Context, param: click.Parameter, text: str | None) -> dict | None:
-    """--chat-template-args: a JSON object, or one line saying what is wrong with it."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise click.ClickException(f"--chat-template-args is not valid JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise click.ClickException(
-            f"--chat-template-args must be a JSON object, e.g. '{{\"enable_thinking\": false}}', "
-            f"got {text}"
-        )
-    return value
 
 
 @click.command()
@@ -87,13 +75,10 @@ def _template_args(ctx: click.Context, param: click.Parameter, text: str | None)
     help="On SIGINT, SIGTERM or SIGHUP: seconds running requests get to finish before they "
     "end with a 503; then the server exits 0.",
 )
-@click.option(
-    "--chat-template-args",
-    callback=_template_args,
-    metavar="JSON",
-    help="Extra arguments of the chat template for every model, a JSON object, e.g. "
+@chat_template_args_option(
+    "Extra arguments of the chat template for every model, a JSON object, e.g. "
     "'{\"enable_thinking\": false}' (default: the model's `chat_template_kwargs`); a "
-    "request's chat_template_kwargs win key by key.",
+    "request's chat_template_kwargs win key by key."
 )
 @TREE_OPTION
 @WEIGHTS_OPTION

@@ -26,6 +26,7 @@ from functools import partial
 
 import mlx.core as mx
 
+from mlxspec.conversation import Conversation
 from mlxspec.distributed.batch import PLAN, BatchFollower, batches
 from mlxspec.distributed.collectives import Collectives
 from mlxspec.distributed.config import FAULT_ENV, RankConfig
@@ -272,6 +273,8 @@ class RankSession:
         """`engine.stream` on every rank, checked after every round; ranks other than 0
         yield only the final Done (they print nothing). `stop`: rank 0 asks whether to
         end the request early (its client left); every rank stops after the same round."""
+        if isinstance(request, Conversation):  # the ranks agree on JSON: send its token ids
+            request = runtime.engine.encode_chat(request)
         request, settings, proposer = self.agree(request, settings, proposer)
         yield from self.run(runtime, request, settings, proposer, stop)
 

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.width import ROW_FLOOR
-from mlxspec.conversation import Conversation
 from mlxspec.distributed.batch import PlannedCaches, batches
 from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.rank import RankSession, report_exit
@@ -74,10 +73,7 @@ class ShardedWorker(Worker):
     def _stream(self, model: OpenModel, job: Job, proposer: str) -> Iterator[Event]:
         request = job.generation
         stop = lambda: job.cancelled  # noqa: E731  (read by rank 0 after every round)
-        prompt = request.prompt
-        if isinstance(prompt, Conversation):  # the ranks agree on JSON: send its token ids
-            prompt = model.engine.encode_chat(prompt)
-        return self.session.stream(model, prompt, request.settings, proposer, stop)
+        return self.session.stream(model, request.prompt, request.settings, proposer, stop)
 
     def _open_preload(self) -> None:
         try:  # every rank loads now, in step; one that cannot leaves nothing to serve
