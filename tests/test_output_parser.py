@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 from tiny_models import byte_tokenizer
+from tool_examples import ASK, CALLED, TEMPLATES, WEATHER
 
 from mlxspec.conversation import (
     AnswerText,
@@ -21,17 +21,6 @@ from mlxspec.conversation import (
 )
 from mlxspec.output_parser import AnswerFormat, OutputParser, answer_format, reasoning_tokens
 
-TEMPLATES = Path(__file__).parent / "templates"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
-ASK = [{"role": "user", "content": "Weather in Paris and Rome?"}]
-
 # Qwen3's answer: reasoning, a sentence, two calls made at once.
 QWEN3_ANSWER = (
     "<think>\nTwo cities: two calls.\n</think>\n\nLet me look.\n<tool_call>\n"
@@ -39,7 +28,6 @@ QWEN3_ANSWER = (
     '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
 )
 QWEN3_PARSED = ParsedAnswer("\nTwo cities: two calls.\n", "Let me look.\n", ())
-CALLED = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
 
 
 def tokenizer_with(template: str | None):

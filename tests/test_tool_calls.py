@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -19,6 +18,7 @@ from scripted import scripted_model, scripted_tokenizer
 from test_logprobs import assert_chat_entries, assert_plain_logprobs
 from test_server import CHAT, HELLO, TinyProvider, serving, tiny_engine
 from test_units import CPU_LIKE_COST
+from tool_examples import ASK, CALLED, TEMPLATES, WEATHER
 
 from mlxspec.chat_template import encode_chat
 from mlxspec.conversation import Conversation, ParsedAnswer
@@ -29,17 +29,6 @@ from mlxspec.proposers import PromptLookup
 from mlxspec.registry import Defaults
 from mlxspec.server import ModelInfo, ServerLimits
 
-TEMPLATES = Path(__file__).parent / "templates"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
-ASK = [{"role": "user", "content": "Weather in Paris and Rome?"}]
-CALLED = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
     {
