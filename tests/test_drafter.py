@@ -93,10 +93,18 @@ def test_sparse_teacher_keeps_the_top_tokens_and_its_kl_is_the_full_one_when_k_i
     assert np.allclose(np.asarray(got), np.asarray(full), atol=2e-2)  # fp16 log-probs
 
 
+# The teacher of each family, made once for this module: its data (38 greedy answers) took
+# more time than a 10-step training run, and three heads of one family learn from it.
+# Training heads reads the store and the target, never writes them.
+teachers: dict[str, tuple] = {}
+
+
 def train_tiny_head(tmp_path_factory, layers: int, steps: int, family: str = "llama"):
     """A tiny target and a head of `layers` layers trained on it for `steps` steps:
     (model, head, progress, (loss before, loss after) on held-out data, folder)."""
-    model, decoder, store, vocab = tiny_teacher(tmp_path_factory.mktemp("data"), family)
+    if family not in teachers:
+        teachers[family] = tiny_teacher(tmp_path_factory.mktemp("data"), family)
+    model, decoder, store, vocab = teachers[family]
     spec = HeadSpec(
         hidden_size=64, vocab_size=VOCAB, final_norm=True, feed_normed=True, layers=layers
     )

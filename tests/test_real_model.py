@@ -32,6 +32,25 @@ def runtime(smollm2):
     return Runtime(entry, smollm2, notify=print)
 
 
+@pytest.fixture(scope="module")
+def prompts(runtime):
+    """Each prompt's chat tokens."""
+    encode = runtime.engine.encode_chat
+    return {text: encode([{"role": "user", "content": text}]) for text in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def references(prompts, smollm2):
+    """Each prompt's tokens and plain greedy output, made once for the module: every
+    proposer and the batch compare against the same reference (when each test made its
+    own, the references took a third of the file's time)."""
+    eos = set(smollm2.tokenizer.eos_token_ids)
+    return {
+        text: (prompt, plain_greedy(smollm2.model, prompt, MAX_TOKENS, eos))
+        for text, prompt in prompts.items()
+    }
+
+
 @pytest.mark.parametrize(
     "proposer,k,tree",
     [
@@ -46,14 +65,12 @@ def runtime(smollm2):
         ("lookup-head", None, True),
     ],
 )
-def test_every_proposer_is_lossless_on_smollm2(runtime, smollm2, proposer, k, tree):
+def test_every_proposer_is_lossless_on_smollm2(runtime, smollm2, references, proposer, k, tree):
     engine = runtime.engine
     name = runtime.proposer(proposer)
-    eos = set(smollm2.tokenizer.eos_token_ids)
     drafted = tree_rounds = 0
     for text in PROMPTS:
-        prompt = engine.encode_chat([{"role": "user", "content": text}])
-        reference = plain_greedy(smollm2.model, prompt, MAX_TOKENS, eos)
+        prompt, reference = references[text]
         settings = GenerationSettings(max_tokens=MAX_TOKENS, k=k, tree=tree)
         done = list(engine.stream(prompt, settings, name))[-1]
         assert_lossless(
@@ -98,26 +115,23 @@ def test_shipped_head_is_accepted_on_open_chat(runtime):
     assert record["acceptance_by_position"][0] > 0.05, record
 
 
-def test_a_batch_of_lines_and_trees_is_lossless_on_smollm2(runtime, smollm2):
+def test_a_batch_of_lines_and_trees_is_lossless_on_smollm2(runtime, smollm2, references):
     """Every prompt twice in one batch: as a head's tree at a fixed depth (it branches),
     as a prompt-lookup tree and as plain decoding; each row's output is its own plain
     greedy output, and the head's trees were verified beside other rows."""
     engine = runtime.engine
     scheduler = Scheduler(engine, max_batch=8)
-    eos = set(smollm2.tokenizer.eos_token_ids)
     head, lookup = runtime.proposer("head"), runtime.proposer("prompt-lookup")
-    asked, references = {}, {}
+    asked = {}
     for text in PROMPTS:
-        prompt = engine.encode_chat([{"role": "user", "content": text}])
-        references[tuple(prompt)] = plain_greedy(smollm2.model, prompt, MAX_TOKENS, eos)
+        prompt, reference = references[text]
         for proposer, k in [(head, 4), (lookup, None), (None, None)]:
             settings = GenerationSettings(max_tokens=MAX_TOKENS, k=k, tree=proposer is not None)
-            asked[scheduler.submit(prompt, settings, proposer)] = (prompt, proposer)
+            asked[scheduler.submit(prompt, settings, proposer)] = (prompt, reference, proposer)
     events = collect(scheduler)
     tree_rounds = 0
-    for request_id, (prompt, proposer) in asked.items():
+    for request_id, (prompt, reference, proposer) in asked.items():
         done = events[request_id][-1]
-        reference = references[tuple(prompt)]
         label = f"batched {proposer} {prompt[-8:]}"
         assert_lossless(smollm2.model, prompt, reference, list(done.token_ids), label, done.record)
         assert any(done.record.batch_sizes[2:]), f"{label} never shared a round"
@@ -126,13 +140,13 @@ def test_a_batch_of_lines_and_trees_is_lossless_on_smollm2(runtime, smollm2):
     assert tree_rounds > 0, "no head row verified a branching tree in the batch"
 
 
-def test_batched_tree_nodes_get_the_logits_of_their_own_path_on_smollm2(runtime, smollm2):
+def test_batched_tree_nodes_get_the_logits_of_their_own_path_on_smollm2(smollm2, prompts):
     """Two rows of different lengths verify trees of different shapes in one pass: every
     node's logits are those of its own path fed alone. (Greedy equality above hardly
     notices a node at the wrong RoPE position or seeing its siblings on confident text;
     logits do: 4-8 apart, seen.)"""
-    model, engine = smollm2.model, runtime.engine
-    prompts = [engine.encode_chat([{"role": "user", "content": text}]) for text in PROMPTS[::2]]
+    model = smollm2.model
+    prompts = [prompts[text] for text in PROMPTS[::2]]
     target = BatchTarget(model)
     for prompt in prompts:
         prefill = Prefill(model, prompt[:-1])
@@ -142,7 +156,27 @@ def test_batched_tree_nodes_get_the_logits_of_their_own_path_on_smollm2(runtime,
     rows = [[prompt[-1], *tree.tokens] for prompt, tree in zip(prompts, trees)]
     logits, _ = target.verify_tree(rows, trees)
     for row, (prompt, tree) in enumerate(zip(prompts, trees)):
+        alone = logits_along_own_paths(model, prompt, tree)
         for node in range(len(tree) + 1):
-            alone = model(mx.array([prompt + tree.path_tokens(node)]))[0, -1]
-            gap = mx.abs(alone - logits[row, node]).max().item()
+            gap = mx.abs(alone[node] - logits[row, node]).max().item()
             assert gap < 0.05, f"row {row} node {node}: logits {gap:.3f} from its path's own"
+
+
+def logits_along_own_paths(model, prompt: list[int], tree) -> list[mx.array]:
+    """The logits after each node's path (root first) with nothing but the prompt and that
+    path before it: one causal pass per leaf (prompt + the leaf's path, right-padded, all
+    leaves in one batch) reads every node on the way, padding after a node unseen by it."""
+    kids, depths = tree.children(), tree.depths
+    leaves = [node for node in range(1, len(tree) + 1) if not kids[node]]
+    paths = [prompt + tree.path_tokens(leaf) for leaf in leaves]
+    width = max(map(len, paths))
+    out = model(mx.array([path + [0] * (width - len(path)) for path in paths]))
+    alone = {}
+    for row, leaf in enumerate(leaves):
+        node = leaf
+        while True:
+            alone.setdefault(node, out[row, len(prompt) - 1 + depths[node]])
+            if node == 0:
+                break
+            node = tree.parents[node - 1]
+    return [alone[node] for node in range(len(tree) + 1)]
