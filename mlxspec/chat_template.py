@@ -52,12 +52,14 @@ def render_chat(
         return "\n".join(m["content"] or "" for m in _in_fallback_form(conversation).messages)
     if "tools" not in template:
         conversation = _in_fallback_form(conversation)
+    # Tools only where there are some: a tokenizer's own renderer may not take the argument.
+    tools = {"tools": conversation.tools} if conversation.tools else {}
     try:
         return tokenizer.apply_chat_template(
             conversation.messages,
-            tools=conversation.tools or None,
             add_generation_prompt=generation_prompt,
             tokenize=False,
+            **tools,
             **conversation.template_kwargs,
         )
     except Exception as err:  # jinja's TemplateError from raise_exception, a TypeError...

@@ -652,14 +652,15 @@ class TemplateTokenizer:
 
     chat_template = "<role>content"
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):
         return [ord(c) for c in text]
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
         if messages[0]["role"] != "user":
             raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+        text += "<assistant>" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
 
 
 def test_data_file_texts_and_chats_go_through_the_chat_template(tmp_path):
