@@ -1,15 +1,22 @@
 """Editors' and agents' real clients against the real server: a request shaped as Claude
-Code sends it, through the official `anthropic` client's beta route."""
+Code sends it, through the official `anthropic` client's beta route; Simon Willison's
+`llm` CLI, pointed at the server by its extra-openai-models.yaml."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import anthropic
+import llm
 import pytest
-from test_server import ECHO, TinyProvider, serving
+from test_server import ECHO, TinyProvider, serving, tiny_engine
 
+from mlxspec.engine import GenerationSettings
+from mlxspec.events import Done
 from mlxspec.server.anthropic import MessagesRequest, generation_request
 
 # Room for a prompt with Claude Code's tools in the fallback format (the tiny llamas have
@@ -207,3 +214,42 @@ def test_anthropic_max_tokens_is_clamped_to_the_servers_limit():
     body = MessagesRequest.model_validate(claude_code_request())
     assert generation_request(body, max_tokens_limit=4096).max_tokens == 4096
     assert generation_request(body, max_tokens_limit=64_000).max_tokens == 32000
+
+
+# --- The llm CLI (Simon Willison's) ----------------------------------------------------
+
+
+@pytest.fixture()
+def llm_home(tmp_path, base_url, monkeypatch) -> dict[str, str]:
+    """An LLM_USER_PATH that names the server's model as the docs say (docs/serving.md),
+    with the server's key saved as `llm keys set mlxspec` saves it; the environment to
+    run the CLI in."""
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: mlxspec-tiny\n"
+        f"  model_name: tiny\n"
+        f"  api_base: {base_url}/v1\n"
+        f"  api_key_name: mlxspec\n"
+    )
+    (tmp_path / "keys.json").write_text(json.dumps({"mlxspec": "sesame"}))
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
+    return {**os.environ, "LLM_USER_PATH": str(tmp_path), "PYTHONIOENCODING": "utf-8"}
+
+
+def plain_greedy(content: str, max_tokens: int) -> str:
+    """The target alone, greedy (the tiny models' default), no drafts."""
+    messages = [{"role": "user", "content": content}]
+    events = tiny_engine("tiny").stream(messages, GenerationSettings(max_tokens=max_tokens), "none")
+    return next(event for event in events if isinstance(event, Done)).text
+
+
+def test_the_llm_cli_gets_plain_greedys_answer(llm_home):
+    """The CLI as a user runs it (streamed), then the library without streaming."""
+    plain = plain_greedy(ECHO, 24)
+    command = [sys.executable, "-m", "llm", "-m", "mlxspec-tiny", "-o", "max_tokens", "24"]
+    ran = subprocess.run(
+        [*command, "--no-log", ECHO], env=llm_home, capture_output=True, timeout=60
+    )
+    assert ran.returncode == 0, ran.stderr.decode()
+    assert ran.stdout.decode() == plain + "\n"
+    response = llm.get_model("mlxspec-tiny").prompt(ECHO, stream=False, max_tokens=24)
+    assert response.text() == plain
