@@ -205,6 +205,7 @@ class Engine:
             speculative=proposer is not None,
             sampling={},
             prompt_tokens=len(prompt_tokens),
+            max_tokens=max_tokens,
             k_policy=policy.label if proposer else "off",
             cache_strategy=self.target.strategy,
             device=device.describe(),

@@ -81,6 +81,10 @@ class RunRecord:
     speculative: bool
     sampling: dict[str, Any]
     prompt_tokens: int = 0
+    # The most tokens this request could make: what it asked for (or the model's default),
+    # within the server's limit and the context's room. A client that asked for more (an
+    # Anthropic client must ask, and asks large) reads here what it was granted.
+    max_tokens: int = 0
     completion_tokens: int = 0
     # Of the completion tokens, those of the model's reasoning, its thinking markers
     # included (set where the answer is read into parts: output_parser.AnswerReader).

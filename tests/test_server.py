@@ -69,8 +69,8 @@ class TinyProvider:
 
     default = "tiny"
 
-    def __init__(self, max_tokens: int = 32):
-        defaults = Defaults(max_tokens=max_tokens, context=CONTEXT)
+    def __init__(self, max_tokens: int = 32, context: int = CONTEXT):
+        defaults = Defaults(max_tokens=max_tokens, context=context)
         self.models = {
             name: ModelInfo(name, ("prompt-lookup", "draft", "none"), defaults)
             for name in [*SEEDS, "tiny-absent"]

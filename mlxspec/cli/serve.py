@@ -52,7 +52,8 @@ ROW_FLOOR_OPTION = click.option(
     default=4096,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Largest max_tokens a request may ask for.",
+    help="Largest max_tokens a request gets: an OpenAI request asking for more is refused "
+    "(400), an Anthropic one (which must ask, and asks large) is granted this.",
 )
 @click.option(
     "--max-batch",

@@ -150,13 +150,18 @@ def conversation(body: CountTokensRequest, template_defaults: dict[str, Any]) ->
     return Conversation(messages, _tools(body), template_kwargs)
 
 
-def generation_request(body: MessagesRequest) -> GenerationRequest:
+def generation_request(body: MessagesRequest, max_tokens_limit: int) -> GenerationRequest:
     """The fields the server's settings read, in the shape the OpenAI routes give them
     (top_k, which OpenAI lacks, is passed on its own). Built without validating again:
-    Anthropic's limits (temperature up to 1, stop sequences) were checked on `body`."""
+    Anthropic's limits (temperature up to 1, stop sequences) were checked on `body`.
+
+    `max_tokens` is clamped to the server's `max_tokens_limit`, not refused as OpenAI's
+    is: Anthropic's clients must send it and send large ones (Claude Code asks for
+    32000), so a refusal would stop them all. The run record's `max_tokens` says what
+    was granted, and `stop_reason` "max_tokens" where the answer reached it."""
     return GenerationRequest.model_construct(
         model=body.model,
-        max_tokens=body.max_tokens,
+        max_tokens=min(body.max_tokens, max_tokens_limit),
         temperature=body.temperature,
         top_p=body.top_p,
         stop=body.stop_sequences,

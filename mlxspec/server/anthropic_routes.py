@@ -34,7 +34,7 @@ def anthropic_router(provider: ModelProvider, worker: Worker, limits: ServerLimi
     async def messages(body: anthropic.MessagesRequest, request: Request):
         info = find_model(provider, body.model)
         conversation = anthropic.conversation(body, info.defaults.chat_template_kwargs)
-        asked = anthropic.generation_request(body)
+        asked = anthropic.generation_request(body, limits.max_tokens)
         generation = new_generation(asked, info, conversation, provider, limits, body.top_k)
         answering = await Answering.start(request, worker, generation)
         message_id = anthropic.new_id("msg")
