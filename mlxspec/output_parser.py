@@ -5,7 +5,9 @@ markers (`<think>` ... `</think>` where they are tokens) and, for a tokenizer it
 tool-call markers and parser (`mlx_lm.tool_parsers`). Where it does not, the chat template's
 text says: a template that writes `<think>` and `</think>` makes the model write them too,
 even where they are plain text to the tokenizer, and mlx-lm's own inference names the
-tool-call format from the template. A template without tool support gets the fallback
+tool-call format from the template. Llama 3.x's format has no marker and no mlx-lm parser:
+an answer that opens with `{` (after `<|python_tag|>`, which may be left out) is its calls,
+JSON objects separated by `;`, read here. A template without tool support gets the fallback
 format (chat_template.py), which is read back here. Whether the answer starts inside the
 reasoning is read off the rendered prompt: a template that opens the thinking block in the
 generation prompt (DeepSeek-R1's ends with `<think>\\n`) leaves only its end to the model.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +52,11 @@ log = logging.getLogger("mlxspec.output")
 # Qwen, Hermes, and our fallback.
 JSON_TOOLS = "json_tools"
 THINK_START, THINK_END = "<think>", "</think>"
+# Llama 3.x: an answer that is calls may open with this; its template writes a call as
+# `{"name": ..., "parameters": ...}` (the Llama 3.2 template has no python tag, only that).
+PYTHON_TAG = "<|python_tag|>"
+LLAMA_CALL_RENDERING = "'\"parameters\": '"
+CALL_SEPARATOR = re.compile(r"\s*;\s*")
 
 ToolParser = Callable[[str, Any], Any]  # body, tools -> {"name", "arguments"} or a list
 
@@ -62,6 +70,9 @@ class AnswerFormat:
     starts_in_reasoning: bool = False  # the prompt opened the thinking block
     tool_call_start: str | None = None
     tool_call_end: str = ""  # "": a call runs to the end of the answer (Mistral's)
+    # Llama's: tool_call_start is a call only where the answer opens with it (after
+    # whitespace and PYTHON_TAG), and is the call's first character, not a marker.
+    calls_open_answer: bool = False
     tool_parser: ToolParser | None = None
     tools: list[dict[str, Any]] | None = None  # handed to the tool parser
 
@@ -97,14 +108,39 @@ def _tool_markup(tokenizer, template: str) -> dict[str, Any]:
     if getattr(tokenizer, "has_tool_calling", False) and tokenizer.tool_parser is not None:
         source = tokenizer
     else:
-        name = (_infer_tool_parser(tokenizer) if "tools" in template else None) or JSON_TOOLS
-        module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+        name = _infer_tool_parser(tokenizer) if "tools" in template else None
+        if name is None and (PYTHON_TAG in template or LLAMA_CALL_RENDERING in template):
+            return {
+                "tool_call_start": "{",
+                "tool_parser": parse_llama_calls,
+                "calls_open_answer": True,
+            }
+        module = importlib.import_module(f"mlx_lm.tool_parsers.{name or JSON_TOOLS}")
         source = _ToolModule(module.tool_call_start, module.tool_call_end, module.parse_tool_call)
     return {
         "tool_call_start": source.tool_call_start,
         "tool_call_end": source.tool_call_end or "",
         "tool_parser": source.tool_parser,
     }
+
+
+def parse_llama_calls(text: str, tools: Any) -> list[dict[str, Any]]:
+    """Llama 3.x's calls: JSON objects separated by `;`, each a `name` and its `parameters`
+    (Meta's word) or `arguments` (some fine-tunes'); ValueError for anything else."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        call, at = decoder.raw_decode(text, at)
+        if not isinstance(call, dict) or ("parameters" in call) == ("arguments" in call):
+            raise ValueError("a call is an object with parameters or arguments")
+        calls.append(
+            {"name": call.get("name"), "arguments": call.get("parameters", call.get("arguments"))}
+        )
+        if not text[at:].strip():
+            return calls
+        separator = CALL_SEPARATOR.match(text, at)
+        if separator is None:
+            raise ValueError(f"text after a call: {text[at : at + 20]!r}")
+        at = separator.end()
 
 
 @dataclass(frozen=True)
@@ -144,6 +180,10 @@ class OutputParser:
         self._fed = 0  # characters fed so far
         # The answer may open a thinking block only before it has said anything else.
         self._may_open_reasoning = form.think_start is not None and not form.starts_in_reasoning
+        self._may_open_call = bool(form.tools) and form.calls_open_answer
+        # The text that opened the call being read: its marker (Llama's: what came before
+        # its `{`), given back with it where it does not parse.
+        self._opening = ""
         self._after_marker = False  # whitespace right after a closing marker is dropped
         self.reasoning_chars = 0  # text fed up to the reasoning's end marker (included)
         self._reasoning: list[str] = []
@@ -224,16 +264,34 @@ class OutputParser:
             if start.startswith(said) and not final:
                 return False  # it may yet be the opening marker
             self._may_open_reasoning = False
-        start = self.form.tool_call_start if self.form.tools else None
+        if self._may_open_call:
+            return self._open_call(final)
+        marked = self.form.tools and not self.form.calls_open_answer
+        start = self.form.tool_call_start if marked else None
         found = self._buffer.find(start) if start else -1
         if found >= 0:
             self._say(parts, self._buffer[:found], self.consumed)
+            self._opening = start
             self._buffer = self._buffer[found + len(start) :]
             self._state = TOOL_CALL
             return True
         at = self.consumed
         self._say(parts, self._release(final, start), at)
         return False
+
+    def _open_call(self, final: bool) -> bool:
+        """Whether the answer opens with a call (Llama's): True once that is decided, False
+        while the answer so far (whitespace, part of the python tag) may still open one."""
+        said = self._buffer.lstrip()
+        if said.startswith(PYTHON_TAG):
+            said = said[len(PYTHON_TAG) :].lstrip()
+        if said.startswith(self.form.tool_call_start):
+            self._opening = self._buffer[: len(self._buffer) - len(said)]
+            self._buffer, self._state = said, TOOL_CALL
+        elif not final and PYTHON_TAG.startswith(said):  # "" too: nothing said yet
+            return False
+        self._may_open_call = False
+        return True
 
     def _in_tool_call(self, parts: list[Placed], final: bool) -> bool:
         end = self.form.tool_call_end
@@ -260,7 +318,7 @@ class OutputParser:
         except Exception as err:  # any parser's failure: the text is still the model's answer
             log.warning("a tool call did not parse (%s), kept as text: %r", err, body)
             end = self.form.tool_call_end if closed else ""
-            text = f"{self.form.tool_call_start}{body}{end}"
+            text = f"{self._opening}{body}{end}"
             self._say(parts, text, self.consumed - len(text))
             return
         for name, arguments, call_id in calls:

@@ -198,3 +198,57 @@ def test_reasoning_tokens_are_those_that_write_the_reasoning_and_its_markers():
     assert parser.reasoning_chars == len("<think>ab</think>")
     assert reasoning_tokens(tokenizer, ids, parser.reasoning_chars) == len("<think>ab</think>")
     assert reasoning_tokens(tokenizer, ids, 0) == 0
+
+
+# Llama 3.x's calls are bare JSON, the answer's whole text, Meta's `parameters` or a
+# fine-tune's `arguments`, several separated by `;`.
+PARIS_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+ROME_CALL = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+LLAMA_ANSWERS = {
+    "one": (PARIS_CALL, CALLED[:1]),
+    "two": (f"{PARIS_CALL}; {ROME_CALL}", CALLED),
+    "python tag": (f"<|python_tag|>{PARIS_CALL};{ROME_CALL}\n", CALLED),
+}
+
+
+def test_llama_calls_are_read_from_the_template():
+    form = form_of("llama3.3.jinja")
+    assert (form.tool_call_start, form.tool_call_end, form.calls_open_answer) == ("{", "", True)
+
+
+@pytest.mark.parametrize("answer_text, called", LLAMA_ANSWERS.values(), ids=list(LLAMA_ANSWERS))
+def test_a_llama_answer_that_is_json_is_its_calls_cut_anywhere(answer_text, called):
+    for cut in range(1, len(answer_text)):
+        parts, answer = parse(form_of("llama3.3.jinja"), [answer_text[:cut], answer_text[cut:]])
+        assert calls_of(parts) == called and answer.text == "", cut
+
+
+def test_llama_prose_is_text_as_it_streams_even_where_it_holds_json():
+    parser = OutputParser(form_of("llama3.3.jinja"))
+    assert parser.feed(" <|python") == []  # it may yet open a call
+    assert parser.feed("ic|> says ") == [AnswerText(" <|pythonic|> says ")]
+    assert parser.feed(PARIS_CALL) == [AnswerText(PARIS_CALL)]
+    assert parser.finish() == [] and parser.answer.tool_calls == ()
+
+
+@pytest.mark.parametrize(
+    "answer_text",
+    [
+        '<|python_tag|> {"name": "get_weather", "parameters": {"city": ',
+        f"{PARIS_CALL} is what I would call.",
+        f"{PARIS_CALL} {ROME_CALL}",
+        '{"city": "Paris"}',
+        '{"name": "get_weather", "parameters": {"city": "Paris"}, "arguments": {}}',
+    ],
+    ids=["cut off", "prose after it", "no separator", "no name", "both words"],
+)
+def test_llama_json_that_is_not_calls_is_answer_text_and_logged(answer_text, caplog):
+    with caplog.at_level(logging.WARNING, logger="mlxspec.output"):
+        parts, answer = parse(form_of("llama3.3.jinja"), [answer_text[:9], answer_text[9:]])
+    assert answer.tool_calls == () and answer.text == answer_text
+    assert joined(parts, AnswerText) == answer_text and "did not parse" in caplog.text
+
+
+def test_llama_json_is_text_where_the_request_gave_no_tools():
+    parts, answer = parse(form_of("llama3.3.jinja", tools=()), [PARIS_CALL])
+    assert answer == ParsedAnswer("", PARIS_CALL)
