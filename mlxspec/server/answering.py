@@ -18,6 +18,9 @@ from mlxspec.output_parser import Answered, PartsOf
 from mlxspec.server.errors import ApiError
 from mlxspec.server.worker import Generation, Job, Worker
 
+# Server-sent events go out as they are made: no cache, no proxy buffering (nginx's header).
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
 
 class Answering:
     """One queued generation. `await Answering.start(...)` returns once its first output is

@@ -17,7 +17,7 @@ import mlxspec.server.anthropic as anthropic
 from mlxspec.conversation import Conversation
 from mlxspec.engine import GenerationError
 from mlxspec.output_parser import Answered
-from mlxspec.server.answering import Answering
+from mlxspec.server.answering import SSE_HEADERS, Answering
 from mlxspec.server.errors import ApiError
 from mlxspec.server.generations import new_generation
 from mlxspec.server.limits import ServerLimits
@@ -43,9 +43,10 @@ def anthropic_router(provider: ModelProvider, worker: Worker, limits: ServerLimi
                 # message_start says the prompt's size, before the run record can.
                 input_tokens = await _prompt_tokens(worker, info.name, conversation)
                 stream = anthropic.MessageStream(message_id, info.name, input_tokens)
-                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
                 events = _events(answering, stream)
-                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+                return StreamingResponse(
+                    events, media_type="text/event-stream", headers=SSE_HEADERS
+                )
             answered = await answering.answered()
         except BaseException:
             answering.release()

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mlxspec.output_parser import Answered
-from mlxspec.server.answering import Answering
+from mlxspec.server.answering import SSE_HEADERS, Answering
 from mlxspec.server.errors import ApiError
 from mlxspec.server.generations import new_generation
 from mlxspec.server.limits import ServerLimits
@@ -52,9 +52,8 @@ async def _respond(
     answering = await Answering.start(request, worker, generation)
     reply = Reply(chat=chat, model=generation.model)
     if body.stream:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         stream = _sse(answering, reply, body)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         answered = await answering.answered()
     finally:
