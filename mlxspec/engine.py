@@ -26,6 +26,7 @@ from mlxspec.batch.single import SingleCaches
 from mlxspec.chat_template import encode_chat
 from mlxspec.conversation import Conversation
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
+from mlxspec.grammar import Constraint, GrammarError
 from mlxspec.policy import Policy
 from mlxspec.proposers.base import ProposalContext, Proposer
 from mlxspec.request import RequestRun
@@ -188,7 +189,19 @@ class Engine:
             raise GenerationError(
                 f"unknown proposer '{proposer}'; available: none, {', '.join(self.proposers)}"
             )
+        if settings.grammar is not None:
+            self.constraint(settings)  # compiled now (and kept): a bad grammar fails here
         return prompt_tokens, min(settings.max_tokens, room)
+
+    def constraint(self, settings: GenerationSettings) -> Constraint | None:
+        """The request's grammar at its start, or GenerationError saying why it cannot be
+        enforced (compiled grammars are cached: the second call copies the first's)."""
+        if settings.grammar is None:
+            return None
+        try:
+            return Constraint(settings.grammar, self.tokenizer, self.vocab_size)
+        except GrammarError as error:
+            raise GenerationError(str(error)) from None
 
     def new_run(
         self,
@@ -222,6 +235,7 @@ class Engine:
             proposer,
             history=settings.history,
             top_logprobs=settings.logprobs,
+            constraint=self.constraint(settings),
         )
 
     def finish(self, run: RequestRun) -> Done:

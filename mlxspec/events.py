@@ -111,6 +111,13 @@ class RunRecord:
     drafted_from_request: int = 0
     drafted_from_history: int = 0
     history_tokens: int = 0
+    # Structured output: the grammar's kind ("": none; with one, `lossless` is measured
+    # against constrained plain decoding), the drafts its forced tokens made, how many of
+    # those the target kept, and proposers' draft tokens it refused before the pass.
+    grammar: str = ""
+    grammar_drafted: int = 0
+    grammar_accepted: int = 0
+    grammar_pruned: int = 0
     # Batched serving: batch_sizes[b] = rounds this request ran in a target pass of b rows.
     batch_sizes: list[int] = field(default_factory=list)
     time_to_first_token: float = 0.0
@@ -152,6 +159,8 @@ class RunRecord:
         Sampling: the same distribution by exact rejection sampling, so always True;
         its arithmetic is float32 like plain sampling's. Every acceptance path in the
         engine is exact, so near ties are the only thing that makes this False.
+        With a grammar (`grammar`), "plain decoding" is constrained plain decoding: every
+        step masked to the tokens the grammar allows.
         """
         return self.near_ties == 0
 

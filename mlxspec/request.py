@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
+from mlxspec.grammar import Constraint
 from mlxspec.logprobs import PendingLogprobs, TokenLogprob, pending_logprobs
 from mlxspec.policy import Policy
 from mlxspec.proposers.base import Draft, Proposer, Situation
@@ -41,8 +42,13 @@ class RequestRun:
         proposer: Proposer | None,
         history: bool = True,
         top_logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ):
         self.tokenizer, self.record = tokenizer, record
+        # The grammar the output must match, its state after every produced token.
+        self.constraint = constraint
+        if constraint is not None:
+            record.grammar = constraint.grammar.describe()
         # Alternatives reported with each token's logprob (None: no logprobs at all).
         self.top_logprobs = top_logprobs
         self.history = history  # may proposers read, and the engine feed, the model's history?
@@ -83,6 +89,37 @@ class RequestRun:
         """Most drafts worth proposing: one token of every round is the target's own."""
         return self.max_tokens - len(self.produced) - 1
 
+    def constrain(self, tree: DraftTree) -> tuple[DraftTree, np.ndarray | None, int | None]:
+        """The round's draft cut to what the grammar allows, with the mask of each of
+        the verify's rows (None without a grammar) and, for a line the grammar cut, the
+        token it refused (rejection sampling against a drafter's q still owes that token
+        its rejection: `accept`)."""
+        if self.constraint is None:
+            return tree, None, None
+        kept, masks, refused = self.constraint.prune(tree.tokens, tree.parents)
+        self.record.grammar_pruned += len(tree) - len(kept)
+        if len(kept) == len(tree):
+            return tree, masks, None
+        refused_token = tree.tokens[refused - 1] if tree.is_chain else None
+        renumber = {0: 0, **{old: new for new, old in enumerate(kept, start=1)}}
+        pruned = DraftTree(
+            [tree.tokens[i - 1] for i in kept],
+            [renumber[tree.parents[i - 1]] for i in kept],
+            None if tree.scores is None else [tree.scores[i - 1] for i in kept],
+        )
+        return pruned, masks, refused_token
+
+    def masked(self, processed: mx.array, masks: np.ndarray | None) -> mx.array:
+        """Processed verify rows with what the grammar forbids at each set to -inf: the
+        distribution constrained plain decoding draws from, renormalised by the softmax."""
+        if masks is None:
+            return processed
+        width = processed.shape[-1]
+        if masks.shape[1] < width:  # an LM head padded past the tokenizer's vocabulary
+            masks = np.pad(masks, ((0, 0), (0, width - masks.shape[1])))
+        allowed = mx.array(masks[: processed.shape[0], :width])
+        return mx.where(allowed, processed, mx.array(-mx.inf, processed.dtype))
+
     def accept(
         self,
         tree: DraftTree,
@@ -90,11 +127,15 @@ class RequestRun:
         draft: Draft | None,
         choices: list[int] | None = None,
         ties: list[bool] | None = None,
+        refused: int | None = None,
     ) -> tuple[list[int], int]:
         """(accepted nodes, the target's own next token) from the verify's processed
         logits: the greedy walk (over `choices`, the argmax rows, when already known),
         rejection sampling against a drafter's q, or multi-candidate rejection for
-        drafts without q. `ties`: which rows are near ties, when already known."""
+        drafts without q. `ties`: which rows are near ties, when already known.
+        `refused`: the draft token after the line that the grammar refused (`constrain`):
+        drawn from q, it is rejected here (its p is 0) and the target's token comes from
+        the residual max(0, p - q), as if the pass had verified it."""
         if self.sampling.greedy:
             path, own_token = greedy_walk(tree, choices or self.scorer.greedy_tokens(processed))
             if self.counts_near_ties:
@@ -107,7 +148,8 @@ class RequestRun:
         target_probs = np.asarray(self.scorer.probabilities(processed))
         if draft is not None and draft.probs is not None:  # a drafter's own q
             draft_probs = match_width(draft.probs, target_probs.shape[-1])
-            n, own_token = rejection_sample(tree.tokens, draft_probs, target_probs, self.rng)
+            line = [*tree.tokens, *([] if refused is None else [refused])]
+            n, own_token = rejection_sample(line, draft_probs, target_probs, self.rng)
             return list(range(1, n + 1)), own_token
         return sample_walk(tree, target_probs, self.rng)
 
@@ -132,18 +174,26 @@ class RequestRun:
         round_start: float,
         price: Callable[[float], float] | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        forced: int = 0,
     ) -> Iterator[Event]:
         """Take in one verified round: count it, extend the sequence, yield its events.
 
         `price(round_seconds)` is what the round cost in plain target steps
         (mlxspec/speedup.py); the run record's speedup estimate adds it up. A batched
         round shares its pass with other requests and has no such price (None).
-        `logprobs`: one per new token (`pending_logprobs`, read), where asked for."""
+        `logprobs`: one per new token (`pending_logprobs`, read), where asked for.
+        `forced`: the line's first tokens that the grammar forced (drafted for free):
+        counted apart, and the proposer's drafts after them are counted (and taught to
+        its policy) only where the target kept every forced one, so they were tried."""
         n_accepted, record = len(path), self.record
+        own_drafts = 0
         if tree.tokens:
-            depth = max(tree.depths)
-            record.count_round(depth, n_accepted)
-            self.policy.update(situation, depth, n_accepted, draft_seconds)
+            record.grammar_drafted += forced
+            record.grammar_accepted += min(forced, n_accepted)
+            own_drafts = max(tree.depths) - forced
+            if own_drafts and n_accepted >= forced:
+                record.count_round(own_drafts, n_accepted - forced)
+                self.policy.update(situation, own_drafts, n_accepted - forced, draft_seconds)
         new_tokens = [*tree.path_tokens(path[-1] if path else 0), own_token]
         kinds = ["accepted"] * n_accepted + [
             "bonus" if not tree.children()[path[-1] if path else 0] else "corrected"
@@ -153,12 +203,19 @@ class RequestRun:
             if token in self.eos:
                 self.finished = "stop"
                 break
+            if self.constraint is not None:
+                self.constraint.take([token])
             self.produced.append(token)
             if logprobs is not None:
                 self.produced_logprobs.append(logprobs[j])
             self.text.add(kind, token)
             if len(self.produced) >= self.max_tokens:
                 self.finished = "length"
+                break
+            if self.constraint is not None and self.constraint.stopped:
+                # Complete: the grammar allows only the end now, which plain decoding
+                # would spend a pass to choose.
+                self.finished = "stop"
                 break
         self.sequence.extend(new_tokens)
         if self.first_token_at is None:
@@ -189,8 +246,11 @@ class RequestRun:
         if price is not None:
             plain_steps = price(round_seconds)
             record.speedup_estimate.add_round(len(self.produced) - produced_before, plain_steps)
+        source = "none"
+        if tree.tokens:
+            source = situation.source.name if own_drafts else "grammar"
         yield Step(
-            situation.source.name if tree.tokens else "none",
+            source,
             len(tree.tokens),
             n_accepted,
             round_seconds,

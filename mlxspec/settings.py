@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mlxspec.grammar import Grammar
 from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.sampling import SamplingSettings
 
@@ -27,6 +28,8 @@ class GenerationSettings:
     # Report each emitted token's log-probability with this many likeliest alternatives
     # (0..MAX_TOP_LOGPROBS); None: no logprobs, nothing computed.
     logprobs: int | None = None
+    # What the generated text must match (structured output); None: anything.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

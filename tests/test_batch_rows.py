@@ -185,13 +185,14 @@ def test_each_row_gets_its_own_proposer_state_and_policy(engine):
 
 
 class GreedyRun:
-    """What `batch_greedy_reads` reads of a request: its sampling, scorer and whether it
-    counts near ties."""
+    """What `batch_greedy_reads` reads of a request: its sampling, scorer, grammar and
+    whether it counts near ties."""
 
     def __init__(self, settings: SamplingSettings | None = None, counts: bool = True):
         self.sampling = settings or SamplingSettings()
         self.scorer = TokenScorer(self.sampling)
         self.counts_near_ties = counts
+        self.constraint = None
 
 
 def test_a_greedy_batch_reads_its_rows_in_one_go_as_each_row_alone():
@@ -215,6 +216,9 @@ def test_a_greedy_batch_reads_its_rows_in_one_go_as_each_row_alone():
         batch_greedy_reads([*runs[:2], GreedyRun(SamplingSettings(temperature=0.7))], logits)
         is None
     )
+    constrained = GreedyRun()
+    constrained.constraint = object()  # a grammar masks its rows: read row by row
+    assert batch_greedy_reads([*runs[:2], constrained], logits) is None
 
 
 def test_a_suffix_row_counts_as_drafts_only_what_the_batch_verified(engine):

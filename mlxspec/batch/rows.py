@@ -68,9 +68,11 @@ def batch_greedy_reads(runs: list[RequestRun], logits: mx.array) -> dict[str, mx
     """`greedy_reads` of a whole batch at once, where every row is greedy over its logits
     as the verify left them (no processors): one argmax and one near-tie test over the
     (B, W, V) logits, against about eight small operations a row (on a GPU, each a kernel
-    launch: an H100's batch of 8 ran 0.73x mlx-lm's `batch_generate`). None otherwise;
+    launch: an H100's batch of 8 ran 0.73x mlx-lm's `batch_generate`). None otherwise
+    (a processor or a grammar changes a row's logits);
     `split_reads` cuts the evaluated whole into each row's."""
-    if not all(run.sampling.greedy and not run.scorer.processors for run in runs):
+    plain = (run.sampling.greedy and not run.scorer.processors for run in runs)
+    if not all(plain) or any(run.constraint is not None for run in runs):
         return None
     whole = {"argmax": mx.argmax(logits, axis=-1)}
     if any(run.counts_near_ties for run in runs):
@@ -101,6 +103,23 @@ def read_logprobs(
 def as_list(read: mx.array | list | None) -> list | None:
     """A read as a host list (`split_reads` made it one already)."""
     return read if read is None or isinstance(read, list) else read.tolist()
+
+
+def launches_next(run: RequestRun, rows: list[list[int]]) -> bool:
+    """Whether a request alone (on caches that can take a pass back) may have the next
+    round's pass start before this round's token is known on the host (mlx-lm's
+    `generate_step` pipelines every step so): greedy, drafting nothing this round nor the
+    next (k fixed at 0), not ended by its length this round. A round that ends it
+    otherwise (EOS, a stop string, a cancel, a completed grammar) takes the pass back. A
+    request that asked for logprobs reads them once its token is known, which would wait
+    behind the launched pass: it is not launched for."""
+    return (
+        rows == [[run.sequence[-1]]]
+        and run.top_logprobs is None
+        and run.sampling.greedy
+        and run.policy.fixed_k == 0
+        and len(run.produced) + 1 < run.max_tokens
+    )
 
 
 def one_step(round_seconds: float) -> float:

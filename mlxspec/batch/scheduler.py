@@ -34,12 +34,12 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from functools import partial
 
 import mlx.core as mx
 
 from mlxspec.batch.caches import BatchCaches
+from mlxspec.batch.forced import draft_after, forced_tokens
 from mlxspec.batch.owner import RoundOwner
 from mlxspec.batch.rows import (
     as_list,
@@ -47,6 +47,7 @@ from mlxspec.batch.rows import (
     cut_tree,
     first_guess,
     greedy_reads,
+    launches_next,
     one_step,
     private_copy,
     read_logprobs,
@@ -54,13 +55,13 @@ from mlxspec.batch.rows import (
     unbatchable_reason,
 )
 from mlxspec.batch.single import SingleCaches
+from mlxspec.batch.slots import Round, Slot
 from mlxspec.batch.target import cache_columns
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
 from mlxspec.conversation import Conversation
 from mlxspec.events import Event
 from mlxspec.logprobs import TokenLogprob
 from mlxspec.proposers.base import (
-    Draft,
     ProposalContext,
     Proposer,
     Situation,
@@ -72,32 +73,6 @@ from mlxspec.settings import GenerationError, GenerationSettings
 from mlxspec.speedup import round_steps
 from mlxspec.target import PREFILL_CHUNK
 from mlxspec.tree import DraftTree, chain
-
-
-@dataclass
-class Slot:
-    """One request in the scheduler: queued, prefilling, or a row of the batch."""
-
-    request_id: int
-    run: RequestRun
-    proposer: Proposer | None
-    admitted_at: float = 0.0  # when its prefill began (time to first token counts from submit)
-    cancelled: bool = False
-    trees: bool = False  # draft a tree each round (asked for, and the caches can verify it)
-    tree_nodes: int = 32  # most nodes a drafted tree may have
-    error: Exception | None = None  # what ended it, if its own drafting or accepting failed
-    events: list[Event] = field(default_factory=list)
-
-
-@dataclass
-class Round:
-    """What one active request drafted this round."""
-
-    situation: Situation | None
-    draft: Draft | None
-    tree: DraftTree
-    draft_seconds: float
-    unverified_first: int | None = None  # the first draft token, when the width cut all
 
 
 class Scheduler:
@@ -329,6 +304,11 @@ class Scheduler:
         if cap is not None and slot.run.policy.fixed_k is None:
             k = min(k, cap)
         start = time.perf_counter()
+        forced = forced_tokens(slot.run, slot.proposer)
+        if forced:
+            situation, draft = draft_after(slot.run, slot.proposer, ctx, situation, forced, k)
+            seconds = time.perf_counter() - start
+            return Round(situation, draft, chain(draft.tokens), seconds, forced=len(forced))
         source = situation.source if k else None
         branches = slot.trees or (self.can_tree and getattr(source, "always_tree", False))
         # The round verifies no more nodes than the cap: drafting more is wasted, and a
@@ -341,6 +321,13 @@ class Scheduler:
             draft = source.propose(ctx, k) if k else None
             tree = chain(draft.tokens[:k] if draft else [])
         return Round(situation, draft, tree, time.perf_counter() - start)
+
+    def _constrain(self, slot: Slot, r: Round) -> Round:
+        """The round's draft cut to what the request's grammar allows, with each verify
+        row's mask (`RequestRun.constrain`)."""
+        tree, masks, refused = slot.run.constrain(r.tree)
+        forced = min(r.forced, len(tree))
+        return dataclasses.replace(r, tree=tree, masks=masks, refused=refused, forced=forced)
 
     def _round(self) -> None:
         """The only round loop's body, for a batch and for `Engine.stream`'s one row."""
@@ -362,11 +349,20 @@ class Scheduler:
         rounds = [drafted[slot.request_id] for slot in self.active]
         if not self.solo:  # alone, the policy priced its k on the verify-cost curve
             rounds = self._truncate(rounds)
+        if any(slot.run.constraint is not None for slot in self.active):
+            constrained = {
+                slot.request_id: self._guarded(slot, self._constrain, slot, r)
+                for slot, r in zip(self.active, rounds)
+            }
+            self._leave([slot for slot in self.active if slot.error])
+            if not self.active:
+                return
+            rounds = [constrained[slot.request_id] for slot in self.active]
         rows = [[slot.run.sequence[-1], *r.tree.tokens] for slot, r in zip(self.active, rounds)]
         trees = [r.tree for r in rounds]
         lines = all(tree.is_chain for tree in trees)
         round_start = time.perf_counter()
-        # Alone, the pass may have been launched last round (`_launches_next`).
+        # Alone, the pass may have been launched last round (`launches_next`).
         logits = self.caches.take_launched(rows) if self.solo else None
         launched = logits is not None
         if logits is None:
@@ -375,27 +371,32 @@ class Scheduler:
             slot.run.scorer.process_tree(logits[i, : len(row)], slot.run.sequence, r.tree)
             for i, (slot, r, row) in enumerate(zip(self.active, rounds, rows))
         ]
+        # What decides: the processed rows masked by each request's grammar (logprobs
+        # report the model's own distribution, unmasked, as OpenAI's do).
+        decided = [
+            slot.run.masked(p, r.masks) for slot, p, r in zip(self.active, processed, rounds)
+        ]
         whole = None if self.solo else batch_greedy_reads([s.run for s in self.active], logits)
         if whole is None:
-            reads = [greedy_reads(slot.run, p) for slot, p in zip(self.active, processed)]
+            reads = [greedy_reads(slot.run, p) for slot, p in zip(self.active, decided)]
         else:
             reads = [whole]
-        if self._launches_next(rows):
+        if self.solo and self.caches.can_launch and launches_next(self.active[0].run, rows):
             # The next round's input is this one's argmax, still lazy: its pass computes
             # while the host accepts, detokenizes and hands out this round's events. What
             # the host reads of this round is scheduled on its own first: MLX signals every
             # array of one `async_eval` at the end of all of it, so read after being
             # scheduled with the next pass, it waited for that whole pass (0.6 ms a token
             # of a 6 ms pass on this CPU; on a GPU, all the overlap).
-            mx.async_eval(processed, reads)
+            mx.async_eval(decided, reads)
             self.caches.launch(reads[0]["argmax"][-1:])
-        mx.eval(processed, reads)
+        mx.eval(decided, reads)
         if whole is not None:
             reads = split_reads(whole, [len(row) for row in rows])
         verify_seconds = time.perf_counter() - round_start
         accepted = [
-            self._guarded(slot, self._accept, slot, r, rows_processed, read) or ([], -1)
-            for slot, r, rows_processed, read in zip(self.active, rounds, processed, reads)
+            self._guarded(slot, self._accept, slot, r, rows_decided, read) or ([], -1)
+            for slot, r, rows_decided, read in zip(self.active, rounds, decided, reads)
         ]
         if lines:
             # The price of a width includes the cache work after a ragged acceptance
@@ -432,26 +433,6 @@ class Scheduler:
                 slot, self._advance, slot, r, path, own_token, round_start, price, entries
             )
 
-    def _launches_next(self, rows: list[list[int]]) -> bool:
-        """Whether the next round's pass may start before this round's token is known on
-        the host (mlx-lm's `generate_step` pipelines every step so): alone, on caches that
-        can take it back, for a greedy request that drafts nothing this round nor the
-        next (k fixed at 0) and that this round does not end by its length. A round that
-        ends it otherwise (EOS, a stop string, a cancel) takes the pass back. A request
-        that asked for logprobs reads them once its token is known, which would wait
-        behind the launched pass: it is not launched for."""
-        if not (self.solo and self.caches.can_launch):
-            return False
-        (slot,) = self.active
-        run = slot.run
-        return (
-            rows == [[run.sequence[-1]]]
-            and run.top_logprobs is None  # its logprobs are read after the round's token
-            and run.sampling.greedy
-            and run.policy.fixed_k == 0
-            and len(run.produced) + 1 < run.max_tokens
-        )
-
     def _price_alone(
         self, run: RequestRun, tree: DraftTree, verify_seconds: float
     ) -> Callable[[float], float]:
@@ -469,16 +450,17 @@ class Scheduler:
         evaluated."""
         run = slot.run
         choices, ties = (as_list(reads.get(name)) for name in ("argmax", "near_ties"))
-        if r.tree.tokens and hasattr(r.situation.source, "verified"):
+        if r.tree.tokens and r.situation and hasattr(r.situation.source, "verified"):
             r.situation.source.verified(r.tree, choices or run.scorer.greedy_tokens(processed))
-        return run.accept(r.tree, processed, r.draft, choices, ties)
+        return run.accept(r.tree, processed, r.draft, choices, ties, r.refused)
 
-    def _width(self, rows: list[tuple[Slot, Situation | None, int]]) -> int:
+    def _width(self, rows: list[tuple[Slot, Situation | None, int]], floor: int = 0) -> int:
         """The round's one width W for rows of (request, source, draft length): the pass
         is as wide as its widest row, so a long draft is paid by every row. A request
         that fixed its k is never cut (W is at least its k); one with no draft costs a
         column."""
-        floor = max((k for s, _, k in rows if s.run.policy.fixed_k is not None), default=0)
+        fixed = (k for s, _, k in rows if s.run.policy.fixed_k is not None)
+        floor = max(floor, *fixed, 0)
         if floor == 0 and self.pass_cost.wants_plain(len(rows)):
             return 0  # re-time a plain pass over these rows (see PassCost)
         estimates = [
@@ -498,7 +480,11 @@ class Scheduler:
     def _truncate(self, rounds: list[Round]) -> list[Round]:
         """Cut every row's draft to the round's one width W (`_width`): a line to its
         first W tokens, a tree to its W likeliest nodes (`cut_tree`)."""
-        width = self._width([(s, r.situation, len(r.tree)) for s, r in zip(self.active, rounds)])
+        # The grammar's forced tokens are all but certain: never cut (a floor, as a
+        # fixed k is).
+        forced = max(r.forced for r in rounds)
+        rows = [(s, r.situation, len(r.tree)) for s, r in zip(self.active, rounds)]
+        width = self._width(rows, forced)
         return [
             dataclasses.replace(
                 r,
@@ -525,7 +511,15 @@ class Scheduler:
             run.policy.observe_unverified(r.situation, r.unverified_first == own_token)
         slot.events.extend(
             run.advance(
-                r.tree, path, own_token, r.situation, r.draft_seconds, round_start, price, logprobs
+                r.tree,
+                path,
+                own_token,
+                r.situation,
+                r.draft_seconds,
+                round_start,
+                price,
+                logprobs,
+                r.forced,
             )
         )
         if run.finished is None:

@@ -35,6 +35,7 @@ from mlxspec.distributed.sharding import allreduces_per_forward, fingerprint, sh
 from mlxspec.distributed.watchdog import Watchdog
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import Done, Event, Step
+from mlxspec.grammar import Grammar
 from mlxspec.policy import Policy
 from mlxspec.sampling import SamplingSettings
 from mlxspec.verify_cost import (
@@ -366,6 +367,8 @@ def _agreed(message: dict) -> tuple:
     """(request, settings, proposer) from rank 0's announcement."""
     fields = message["settings"]
     fields["sampling"] = SamplingSettings(**fields["sampling"])
+    if fields.get("grammar") is not None:  # plain strings: every rank compiles its own
+        fields["grammar"] = Grammar(**fields["grammar"])
     return message["request"], GenerationSettings(**fields), message["proposer"]
 
 

@@ -1,0 +1,196 @@
+"""Structured output: what a request's text must match (a JSON schema, a regex, a Lark
+grammar), and its state while the request decodes, as token masks.
+
+The grammar engine is llguidance (the one llama.cpp, vLLM and SGLang use): it compiles a
+JSON schema in milliseconds, computes a token mask in tens of microseconds on SmolLM2's
+49k vocabulary, rolls back for speculation, and tells which tokens the grammar forces.
+mlxspec's part is to keep decoding lossless under it (see docs/design/grammar.md):
+
+- the reference is *constrained* plain decoding: at every position only the tokens the
+  grammar allows, the target's distribution renormalised over them;
+- in a verify pass every row is masked by the grammar's state after the drafts before it;
+  a draft the grammar forbids is cut (a tree: pruned) before the pass, never paid for;
+- the tokens the grammar forces are drafts that cost nothing to make (`forced`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+# The JSON the grammar writes: the separators Python's json.dumps and Jinja's tojson use
+# (what chat templates show a model), no other whitespace. One spelling makes the keys,
+# quotes and punctuation between values forced tokens, drafted for free.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json_schema", "json_object", "regex", "lark")
+# Compiled grammars kept per tokenizer (a matcher is copied per request in microseconds).
+CACHED_GRAMMARS = 64
+
+
+class GrammarError(ValueError):
+    """A grammar the engine cannot enforce: its message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's generated text must match. `source`: the schema as JSON text
+    (json_schema), the regex (regex), the Lark grammar (lark); json_object needs none.
+    Plain strings, so the settings cross to other ranks as they are."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind '{self.kind}'; one of {', '.join(KINDS)}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> Grammar:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    def llguidance(self) -> str:
+        """The grammar in llguidance's own form (not yet checked)."""
+        from llguidance import LLMatcher
+
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.source)
+        schema = self.source if self.kind == "json_schema" else '{"type": "object"}'
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except ValueError as error:
+            raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
+
+    def describe(self) -> str:
+        """A short label for the run record."""
+        return self.kind
+
+
+_tokenizers: dict[int, tuple[object, object]] = {}
+_compiled: OrderedDict[tuple[int, str], object] = OrderedDict()
+_lock = threading.Lock()
+
+
+def grammar_tokenizer(tokenizer, vocab_size: int):
+    """llguidance's view of an mlx-lm tokenizer (built once per tokenizer: about 0.7 s
+    for a 49k vocabulary). `vocab_size`: the LM head's width, which may pad the
+    tokenizer's vocabulary; the ids past it are never allowed."""
+    with _lock:
+        held = _tokenizers.get(id(tokenizer))
+        if held is not None and held[0] is tokenizer:
+            return held[1]
+    import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if not isinstance(hf, PreTrainedTokenizerFast):
+        raise GrammarError(
+            "structured output needs a fast (Rust) Hugging Face tokenizer; "
+            f"this model's is {type(hf).__name__}"
+        )
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+    built = llguidance.hf.from_tokenizer(hf, n_vocab=max(vocab_size, len(hf)), eos_token=eos)
+    with _lock:
+        _tokenizers[id(tokenizer)] = (tokenizer, built)
+    return built
+
+
+def compile_grammar(grammar: Grammar, tokenizer, vocab_size: int):
+    """A fresh matcher for `grammar` at its start, or GrammarError saying why it cannot
+    be enforced. Compiled once per (tokenizer, grammar), copied per request."""
+    from llguidance import LLMatcher
+
+    llg_tokenizer = grammar_tokenizer(tokenizer, vocab_size)
+    text = grammar.llguidance()
+    key = (id(llg_tokenizer), text)
+    with _lock:
+        template = _compiled.get(key)
+        if template is not None:
+            _compiled.move_to_end(key)
+    if template is None:
+        matcher = LLMatcher(llg_tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(_clean_error(matcher.get_error()))
+        with _lock:
+            _compiled[key] = matcher
+            while len(_compiled) > CACHED_GRAMMARS:
+                _compiled.popitem(last=False)
+        template = matcher
+    return template.deep_copy()
+
+
+def _clean_error(message: str) -> str:
+    """llguidance's error, as one line for a user."""
+    first = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    return f"cannot enforce this grammar: {first}"
+
+
+class Constraint:
+    """One request's grammar state: the matcher has taken in every token the request
+    produced. Per round: the forced tokens (free drafts), the draft cut to what the
+    grammar allows with a mask per verify row, then the round's new tokens taken in."""
+
+    def __init__(self, grammar: Grammar, tokenizer, vocab_size: int):
+        self.grammar, self.vocab_size = grammar, vocab_size
+        self.matcher = compile_grammar(grammar, tokenizer, vocab_size)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the grammar is complete and allows nothing but the end of the text."""
+        return self.matcher.is_stopped()
+
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next (at most `limit`): the canonical spelling of
+        its forced bytes, which the target may still spell otherwise."""
+        if limit <= 0:
+            return []
+        return self.matcher.compute_ff_tokens()[:limit]
+
+    def mask(self) -> np.ndarray:
+        """(vocab_size,) bool: the tokens the grammar allows now."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little").astype(bool)
+        if allowed.shape[0] >= self.vocab_size:
+            return allowed[: self.vocab_size]
+        return np.pad(allowed, (0, self.vocab_size - allowed.shape[0]))
+
+    def prune(
+        self, tokens: list[int], parents: list[int]
+    ) -> tuple[list[int], np.ndarray, int | None]:
+        """Of a draft tree (nodes 1..n: `tokens`, `parents`, parents first), the nodes whose
+        whole path the grammar allows, and the mask of each kept node's row, the root's
+        first: (kept node numbers, (1 + kept, vocab_size) masks, the first refused node,
+        where the draft is a line). The matcher ends where it began."""
+        children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]
+        for node, parent in enumerate(parents, start=1):
+            children[parent].append(node)
+        kept, masks, refused = [], [], None
+        rows = {}  # node -> its mask row
+
+        def visit(node: int) -> None:
+            nonlocal refused
+            rows[node] = self.mask()
+            for child in children[node]:
+                token = tokens[child - 1]
+                if not rows[node][token] or not self.matcher.consume_token(token):
+                    refused = child if refused is None else refused
+                    continue
+                kept.append(child)
+                visit(child)
+                self.matcher.rollback(1)
+
+        visit(0)
+        kept.sort()
+        masks = np.stack([rows[0], *(rows[node] for node in kept)])
+        return kept, masks, refused
+
+    def take(self, tokens: list[int]) -> None:
+        """Take in the round's new tokens (the target chose each among those allowed)."""
+        for token in tokens:
+            if not self.matcher.consume_token(token):
+                raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
