@@ -125,9 +125,11 @@ def compile_grammar(grammar: Grammar, tokenizer, vocab_size: int):
 
 
 def _clean_error(message: str) -> str:
-    """llguidance's error, as one line for a user."""
-    first = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
-    return f"cannot enforce this grammar: {first}"
+    """llguidance's error, as one line for a user: its first line, and the line that
+    says what is wrong where the first only says where (a regex's parse error)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    said = lines[:1] + [line for line in lines[1:] if line.startswith("error:")][:1]
+    return f"cannot enforce this grammar: {' '.join(said) or 'invalid grammar'}"
 
 
 class Constraint:
