@@ -30,6 +30,7 @@ from mlxspec.server import ServerLimits
 from mlxspec.server.anthropic import (
     CountTokensRequest,
     MessageStream,
+    answer_constraint,
     conversation,
     error_event,
     message,
@@ -124,12 +125,21 @@ def test_tool_choice_none_keeps_the_tools_from_the_model():
     assert talk.tools is None and talk.template_kwargs == {}
 
 
-@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "weather"}])
-def test_forcing_a_tool_is_refused_until_constrained_decoding(choice):
-    error = refusal(
-        messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], tool_choice=choice
-    )
-    assert error.param == "tool_choice" and "constrained decoding" in error.message
+@pytest.mark.parametrize(
+    "tools, choice, says",
+    [
+        ([WEATHER], {"type": "tool", "name": "time"}, "no tool named 'time' is in tools"),
+        ([], {"type": "any"}, "tools are empty"),
+    ],
+)
+def test_forcing_a_tool_needs_it_among_the_tools(tools, choice, says):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    request = CountTokensRequest.model_validate({**body, "tools": tools, "tool_choice": choice})
+    with pytest.raises(ApiError) as refused:
+        answer_constraint(request)
+    assert refused.value.param == "tool_choice" and says in refused.value.message
+    forced = {**body, "tools": [WEATHER], "tool_choice": {"type": "any"}}
+    assert answer_constraint(CountTokensRequest.model_validate(forced)).tools.names == ("weather",)
 
 
 def test_a_tool_result_must_answer_an_earlier_tool_use():
@@ -416,10 +426,10 @@ ASKED = {"model": "tiny", "max_tokens": 4, "messages": HELLO}
         ({"model": "tiny", "messages": HELLO}, 400, "invalid_request_error", "max_tokens: Field"),
         ({**ASKED, "messages": LOST_RESULT}, 400, "invalid_request_error", "'toolu_x' answers no"),
         (
-            {**ASKED, "tools": [WEATHER], "tool_choice": {"type": "any"}},
+            {**ASKED, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "time"}},
             400,
             "invalid_request_error",
-            "tool_choice: 'any' needs constrained decoding",
+            "tool_choice: no tool named 'time'",
         ),
         ({**ASKED, "temperature": 1.5}, 400, "invalid_request_error", "temperature:"),
         ({**ASKED, "model": "huge"}, 404, "not_found_error", "unknown model 'huge'"),
@@ -443,8 +453,8 @@ def test_bad_requests_get_anthropics_error_shape(base_url, body, status, kind, s
 
 def test_the_sdk_raises_the_errors_it_knows(client):
     with pytest.raises(anthropic.BadRequestError) as refused:
-        ask(client, tools=[WEATHER], tool_choice={"type": "any"})
-    assert "constrained decoding" in refused.value.body["error"]["message"]
+        ask(client, tools=[WEATHER], tool_choice={"type": "tool", "name": "time"})
+    assert "no tool named 'time'" in refused.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="huge", messages=HELLO)
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxspec.answer_grammar import AnswerConstraint
 from mlxspec.conversation import (
     AnswerPart,
     AnswerText,
@@ -27,6 +28,7 @@ from mlxspec.conversation import (
 from mlxspec.events import RunRecord
 from mlxspec.server.errors import ApiError
 from mlxspec.server.schemas import Count, GenerationRequest, MlxspecOptions
+from mlxspec.tool_grammar import ForcedTools
 
 # --- The request ------------------------------------------------------------------------
 
@@ -240,14 +242,6 @@ def _user_turns(blocks: list[Block], where: str, tool_names: dict[str, str]) -> 
 def _tools(body: CountTokensRequest) -> list[dict] | None:
     """The tools in OpenAI's function form, or None where the model must not see them."""
     choice = body.tool_choice.type if body.tool_choice else "auto"
-    if choice in ("any", "tool"):
-        raise ApiError(
-            400,
-            f"tool_choice: {choice!r} needs constrained decoding, which this server does not "
-            "have yet; use 'auto' or 'none'",
-            code="unsupported",
-            param="tool_choice",
-        )
     if choice == "none" or not body.tools:
         return None
     return [
@@ -261,6 +255,21 @@ def _tools(body: CountTokensRequest) -> list[dict] | None:
         }
         for tool in body.tools
     ]
+
+
+def answer_constraint(body: CountTokensRequest) -> AnswerConstraint | None:
+    """The forced tool calls of `tool_choice` ("any": a call to any tool; "tool": to the
+    one it names), or None; ApiError (400) for a choice the tools cannot meet."""
+    choice = body.tool_choice
+    if choice is None or choice.type not in ("any", "tool"):
+        return None
+    known = [tool.name for tool in body.tools or ()]
+    names = tuple(known) if choice.type == "any" else (choice.name or "",)
+    if not names or not set(names) <= set(known):
+        what = f"no tool named {names[0]!r} is in tools" if names else "tools are empty"
+        raise ApiError(400, f"tool_choice: {what}", code="invalid_value", param="tool_choice")
+    forced = ForcedTools(names, parallel=not choice.disable_parallel_tool_use)
+    return AnswerConstraint(tools=forced, param="tool_choice")
 
 
 # --- The answer -------------------------------------------------------------------------

@@ -35,7 +35,10 @@ def anthropic_router(provider: ModelProvider, worker: Worker, limits: ServerLimi
         info = find_model(provider, body.model)
         conversation = anthropic.conversation(body, info.defaults.chat_template_kwargs)
         asked = anthropic.generation_request(body, limits.max_tokens)
-        generation = new_generation(asked, info, conversation, provider, limits, body.top_k)
+        constraint = anthropic.answer_constraint(body)
+        generation = new_generation(
+            asked, info, conversation, provider, limits, body.top_k, constraint
+        )
         answering = await Answering.start(request, worker, generation)
         message_id = anthropic.new_id("msg")
         try:

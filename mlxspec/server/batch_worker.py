@@ -29,6 +29,7 @@ from mlxspec.server.worker import (
     _check_token_ids,
     _internal_error,
     _prepare_proposer,
+    constrained,
 )
 
 log = logging.getLogger("mlxspec.server")
@@ -140,6 +141,7 @@ class BatchedWorker(Worker):
             model = self._open(request.model)
             proposer = _prepare_proposer(model, request.proposer)
             _check_token_ids(request.prompt, model.engine.vocab_size)
+            job.generation = request = constrained(request, model.engine.tokenizer)
             scheduler = self._scheduler_for(model.engine)
             if scheduler is None or _alone_reason(scheduler, proposer, request.settings):
                 self._held = job

@@ -5,6 +5,7 @@ OpenAI's request (`GenerationRequest`); other dialects translate into it.
 
 from __future__ import annotations
 
+from mlxspec.answer_grammar import AnswerConstraint
 from mlxspec.engine import GenerationError, GenerationSettings
 from mlxspec.sampling import SamplingSettings
 from mlxspec.server.errors import ApiError
@@ -21,9 +22,11 @@ def new_generation(
     provider: ModelProvider,
     limits: ServerLimits,
     top_k: int | None = None,
+    constraint: AnswerConstraint | None = None,
 ) -> Generation:
     """Check a request against the model and the limits; fill in the model's defaults.
-    `top_k`: a dialect's own (Anthropic's; None: the model's)."""
+    `top_k`: a dialect's own (Anthropic's; None: the model's); `constraint`: what the
+    answer must match (the worker makes it the grammar of the model's markup)."""
     if body.n not in (None, 1):
         raise ApiError(
             400, f"n: only n=1 is supported, got {body.n}", code="invalid_value", param="n"
@@ -41,7 +44,8 @@ def new_generation(
         provider.check(info.name, proposer)
     except NotDownloaded as err:
         raise ApiError(404, str(err), code="not_downloaded", param="model") from None
-    return Generation(info.name, prompt, _settings(body, info, limits, top_k), proposer)
+    settings = _settings(body, info, limits, top_k)
+    return Generation(info.name, prompt, settings, proposer, constraint)
 
 
 def _settings(

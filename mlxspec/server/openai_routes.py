@@ -33,13 +33,15 @@ def openai_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
     async def chat_completions(body: ChatRequest, request: Request):
         info = find_model(provider, body.model)
         conversation = body.conversation(info.defaults.chat_template_kwargs)
-        generation = new_generation(body, info, conversation, provider, limits)
+        constraint = body.answer_constraint()
+        generation = new_generation(body, info, conversation, provider, limits, None, constraint)
         return await _respond(request, worker, generation, body, chat=True)
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         info = find_model(provider, body.model)
-        generation = new_generation(body, info, body.prompt_input(), provider, limits)
+        prompt, constraint = body.prompt_input(), body.answer_constraint()
+        generation = new_generation(body, info, prompt, provider, limits, None, constraint)
         return await _respond(request, worker, generation, body, chat=False)
 
     return router

@@ -21,10 +21,13 @@ from pydantic import (
     model_validator,
 )
 
+from mlxspec.answer_grammar import AnswerConstraint, grammar_problem
 from mlxspec.conversation import Conversation
+from mlxspec.grammar import Grammar
 from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.server.errors import ApiError
 from mlxspec.server.logprobs import MAX_COMPLETION_LOGPROBS
+from mlxspec.tool_grammar import ForcedTools
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -54,6 +57,51 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the answer must be valid against."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: NonEmptyText
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema object.")
+    strict: bool | None = Field(
+        None, description="true: a keyword that cannot be enforced is a 400; else ignored."
+    )
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: give it with type 'json_schema', and only then")
+        return self
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the answer must match (None: text), or ApiError (400) naming what
+        of the schema cannot be enforced. Not strict: compiled leniently, so keywords
+        llguidance cannot enforce are ignored (the answer may break them)."""
+        if self.type == "text":
+            return None
+        if self.json_schema is None:
+            return Grammar("json_object")
+        schema, strict = self.json_schema.schema_, bool(self.json_schema.strict)
+        lenient = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "lenient": True}}
+        grammar = Grammar.json_schema(schema if strict else lenient)
+        problem = grammar_problem(grammar)
+        if problem is not None:
+            param = "response_format.json_schema.schema"
+            if strict and grammar_problem(Grammar.json_schema(lenient)) is None:
+                problem += "; remove it, or set strict to false to have it ignored"
+            raise ApiError(400, f"{param}: {problem}", code="invalid_value", param=param)
+        return grammar
+
+
 class GenerationRequest(BaseModel):
     """What chat and text completions share."""
 
@@ -70,6 +118,7 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     mlxspec: MlxspecOptions = Field(default_factory=MlxspecOptions)
+    response_format: ResponseFormat | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -86,6 +135,11 @@ class GenerationRequest(BaseModel):
         logprobs); each dialect asks for them its own way, and one without them (Anthropic's)
         asks for none."""
         return None
+
+    def answer_constraint(self) -> AnswerConstraint | None:
+        """What the answer must match (`response_format`), or None: anything."""
+        grammar = self.response_format.grammar() if self.response_format else None
+        return None if grammar is None else AnswerConstraint(grammar=grammar)
 
 
 class TextPart(BaseModel):
@@ -206,7 +260,7 @@ class ChatRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(
-        None, description="Accepted; the calls the model makes are all returned."
+        None, description="false: a forced tool_choice makes one call; else as the model does."
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra arguments of the chat template, e.g. {enable_thinking: false}."
@@ -215,14 +269,6 @@ class ChatRequest(GenerationRequest):
     def conversation(self, template_defaults: dict[str, Any]) -> Conversation:
         """The request as the one shape inside. Tools go to the template unless
         tool_choice is "none"; `template_defaults` (the model's) yield to the request's."""
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            raise ApiError(
-                400,
-                "tool_choice: 'required' and a named function need constrained decoding, which "
-                "this server does not have yet; use 'auto' or 'none'",
-                code="unsupported_value",
-                param="tool_choice",
-            )
         call_names: dict[str, str] = {}
         messages = []
         for index, message in enumerate(self.messages):
@@ -254,6 +300,35 @@ class ChatRequest(GenerationRequest):
                 )
             return None
         return self.top_logprobs or 0
+
+    def answer_constraint(self) -> AnswerConstraint | None:
+        """`response_format`'s, or the forced tool calls of `tool_choice` ("required": a
+        call to any of the tools; a named function: a call to it)."""
+        forced = self._forced_tools()
+        if forced is None:
+            return super().answer_constraint()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ApiError(
+                400,
+                "response_format: a forced tool_choice already sets the answer's form; "
+                "drop one of them",
+                code="invalid_value",
+                param="response_format",
+            )
+        return AnswerConstraint(tools=forced, param="tool_choice")
+
+    def _forced_tools(self) -> ForcedTools | None:
+        if self.tool_choice is None or isinstance(self.tool_choice, str):
+            if self.tool_choice != "required":
+                return None
+            names = tuple(tool.function.name for tool in self.tools or ())
+        else:
+            names = (self.tool_choice.function.name,)
+        known = {tool.function.name for tool in self.tools or ()}
+        if not names or not set(names) <= known:
+            what = f"no tool named {names[0]!r} is in tools" if names else "tools are empty"
+            raise ApiError(400, f"tool_choice: {what}", code="invalid_value", param="tool_choice")
+        return ForcedTools(names, parallel=self.parallel_tool_calls is not False)
 
 
 class CompletionRequest(GenerationRequest):

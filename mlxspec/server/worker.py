@@ -13,6 +13,7 @@ engine's generator is closed, which leaves its KV cache consistent for the next 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import queue
@@ -24,9 +25,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxspec.answer_grammar import AnswerConstraint, answer_grammar
 from mlxspec.conversation import Conversation
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Event
+from mlxspec.grammar import GrammarError
 from mlxspec.output_parser import AnswerReader
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelProvider, OpenModel
@@ -47,6 +50,24 @@ class Generation:
     prompt: str | list[int] | Conversation  # a Conversation's answer is read into parts
     settings: GenerationSettings
     proposer: str | None  # None: the model's default
+    # What the answer must match, made the settings' grammar once the model is open
+    # (`constrained`): the grammar is written in the model's own markup.
+    constraint: AnswerConstraint | None = None
+
+
+def constrained(generation: Generation, tokenizer) -> Generation:
+    """The generation with its constraint as the settings' grammar, for the model whose
+    `tokenizer` is given; ApiError (400) naming the field where it cannot be written."""
+    constraint = generation.constraint
+    if constraint is None:
+        return generation
+    try:
+        grammar = answer_grammar(tokenizer, generation.prompt, constraint)
+    except GrammarError as err:
+        param = constraint.param
+        raise ApiError(400, f"{param}: {err}", code="invalid_value", param=param) from None
+    settings = dataclasses.replace(generation.settings, grammar=grammar)
+    return dataclasses.replace(generation, settings=settings, constraint=None)
 
 
 class Job:
@@ -223,6 +244,7 @@ class Worker:
             model = self._open(request.model)
             proposer = _prepare_proposer(model, request.proposer)
             _check_token_ids(request.prompt, model.engine.vocab_size)
+            job.generation = constrained(request, model.engine.tokenizer)
             events = self._stream(model, job, proposer)
             try:
                 for event in events:

@@ -1,0 +1,125 @@
+"""Forced tool calls as a grammar: the model's own tool-call markup, around JSON that
+names one of the allowed tools and holds that tool's arguments (its parameters schema).
+
+The markup is what the output parser reads back (output_parser.AnswerFormat): Qwen3,
+Hermes and the fallback format's `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`,
+Llama 3.x's bare `{"name": ..., "parameters": ...}` (calls separated by `; `), Mistral's
+`[TOOL_CALLS][{"name": ..., "arguments": ...}]`. Other formats (XML-like arguments,
+pythonic calls) are refused with their name rather than guessed at. The grammar is
+llguidance's Lark with each tool's call as a `%json` schema, so a forced call is a call
+the parser accepts, with arguments valid against the tool's schema (compiled leniently:
+a keyword llguidance cannot enforce is ignored, as a client's tool schema is not ours to
+refuse).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxspec.grammar import JSON_OPTIONS, GrammarError
+from mlxspec.output_parser import JSON_TOOLS, AnswerFormat
+
+MISTRAL = "mistral"
+MISTRAL_ID = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}  # its template's call ids
+# Where a schema keeps the definitions its `$ref`s point at: kept at the root of the
+# call's schema, which wraps the tool's.
+DEFINITIONS = ("$defs", "definitions")
+
+
+Spelling = Callable[[str], str]  # a marker -> its Lark form
+
+
+def literal(text: str) -> str:
+    """`text` as a Lark string literal: what a marker is where it is text to the tokenizer."""
+    return json.dumps(text)
+
+
+@dataclass(frozen=True)
+class ForcedTools:
+    """A request that must call a tool: `names`, the tools it may call (one: a named
+    choice; all: "required" / "any"); `parallel`, whether more calls may follow the first."""
+
+    names: tuple[str, ...]
+    parallel: bool = True
+
+
+def tool_calls_rules(
+    form: AnswerFormat, forced: ForcedTools, spell: Spelling = literal, rule: str = "calls"
+) -> str:
+    """Lark rules whose `rule` is one or more calls (one where not `parallel`) in the
+    format `form` reads, each to a tool in `forced.names`; GrammarError for a format
+    this cannot write or a name the request's tools lack. `spell`: a marker in Lark (a
+    special token's id where the tokenizer has one, see answer_grammar)."""
+    tools = {tool["function"]["name"]: tool["function"] for tool in form.tools or ()}
+    missing = [name for name in forced.names if name not in tools]
+    if missing or not forced.names:
+        raise GrammarError(f"no tool named {', '.join(map(repr, missing)) or 'at all'}")
+    markup = _markup(form)
+    schemas = [_call_schema(tools[name], markup) for name in forced.names]
+    call_rules = [f"{rule}_{i}: %json {json.dumps(schema)}" for i, schema in enumerate(schemas)]
+    call = f"{rule}_call"
+    alternatives = " | ".join(f"{rule}_{i}" for i in range(len(schemas)))
+    more = f" ({_spelt(markup.separator, spell)} {call})*" if forced.parallel else ""
+    opening, closing = _spelt(markup.opening, spell), _spelt(markup.closing, spell)
+    body = " ".join(filter(None, [opening, call + more, closing]))
+    return "\n".join([f"{rule}: {body}", f"{call}: {alternatives}", *call_rules])
+
+
+@dataclass(frozen=True)
+class CallMarkup:
+    """How a format writes its calls: the markup (markers and text, in order) before
+    them, between two and after them; the key of a call's arguments; the properties a
+    call may have after them."""
+
+    opening: tuple[str, ...]
+    separator: tuple[str, ...]
+    closing: tuple[str, ...]
+    arguments_key: str = "arguments"
+    more: dict[str, Any] = field(default_factory=dict)
+
+
+def _markup(form: AnswerFormat) -> CallMarkup:
+    if form.calls_open_answer:  # Llama 3.x: the answer is its calls
+        return CallMarkup((), ("; ",), (), arguments_key="parameters")
+    module = getattr(form.tool_parser, "__module__", "") or ""
+    parser = module.rsplit(".", 1)[-1]
+    start, end = form.tool_call_start or "", form.tool_call_end
+    if parser == JSON_TOOLS:
+        return CallMarkup((start, "\n"), ("\n", end, "\n", start, "\n"), ("\n", end))
+    if parser == MISTRAL:  # a JSON list after the marker, to the end of the answer
+        return CallMarkup((start, "["), (", ",), ("]",), more={"id": MISTRAL_ID})
+    raise GrammarError(
+        f"cannot force a tool call in this model's tool-call format ({parser or 'unknown'}); "
+        "forced calls support the Hermes/Qwen <tool_call> JSON, Llama 3.x and Mistral formats"
+    )
+
+
+def _call_schema(function: dict[str, Any], markup: CallMarkup) -> dict[str, Any]:
+    """One call to `function` as a JSON schema: its name, then its arguments, in the
+    JSON spelling of the house (grammar.JSON_OPTIONS), leniently compiled."""
+    parameters = copy.deepcopy(function.get("parameters") or {"type": "object"})
+    if not isinstance(parameters, dict):
+        raise GrammarError(f"the parameters of tool {function['name']!r} are not a JSON schema")
+    definitions = {key: parameters.pop(key) for key in DEFINITIONS if key in parameters}
+    if parameters.get("type") is None and "properties" in parameters:
+        parameters["type"] = "object"
+    return {
+        "x-guidance": {**JSON_OPTIONS, "lenient": True},
+        "type": "object",
+        "properties": {
+            "name": {"const": function["name"]},
+            markup.arguments_key: parameters,
+            **markup.more,
+        },
+        "required": ["name", markup.arguments_key],
+        "additionalProperties": False,
+        **definitions,
+    }
+
+
+def _spelt(markup: tuple[str, ...], spell: Spelling) -> str:
+    return " ".join(spell(text) if text.strip() else literal(text) for text in markup if text)
