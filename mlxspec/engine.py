@@ -26,7 +26,7 @@ from mlxspec.batch.single import SingleCaches
 from mlxspec.chat_template import encode_chat
 from mlxspec.conversation import Conversation
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
-from mlxspec.grammar import Constraint, GrammarError
+from mlxspec.grammar import Constraint, Grammar, GrammarError
 from mlxspec.policy import Policy
 from mlxspec.proposers.base import ProposalContext, Proposer
 from mlxspec.request import RequestRun
@@ -190,16 +190,16 @@ class Engine:
                 f"unknown proposer '{proposer}'; available: none, {', '.join(self.proposers)}"
             )
         if settings.grammar is not None:
-            self.constraint(settings)  # compiled now (and kept): a bad grammar fails here
+            self.constraint(settings.grammar)  # compiled now (and kept): a bad one fails here
         return prompt_tokens, min(settings.max_tokens, room)
 
-    def constraint(self, settings: GenerationSettings) -> Constraint | None:
-        """The request's grammar at its start, or GenerationError saying why it cannot be
+    def constraint(self, grammar: Grammar | None) -> Constraint | None:
+        """A request's grammar at its start, or GenerationError saying why it cannot be
         enforced (compiled grammars are cached: the second call copies the first's)."""
-        if settings.grammar is None:
+        if grammar is None:
             return None
         try:
-            return Constraint(settings.grammar, self.tokenizer, self.vocab_size)
+            return Constraint(grammar, self.tokenizer, self.vocab_size)
         except GrammarError as error:
             raise GenerationError(str(error)) from None
 
@@ -235,7 +235,7 @@ class Engine:
             proposer,
             history=settings.history,
             top_logprobs=settings.logprobs,
-            constraint=self.constraint(settings),
+            constraint=self.constraint(settings.grammar),
         )
 
     def finish(self, run: RequestRun) -> Done:

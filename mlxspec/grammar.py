@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
 # The JSON the grammar writes: the separators Python's json.dumps and Jinja's tojson use
@@ -130,6 +131,33 @@ def _clean_error(message: str) -> str:
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
     said = lines[:1] + [line for line in lines[1:] if line.startswith("error:")][:1]
     return f"cannot enforce this grammar: {' '.join(said) or 'invalid grammar'}"
+
+
+def masked_logits(logits: mx.array, allowed: np.ndarray) -> mx.array:
+    """`logits` (m, V) with what `allowed` (m, V' bools) forbids set to -inf: the
+    distribution constrained decoding draws from, renormalised by the softmax. An LM head
+    wider than the tokenizer (V > V') has its padding ids forbidden."""
+    width = logits.shape[-1]
+    if allowed.shape[-1] < width:
+        allowed = np.pad(allowed, ((0, 0), (0, width - allowed.shape[-1])))
+    keep = mx.array(allowed[: logits.shape[0], :width])
+    return mx.where(keep, logits, mx.array(-mx.inf, logits.dtype))
+
+
+def mask_processor(constraint: Constraint, prompt_length: int):
+    """The constraint as an mlx-lm logits processor (`generate_step`'s
+    `logits_processors`): it takes in the tokens generated since its last call, then
+    masks the next step's logits. Constrained plain decoding on mlx-lm's own loop."""
+    taken = 0
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        nonlocal taken
+        new = tokens[prompt_length + taken :].tolist()
+        constraint.take(new)
+        taken += len(new)
+        return masked_logits(logits, constraint.mask()[None])
+
+    return process
 
 
 class Constraint:

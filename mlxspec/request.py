@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
-from mlxspec.grammar import Constraint
+from mlxspec.grammar import Constraint, masked_logits
 from mlxspec.logprobs import PendingLogprobs, TokenLogprob, pending_logprobs
 from mlxspec.policy import Policy
 from mlxspec.proposers.base import Draft, Proposer, Situation
@@ -112,13 +112,7 @@ class RequestRun:
     def masked(self, processed: mx.array, masks: np.ndarray | None) -> mx.array:
         """Processed verify rows with what the grammar forbids at each set to -inf: the
         distribution constrained plain decoding draws from, renormalised by the softmax."""
-        if masks is None:
-            return processed
-        width = processed.shape[-1]
-        if masks.shape[1] < width:  # an LM head padded past the tokenizer's vocabulary
-            masks = np.pad(masks, ((0, 0), (0, width - masks.shape[1])))
-        allowed = mx.array(masks[: processed.shape[0], :width])
-        return mx.where(allowed, processed, mx.array(-mx.inf, processed.dtype))
+        return processed if masks is None else masked_logits(processed, masks)
 
     def accept(
         self,

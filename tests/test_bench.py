@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -266,6 +267,8 @@ def test_a_divergence_is_reported_with_position_and_gap(tiny_runtime, log, monke
         ("mlx-lm-speculative@k=5", Method("mlx-lm-speculative", k=5)),
         ("prompt-lookup@tree", Method("mlxspec", "prompt-lookup", tree=True)),
         ("draft-model@k=3@tree", Method("mlxspec", "draft-model", 3, True)),
+        ("none@free", Method("mlxspec", "none", 0, free=True)),
+        ("prompt-lookup@tree@free", Method("mlxspec", "prompt-lookup", tree=True, free=True)),
     ],
 )
 def test_methods_parse_and_plain_comes_first(tiny_entry, text, method):
@@ -350,6 +353,8 @@ BAD_PROMPT_FILES = [
     ('{"prompt": "hi", "klass": "x"}\n', "line 1: unknown key 'klass'"),
     ('{"prompt": "hi", "class": 3}\n', "line 1: 'class' must be a non-empty string"),
     ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "id 'a' appears twice"),
+    ('{"prompt": "x", "schema": "object"}\n', "line 1: 'schema' must be a JSON schema object"),
+    ('{"prompt": "x", "schema": {}, "regex": "a"}\n', "line 1: give 'schema' or 'regex'"),
     ("\n\n", "no prompts"),
 ]
 
@@ -579,3 +584,35 @@ def test_a_prompts_file_replays_on_request(tiny_entry, tmp_path):
     assert not plan(tiny_entry, "quick", stream, None, 16, None).replay
     with pytest.raises(BenchError, match="--prompts"):
         plan(tiny_entry, "agent", None, None, 16, None, replay=True)
+
+
+def test_a_constrained_suite_matches_mlx_lm_constrained_and_free_rows_run_free(
+    tiny_runtime, log, tiny_entry
+):
+    """Prompts with a schema or a regex: mlx-lm's plain loop masked by a logits processor
+    and every mlxspec row give the same constrained tokens (`token_match`); @free rows run
+    the prompt unconstrained, and are compared with plain decoding unconstrained."""
+    prompts = parse_prompts(
+        '{"id": "call", "prompt": "weather in Paris", "schema": {"type": "object", '
+        '"properties": {"city": {"enum": ["Paris", "Rome"]}, '
+        '"days": {"type": "integer", "maximum": 9}}, '
+        '"required": ["city", "days"], "additionalProperties": false}}\n'
+        '{"id": "date", "prompt": "when", "regex": "[0-9]{4}-[0-9]{2}"}\n',
+        "structured.jsonl",
+    )
+    methods = parse_methods("plain-mlx-lm@free,none,none@free,prompt-lookup@k=4", tiny_entry)
+    bench = Bench(tiny_runtime, prompts, methods, max_tokens=40, repeats=1)
+    bench.prepare()
+    runs = list(bench.runs())
+    assert all(run.divergence is None for run in runs), [r.divergence for r in runs]
+    text = {
+        (run.prompt.id, run.method.name): tiny_runtime.engine.tokenizer.decode(
+            run.measurement.tokens
+        )
+        for run in runs
+    }
+    call = json.loads(text[("call", PLAIN)])
+    assert call["city"] in ("Paris", "Rome") and isinstance(call["days"], int)
+    assert re.fullmatch("[0-9]{4}-[0-9]{2}", text[("date", "mlxspec:prompt-lookup@k=4")])
+    assert text[("date", "mlxspec:none@free")] == text[("date", PLAIN + "@free")]
+    assert text[("date", "mlxspec:none@free")] != text[("date", "mlxspec:none")]

@@ -7,6 +7,8 @@ Method names, as `--proposers` takes them (comma-separated):
     [mlxspec:]none             mlxspec's own loop without drafts (its overhead vs mlx-lm)
     [mlxspec:]NAME[@k=N][@tree] mlxspec with proposer NAME; adaptive k unless @k=N is given;
                                @tree verifies a draft tree per round (k: its depth)
+    METHOD@free                any method with the prompts' schema or regex dropped: what
+                               the constraint costs (or saves), on the same prompts
     core                       plain-mlx-lm, mlx-lm-speculative, mlxspec:none, mlxspec with the
                                entry's default proposer (adaptive and fixed k) and with the
                                draft pair (adaptive)
@@ -36,12 +38,14 @@ class Method:
     proposer: str | None = None  # mlxspec: a proposer of the entry, or "none"
     k: int | None = None  # fixed draft length; None: adaptive (mlx-lm: its default, 3)
     tree: bool = False  # mlxspec: verify a draft tree per round
+    free: bool = False  # the prompts' schema or regex dropped
 
     @property
     def name(self) -> str:
         base = f"mlxspec:{self.proposer}" if self.runner == "mlxspec" else self.runner
         base = base if self.k is None or self.k == 0 else f"{base}@k={self.k}"
-        return f"{base}@tree" if self.tree else base
+        base = f"{base}@tree" if self.tree else base
+        return f"{base}@free" if self.free else base
 
     @property
     def k_label(self) -> int | str:
@@ -126,11 +130,15 @@ def parse_methods(text: str, entry: ModelEntry) -> list[Method]:
 
 def _method(item: str, entry: ModelEntry) -> Method:
     name, *options = item.split("@")
-    tree = "tree" in options
-    k_texts = [o for o in options if o != "tree"]
+    tree, free = "tree" in options, "free" in options
+    k_texts = [o for o in options if o not in ("tree", "free")]
     if len(k_texts) > 1:
-        raise BenchError(f"{item!r}: give @k=N at most once (and @tree at most once)")
+        raise BenchError(f"{item!r}: give @k=N at most once (and @tree, @free at most once)")
     k = _k(k_texts[0], item) if k_texts else None
+    return replace(_named(name, item, entry, k, tree), free=free)
+
+
+def _named(name: str, item: str, entry: ModelEntry, k: int | None, tree: bool) -> Method:
     if name in (PLAIN, MLX_LM_SPECULATIVE) and tree:
         raise BenchError(f"{item!r}: only mlxspec methods verify trees")
     if name == PLAIN:

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlxspec.answer_grammar import AnswerConstraint, answer_grammar
 from mlxspec.bench import BenchError
 from mlxspec.bench.lossless import Divergence, first_divergence, plain_top2_gap
 from mlxspec.bench.methods import MLX_LM_SPECULATIVE, PLAIN, Method, draft_proposer
@@ -28,6 +29,7 @@ from mlxspec.bench.runners import (
     run_plain_mlx_lm,
 )
 from mlxspec.bench.suites import BenchPrompt
+from mlxspec.grammar import Grammar
 from mlxspec.registry import NONE
 from mlxspec.runtime import Runtime
 from mlxspec.suffix.store import HistoryStore
@@ -81,6 +83,8 @@ class Bench:
         self._histories = tempfile.TemporaryDirectory(prefix="mlxspec-bench-history-")
         self._draft = None  # mlx-lm's draft model: the very module mlxspec's proposer uses
         self._encoded: dict[str, list[int]] = {}
+        # Each constrained prompt's grammar as its answer is read (after any reasoning).
+        self._grammars: dict[str, Grammar | None] = {}
 
     @property
     def total(self) -> int:
@@ -102,6 +106,7 @@ class Bench:
         self._encoded = {
             p.id: engine.encode_chat([{"role": "user", "content": p.text}]) for p in self.prompts
         }
+        self._grammars = {p.id: self._answer_grammar(p) for p in self.prompts}
         self.runtime.use_history(HistoryStore(Path(self._histories.name) / "warm-up"))
         notify(f"warming up {len(self.methods)} methods")
         warm_up = engine.encode_chat(WARM_UP)
@@ -128,19 +133,44 @@ class Bench:
                 run_name if self.replay else f"{run_name}-{prompt.id}"
             )
             self.runtime.use_history(HistoryStore(folder))
-            measurement = self.measure(method, tokens, self.max_tokens)
-            reference.setdefault(prompt.id, measurement.tokens)  # plain runs first
+            grammar = None if method.free else self._grammars[prompt.id]
+            measurement = self.measure(method, tokens, self.max_tokens, grammar)
+            # Plain runs first; a free row against plain decoding free too.
+            key = (prompt.id, grammar is None)
+            reference.setdefault(key, measurement.tokens)
             divergence = None
-            position = first_divergence(reference[prompt.id], measurement.tokens)
+            position = first_divergence(reference[key], measurement.tokens)
             if position is not None:
-                plain = reference[prompt.id][:position]
+                plain = reference[key][:position]
                 gap = plain_top2_gap(self.runtime.loaded.model, tokens + plain)
                 divergence = Divergence(repeat, position, gap)
             yield Run(prompt, method, repeat, measurement, divergence)
 
-    def measure(self, method: Method, prompt: list[int], max_tokens: int) -> Measurement:
+    def _answer_grammar(self, prompt: BenchPrompt) -> Grammar | None:
+        """The prompt's grammar, applied where its answer starts (after the model's
+        reasoning, in its own markup: as `serve` applies a response_format)."""
+        if prompt.grammar is None:
+            return None
+        messages = [{"role": "user", "content": prompt.text}]
+        constraint = AnswerConstraint(grammar=prompt.grammar)
+        engine = self.runtime.engine
+        try:
+            grammar = answer_grammar(engine.tokenizer, messages, constraint)
+            engine.constraint(grammar)  # compiled once now: a bad schema fails before a row
+        except ValueError as err:  # GrammarError, or the engine's GenerationError
+            raise BenchError(f"prompt {prompt.id!r}: {err}") from None
+        return grammar
+
+    def measure(
+        self, method: Method, prompt: list[int], max_tokens: int, grammar: Grammar | None = None
+    ) -> Measurement:
         if method.runner in (PLAIN, MLX_LM_SPECULATIVE):
-            measurement = self._measure_mlx_lm(method, prompt, max_tokens)
+            if grammar is not None and method.runner == MLX_LM_SPECULATIVE:
+                raise BenchError(
+                    f"{MLX_LM_SPECULATIVE} cannot constrain its answers; leave it out with "
+                    "--proposers, or add @free to it"
+                )
+            measurement = self._measure_mlx_lm(method, prompt, max_tokens, grammar)
             if self.stream is not None:
                 # mlx-lm's loop leaves one forward pass in flight on its own stream; sharded,
                 # its collectives would race the next row's and pair up wrongly across ranks.
@@ -155,12 +185,17 @@ class Bench:
             method.tree,
             True,  # history on: every run has a temporary store of its own (see `runs`)
             self.stream,
+            grammar,
         )
 
-    def _measure_mlx_lm(self, method: Method, prompt: list[int], max_tokens: int) -> Measurement:
+    def _measure_mlx_lm(
+        self, method: Method, prompt: list[int], max_tokens: int, grammar: Grammar | None
+    ) -> Measurement:
         loaded = self.runtime.loaded
         if method.runner == PLAIN:
-            return run_plain_mlx_lm(loaded.model, loaded.tokenizer, prompt, max_tokens)
+            engine = self.runtime.engine
+            constraint = None if grammar is None else engine.constraint(grammar)
+            return run_plain_mlx_lm(loaded.model, loaded.tokenizer, prompt, max_tokens, constraint)
         return run_mlx_lm_speculative(
             loaded.model, self._draft, loaded.tokenizer, prompt, max_tokens, method.k_label
         )

@@ -23,6 +23,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Event, Step
+from mlxspec.grammar import Constraint, Grammar, mask_processor
 
 # How an mlxspec row runs a request: the engine's own stream, or (sharded) a rank
 # session's, which keeps the ranks in step and times its collectives.
@@ -78,13 +79,23 @@ class Clock:
 
 
 def run_plain_mlx_lm(
-    model: nn.Module, tokenizer, prompt: list[int], max_tokens: int
+    model: nn.Module,
+    tokenizer,
+    prompt: list[int],
+    max_tokens: int,
+    constraint: Constraint | None = None,
 ) -> Measurement:
+    """mlx-lm's plain loop; with a constraint, every step masked by a logits processor
+    (constrained plain decoding: the reference for a constrained row)."""
     eos, detokenizer = set(tokenizer.eos_token_ids), tokenizer.detokenizer
     detokenizer.reset()
     tokens: list[int] = []
+    processors = [] if constraint is None else [mask_processor(constraint, len(prompt))]
     clock = Clock()
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, logits_processors=processors
+    )
+    for token, _ in steps:
         clock.round_done(1)
         if token in eos:
             break
@@ -135,10 +146,16 @@ def run_mlxspec(
     tree: bool = False,
     history: bool = False,
     stream: Stream | None = None,
+    grammar: Grammar | None = None,
 ) -> Measurement:
     cold_start(engine)
     settings = GenerationSettings(
-        max_tokens=max_tokens, k=k, context=len(prompt) + max_tokens, tree=tree, history=history
+        max_tokens=max_tokens,
+        k=k,
+        context=len(prompt) + max_tokens,
+        tree=tree,
+        history=history,
+        grammar=grammar,
     )
     clock = Clock()
     done = None
