@@ -58,7 +58,9 @@ def answer_grammar(tokenizer, prompt: object, constraint: AnswerConstraint) -> G
     start = "start: thought? answer" if reasoning else "start: answer"
     if form.starts_in_reasoning:
         start = "start: thought answer"
-    return Grammar("lark", "\n".join(filter(None, [start, reasoning, answer])) + "\n")
+    label = "tool_call" if constraint.tools is not None else constraint.grammar.describe()
+    lark = "\n".join(filter(None, [start, reasoning, answer])) + "\n"
+    return Grammar("lark", lark, label=label)
 
 
 def json_spelling(schema: dict) -> dict:

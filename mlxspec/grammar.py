@@ -44,6 +44,9 @@ class Grammar:
 
     kind: str
     source: str = ""
+    # What the request asked for, where the grammar wraps it (a JSON schema after a
+    # model's reasoning block is Lark): the run record shows this. "": the kind.
+    label: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -69,7 +72,7 @@ class Grammar:
 
     def describe(self) -> str:
         """A short label for the run record."""
-        return self.kind
+        return self.label or self.kind
 
 
 _tokenizers: dict[int, tuple[object, object]] = {}
@@ -176,7 +179,8 @@ class Constraint:
 
     def forced(self, limit: int) -> list[int]:
         """The tokens the grammar forces next (at most `limit`): the canonical spelling of
-        its forced bytes, which the target may still spell otherwise."""
+        its forced bytes. llguidance's mask allows only that spelling there, so the
+        target's choice differs only where the mask leaves it a choice."""
         if limit <= 0:
             return []
         return self.matcher.compute_ff_tokens()[:limit]

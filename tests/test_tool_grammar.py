@@ -102,6 +102,7 @@ def templates_own_call(tokenizer, conversation: Conversation, end: str) -> str:
 @pytest.mark.parametrize("template", TEMPLATES_WITH_CALLS)
 def test_the_call_each_template_writes_is_what_the_grammar_accepts(template):
     tokenizer, conversation, grammar = forced(template, enable_thinking=False)
+    assert grammar.describe() == "tool_call"  # the run record says what was asked
     call = templates_own_call(tokenizer, conversation, TEMPLATES_WITH_CALLS[template])
     assert matched(grammar, tokenizer, call) == "complete", (call, grammar.source)
     wrong_name = call.replace("get_weather", "get_wether")
