@@ -177,17 +177,18 @@ class RequestRun:
         round shares its pass with other requests and has no such price (None).
         `logprobs`: one per new token (`pending_logprobs`, read), where asked for.
         `forced`: the line's first tokens that the grammar forced (drafted for free):
-        counted apart, and the proposer's drafts after them are counted (and taught to
-        its policy) only where the target kept every forced one, so they were tried."""
+        counted apart; the proposer's drafts after them count as its own, and teach its
+        policy only where the target kept every forced one (else they were never tried)."""
         n_accepted, record = len(path), self.record
         own_drafts = 0
         if tree.tokens:
             record.grammar_drafted += forced
             record.grammar_accepted += min(forced, n_accepted)
-            own_drafts = max(tree.depths) - forced
+            own_drafts, own_accepted = max(tree.depths) - forced, max(0, n_accepted - forced)
+            if own_drafts:
+                record.count_round(own_drafts, own_accepted)
             if own_drafts and n_accepted >= forced:
-                record.count_round(own_drafts, n_accepted - forced)
-                self.policy.update(situation, own_drafts, n_accepted - forced, draft_seconds)
+                self.policy.update(situation, own_drafts, own_accepted, draft_seconds)
         new_tokens = [*tree.path_tokens(path[-1] if path else 0), own_token]
         kinds = ["accepted"] * n_accepted + [
             "bonus" if not tree.children()[path[-1] if path else 0] else "corrected"
