@@ -23,8 +23,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from mlxspec.grammar import JSON_OPTIONS, Grammar, GrammarError
 from mlxspec.output_parser import AnswerFormat, answer_format
+from mlxspec.settings import JSON_OPTIONS, Grammar, GrammarError
 from mlxspec.tool_grammar import ForcedTools, Spelling, literal, tool_calls_rules
 
 UNIMPLEMENTED = re.compile(r"^Unimplemented keys: \[(.*)\]$")

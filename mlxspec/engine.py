@@ -26,7 +26,7 @@ from mlxspec.batch.single import SingleCaches
 from mlxspec.chat_template import encode_chat
 from mlxspec.conversation import Conversation
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
-from mlxspec.grammar import Constraint, Grammar, GrammarError
+from mlxspec.grammar import COMPILE_SECONDS, QUICK_SECONDS, Constraint, Grammar
 from mlxspec.policy import Policy
 from mlxspec.proposers.base import ProposalContext, Proposer
 from mlxspec.request import RequestRun
@@ -189,19 +189,17 @@ class Engine:
             raise GenerationError(
                 f"unknown proposer '{proposer}'; available: none, {', '.join(self.proposers)}"
             )
-        if settings.grammar is not None:
-            self.constraint(settings.grammar)  # compiled now (and kept): a bad one fails here
         return prompt_tokens, min(settings.max_tokens, room)
 
-    def constraint(self, grammar: Grammar | None) -> Constraint | None:
-        """A request's grammar at its start, or GenerationError saying why it cannot be
-        enforced (compiled grammars are cached: the second call copies the first's)."""
-        if grammar is None:
-            return None
-        try:
-            return Constraint(grammar, self.tokenizer, self.vocab_size)
-        except GrammarError as error:
-            raise GenerationError(str(error)) from None
+    def constraint(
+        self, grammar: Grammar | None, wait: float = COMPILE_SECONDS
+    ) -> Constraint | None:
+        """A request's grammar at its start (None: no grammar), compiling on a thread of
+        its own; `wait`: how long to wait for it here, where a grammar that cannot be
+        enforced raises GrammarError (a GenerationError). Compiled grammars are cached."""
+        return (
+            None if grammar is None else Constraint(grammar, self.tokenizer, self.vocab_size, wait)
+        )
 
     def new_run(
         self,
@@ -235,7 +233,7 @@ class Engine:
             proposer,
             history=settings.history,
             top_logprobs=settings.logprobs,
-            constraint=self.constraint(settings.grammar),
+            constraint=self.constraint(settings.grammar, QUICK_SECONDS),
         )
 
     def finish(self, run: RequestRun) -> Done:

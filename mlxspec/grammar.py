@@ -1,5 +1,5 @@
-"""Structured output: what a request's text must match (a JSON schema, a regex, a Lark
-grammar), and its state while the request decodes, as token masks.
+"""Structured output: a request's grammar (`settings.Grammar`: a JSON schema, a regex, a
+Lark grammar) compiled, and its state while the request decodes, as token masks.
 
 The grammar engine is llguidance (the one llama.cpp, vLLM and SGLang use): it compiles a
 JSON schema in milliseconds, computes a token mask in tens of microseconds on SmolLM2's
@@ -15,64 +15,28 @@ mlxspec's part is to keep decoding lossless under it (see docs/design/grammar.md
 
 from __future__ import annotations
 
-import json
 import threading
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_for
 
 import mlx.core as mx
 import numpy as np
 
-# The JSON the grammar writes: the separators Python's json.dumps and Jinja's tojson use
-# (what chat templates show a model), no other whitespace. One spelling makes the keys,
-# quotes and punctuation between values forced tokens, drafted for free.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json_schema", "json_object", "regex", "lark")
+from mlxspec.settings import Grammar, GrammarError
+
 # Compiled grammars kept per tokenizer (a matcher is copied per request in microseconds).
 CACHED_GRAMMARS = 64
-
-
-class GrammarError(ValueError):
-    """A grammar the engine cannot enforce: its message names what is wrong."""
-
-
-@dataclass(frozen=True)
-class Grammar:
-    """What a request's generated text must match. `source`: the schema as JSON text
-    (json_schema), the regex (regex), the Lark grammar (lark); json_object needs none.
-    Plain strings, so the settings cross to other ranks as they are."""
-
-    kind: str
-    source: str = ""
-    # What the request asked for, where the grammar wraps it (a JSON schema after a
-    # model's reasoning block is Lark): the run record shows this. "": the kind.
-    label: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise GrammarError(f"unknown grammar kind '{self.kind}'; one of {', '.join(KINDS)}")
-
-    @classmethod
-    def json_schema(cls, schema: dict | str) -> Grammar:
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
-
-    def llguidance(self) -> str:
-        """The grammar in llguidance's own form (not yet checked)."""
-        from llguidance import LLMatcher
-
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.source)
-        if self.kind == "lark":
-            return LLMatcher.grammar_from_lark(self.source)
-        schema = self.source if self.kind == "json_schema" else '{"type": "object"}'
-        try:
-            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-        except ValueError as error:
-            raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
-
-    def describe(self) -> str:
-        """A short label for the run record."""
-        return self.label or self.kind
+# The longest a grammar may take to compile before its request fails (a tool schema takes
+# milliseconds; llguidance's own fuel limits end most runaway grammars sooner).
+COMPILE_SECONDS = 10.0
+# How long a request's start waits for its grammar: one that fails at once (a syntax
+# error, an unknown keyword) is refused right there, as a request error.
+QUICK_SECONDS = 0.2
+# Compiling runs here, off the round loop's thread (llguidance lets go of the GIL).
+_compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mlxspec-grammar")
 
 
 _tokenizers: dict[int, tuple[object, object]] = {}
@@ -168,9 +132,41 @@ class Constraint:
     produced. Per round: the forced tokens (free drafts), the draft cut to what the
     grammar allows with a mask per verify row, then the round's new tokens taken in."""
 
-    def __init__(self, grammar: Grammar, tokenizer, vocab_size: int):
+    def __init__(self, grammar: Grammar, tokenizer, vocab_size: int, wait: float = COMPILE_SECONDS):
+        """Compiling starts now on a thread of its own, so that it overlaps the request's
+        wait and its prefill (the scheduler admits it once `ready`); `wait`: seconds to
+        wait for it here, where a grammar that fails raises GrammarError."""
         self.grammar, self.vocab_size = grammar, vocab_size
-        self.matcher = compile_grammar(grammar, tokenizer, vocab_size)
+        self._started = time.monotonic()
+        self._compiling = _compiler.submit(compile_grammar, grammar, tokenizer, vocab_size)
+        self._matcher = None
+        self.wait(wait)
+        if self._compiling.done() or wait >= COMPILE_SECONDS:
+            self.matcher  # noqa: B018  (raises what compiling found wrong)
+
+    @property
+    def ready(self) -> bool:
+        """Compiled, or failed, or out of time: `matcher` no longer waits."""
+        overdue = time.monotonic() - self._started >= COMPILE_SECONDS
+        return self._matcher is not None or self._compiling.done() or overdue
+
+    def wait(self, seconds: float) -> None:
+        """Wait at most `seconds` for compiling to end."""
+        wait_for([self._compiling], timeout=seconds)
+
+    @property
+    def matcher(self):
+        """The request's matcher, compiled (waiting for it, within COMPILE_SECONDS of the
+        start); GrammarError if it cannot be enforced or took too long."""
+        if self._matcher is None:
+            left = COMPILE_SECONDS - (time.monotonic() - self._started)
+            try:
+                self._matcher = self._compiling.result(timeout=max(left, 0.0))
+            except FutureTimeout:
+                raise GrammarError(
+                    f"the grammar did not compile within {COMPILE_SECONDS:g} s; simplify it"
+                ) from None
+        return self._matcher
 
     @property
     def stopped(self) -> bool:

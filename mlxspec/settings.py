@@ -1,18 +1,68 @@
-"""What a request asks for (`GenerationSettings`) and the error for one the engine
-cannot serve: shared by the engine and the scheduler whose round serves it."""
+"""What a request asks for (`GenerationSettings`, and the `Grammar` its text must match)
+and the error for one the engine cannot serve: shared by the engine and the scheduler
+whose round serves it. The grammar is compiled and enforced in grammar.py."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mlxspec.grammar import Grammar
 from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.sampling import SamplingSettings
+
+# The JSON the grammar writes: the separators Python's json.dumps and Jinja's tojson use
+# (what chat templates show a model), no other whitespace. One spelling makes the keys,
+# quotes and punctuation between values forced tokens, drafted for free.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json_schema", "json_object", "regex", "lark")
 
 
 class GenerationError(ValueError):
     """A request the engine cannot serve (empty prompt, too long for the context...)."""
+
+
+class GrammarError(GenerationError):
+    """A grammar the engine cannot enforce: its message names what is wrong."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's generated text must match. `source`: the schema as JSON text
+    (json_schema), the regex (regex), the Lark grammar (lark); json_object needs none.
+    Plain strings, so the settings cross to other ranks as they are."""
+
+    kind: str
+    source: str = ""
+    # What the request asked for, where the grammar wraps it (a JSON schema after a
+    # model's reasoning block is Lark): the run record shows this. "": the kind.
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind '{self.kind}'; one of {', '.join(KINDS)}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> Grammar:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    def llguidance(self) -> str:
+        """The grammar in llguidance's own form (not yet checked)."""
+        from llguidance import LLMatcher
+
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.source)
+        schema = self.source if self.kind == "json_schema" else '{"type": "object"}'
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        except ValueError as error:
+            raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
+
+    def describe(self) -> str:
+        """A short label for the run record."""
+        return self.label or self.kind
 
 
 @dataclass

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxspec.grammar import JSON_OPTIONS, GrammarError
 from mlxspec.output_parser import JSON_TOOLS, AnswerFormat
+from mlxspec.settings import JSON_OPTIONS, GrammarError
 
 MISTRAL = "mistral"
 MISTRAL_ID = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}  # its template's call ids

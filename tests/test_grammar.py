@@ -11,6 +11,7 @@ of its own.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import llguidance.hf
@@ -24,6 +25,7 @@ from test_lossless import CPU_LIKE_COST, Oracle
 from test_sampling import Flattened, one_sample_chi_square
 from tiny_models import byte_tokenizer, tiny_model
 
+import mlxspec.grammar
 from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
@@ -352,3 +354,60 @@ def test_batch_caches_verify_no_forbidden_draft_either(setup, monkeypatch):
         got = list(done[request_id].token_ids)
         assert_lossless(model, prompt, reference, got, "batch", done[request_id].record)
     assert verified_rows_allowed(tokenizer, grammar, prompt, reference, seen.rows)
+
+
+@pytest.fixture
+def slow_compiles(monkeypatch):
+    """Compiling a regex grammar that starts with "slow" takes 0.6 s; the bound is 2 s,
+    or 0.3 s where a test lowers it."""
+    compile_quickly = mlxspec.grammar.compile_grammar
+
+    def compile_slowly(grammar, *rest):
+        if grammar.kind == "regex" and grammar.source.startswith("slow"):
+            time.sleep(0.6)
+        return compile_quickly(grammar, *rest)
+
+    monkeypatch.setattr(mlxspec.grammar, "compile_grammar", compile_slowly)
+    monkeypatch.setattr(mlxspec.grammar, "COMPILE_SECONDS", 2.0)
+    return monkeypatch
+
+
+def drained(scheduler) -> tuple[list[int], dict[int, Done]]:
+    """(request ids in the order of their first events, each request's Done)."""
+    order, done = [], {}
+    for out in scheduler.drain():
+        for request_id, events in out.items():
+            if request_id not in order:
+                order.append(request_id)
+            if isinstance(events[-1], Done):
+                done[request_id] = events[-1]
+    return order, done
+
+
+def test_a_grammar_still_compiling_does_not_stall_the_batch(setup, slow_compiles):
+    """Compiling runs off the round loop: a request whose grammar compiles waits in the
+    queue while another request's rounds go on, then joins and is served constrained."""
+    tokenizer, model, engine, prompt, references = setup
+    scheduler = Scheduler(engine, max_batch=2)
+    slow = Grammar("regex", "slow [a-z]{1,8}")
+    waiting = scheduler.submit(prompt, GenerationSettings(max_tokens=12, grammar=slow), "none")
+    going = scheduler.submit(prompt, GenerationSettings(max_tokens=12), "none")
+    order, done = drained(scheduler)
+    assert order == [going, waiting]  # the other request went first: nothing waited
+    assert done[going].record.finish_reason == "length"
+    assert done[waiting].text.startswith("slow ")
+
+
+def test_a_grammar_over_the_compile_bound_fails_its_request_alone(setup, slow_compiles):
+    tokenizer, model, engine, prompt, references = setup
+    slow_compiles.setattr(mlxspec.grammar, "COMPILE_SECONDS", 0.3)
+    scheduler = Scheduler(engine, max_batch=2)
+    slow = Grammar("regex", "slow [a-z]{1,8}")
+    failing = scheduler.submit(prompt, GenerationSettings(max_tokens=12, grammar=slow), "none")
+    going = scheduler.submit(prompt, GenerationSettings(max_tokens=12), "none")
+    order, done = drained(scheduler)
+    assert going in done and failing not in done
+    error = scheduler.failed[failing]
+    assert isinstance(error, GenerationError) and "did not compile within 0.3 s" in str(error)
+    with pytest.raises(GenerationError, match="did not compile"):  # alone too
+        list(engine.stream(prompt, GenerationSettings(grammar=slow), "none"))

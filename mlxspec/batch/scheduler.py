@@ -55,7 +55,7 @@ from mlxspec.batch.rows import (
     unbatchable_reason,
 )
 from mlxspec.batch.single import SingleCaches
-from mlxspec.batch.slots import Round, Slot
+from mlxspec.batch.slots import Round, Slot, grammar_ready
 from mlxspec.batch.target import cache_columns
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
 from mlxspec.conversation import Conversation
@@ -181,12 +181,11 @@ class Scheduler:
         accept per row. Returns each request's events of this round (a request's last
         list ends with its Done)."""
         self._drop_cancelled()
-        while (
-            self.waiting
-            and len(self.joining) + len(self.active) < self.max_batch
-            and self._fits(self.waiting[0])
-        ):
-            slot = self.waiting.popleft()
+        while len(self.joining) + len(self.active) < self.max_batch:
+            slot = self._next_waiting()
+            if slot is None or not self._fits(slot):
+                break
+            self.waiting.remove(slot)
             slot.admitted_at = time.perf_counter()  # alone, `start` prefills it all
             capture = hidden_capture(slot.proposer)
             reused = self.caches.start(slot.request_id, slot.run.sequence[:-1], capture)
@@ -208,6 +207,14 @@ class Scheduler:
             slot.events = []
         self._leave([s for s in self.active if s.run.finished is not None or s.error])
         return out
+
+    def _next_waiting(self) -> Slot | None:
+        """The first queued request that may start: in a batch, one whose grammar still
+        compiles waits while the others go ahead; alone, it prefills meanwhile."""
+        ready = [slot for slot in self.waiting if self.solo or grammar_ready(slot)]
+        if not ready and self.waiting and not (self.joining or self.active):
+            self.waiting[0].run.constraint.wait(0.05)  # nothing else to do: no busy loop
+        return ready[0] if ready else None
 
     @property
     def kv_per_token(self) -> float:

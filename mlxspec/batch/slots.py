@@ -40,3 +40,8 @@ class Round:
     forced: int = 0  # the line's first tokens, forced by the request's grammar
     masks: np.ndarray | None = None  # per verify row, the tokens the grammar allows
     refused: int | None = None  # the draft token the grammar cut the line before
+
+
+def grammar_ready(slot: Slot) -> bool:
+    """Whether a queued request's grammar (if it has one) is compiled, or has failed."""
+    return slot.run.constraint is None or slot.run.constraint.ready
