@@ -7,6 +7,8 @@ decoding's (k=0); what cannot be enforced is a 400 in the route's dialect."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import anthropic
 import httpx
@@ -14,6 +16,8 @@ import openai
 import pytest
 from test_server import CHAT, HELLO, TinyProvider, serving, tiny_engine
 
+import mlxspec.server.generations
+import mlxspec.server.schemas
 from mlxspec.engine import GenerationSettings
 from mlxspec.events import Done
 from mlxspec.grammar import Grammar
@@ -212,3 +216,31 @@ def test_a_lenient_schema_ignores_what_a_strict_one_refuses(client):
         client.chat.completions.create(
             model="tiny", messages=HELLO, response_format=schema_format(schema, True)
         )
+
+
+def test_a_slow_schema_check_holds_up_no_other_client(base_url, monkeypatch):
+    """A schema is checked off the event loop: while one takes long, another client is
+    answered; past the bound, the request gets a 400 saying so."""
+    started, finished = threading.Event(), threading.Event()
+
+    def slow_problem(grammar):
+        started.set()
+        time.sleep(3.0)
+        finished.set()
+        return None
+
+    monkeypatch.setattr(mlxspec.server.schemas, "grammar_problem", slow_problem)
+    monkeypatch.setattr(mlxspec.server.generations, "COMPILE_SECONDS", 0.5)
+    format_ = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    body = {"model": "tiny", "messages": HELLO, "response_format": format_}
+    answer = {}
+    asking = threading.Thread(
+        target=lambda: answer.update(slow=httpx.post(f"{base_url}/v1/chat/completions", json=body))
+    )
+    asking.start()
+    assert started.wait(30)
+    assert httpx.get(f"{base_url}/v1/models").status_code == 200
+    assert not finished.is_set(), "the other client waited for the schema check"
+    asking.join()
+    assert answer["slow"].status_code == 400
+    assert "took over 0.5 s to check" in answer["slow"].json()["error"]["message"]

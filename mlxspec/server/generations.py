@@ -5,8 +5,12 @@ OpenAI's request (`GenerationRequest`); other dialects translate into it.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 from mlxspec.answer_grammar import AnswerConstraint
 from mlxspec.engine import GenerationError, GenerationSettings
+from mlxspec.grammar import COMPILE_SECONDS
 from mlxspec.sampling import SamplingSettings
 from mlxspec.server.errors import ApiError
 from mlxspec.server.limits import ServerLimits
@@ -80,3 +84,20 @@ def _settings(
         )
     except (GenerationError, ValueError) as err:
         raise ApiError(400, str(err), code="invalid_value") from None
+
+
+async def checked_constraint(
+    check: Callable[[], AnswerConstraint | None], param: str = "response_format"
+) -> AnswerConstraint | None:
+    """A request's answer constraint, checked off the event loop: checking a large schema
+    takes a second (a 20,000-value enum), which would hold every other client's stream;
+    one that takes longer than a grammar may take to compile is refused (400)."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(check), COMPILE_SECONDS)
+    except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
+        raise ApiError(
+            400,
+            f"{param}: the schema took over {COMPILE_SECONDS:g} s to check; simplify it",
+            code="invalid_value",
+            param=param,
+        ) from None

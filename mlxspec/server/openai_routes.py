@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mlxspec.output_parser import Answered
 from mlxspec.server.answering import SSE_HEADERS, Answering
 from mlxspec.server.errors import ApiError
-from mlxspec.server.generations import new_generation
+from mlxspec.server.generations import checked_constraint, new_generation
 from mlxspec.server.limits import ServerLimits
 from mlxspec.server.providers import ModelProvider, find_model
 from mlxspec.server.responses import Reply, sse
@@ -33,14 +33,14 @@ def openai_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
     async def chat_completions(body: ChatRequest, request: Request):
         info = find_model(provider, body.model)
         conversation = body.conversation(info.defaults.chat_template_kwargs)
-        constraint = body.answer_constraint()
+        constraint = await checked_constraint(body.answer_constraint)
         generation = new_generation(body, info, conversation, provider, limits, None, constraint)
         return await _respond(request, worker, generation, body, chat=True)
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         info = find_model(provider, body.model)
-        prompt, constraint = body.prompt_input(), body.answer_constraint()
+        prompt, constraint = body.prompt_input(), await checked_constraint(body.answer_constraint)
         generation = new_generation(body, info, prompt, provider, limits, None, constraint)
         return await _respond(request, worker, generation, body, chat=False)
 
