@@ -464,8 +464,8 @@ class Scheduler:
     def _width(self, rows: list[tuple[Slot, Situation | None, int]], floor: int = 0) -> int:
         """The round's one width W for rows of (request, source, draft length): the pass
         is as wide as its widest row, so a long draft is paid by every row. A request
-        that fixed its k is never cut (W is at least its k); one with no draft costs a
-        column."""
+        that fixed its k is never cut (W is at least its k), nor are `floor` tokens (a
+        grammar's forced ones); a row with no draft costs a column."""
         fixed = (k for s, _, k in rows if s.run.policy.fixed_k is not None)
         floor = max(floor, *fixed, 0)
         if floor == 0 and self.pass_cost.wants_plain(len(rows)):
