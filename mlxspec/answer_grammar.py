@@ -29,6 +29,7 @@ from mlxspec.tool_grammar import ForcedTools, Spelling, literal, tool_calls_rule
 
 UNIMPLEMENTED = re.compile(r"^Unimplemented keys: \[(.*)\]$")
 UNKNOWN_FORMAT = re.compile(r"^Unknown format: (.*)$")
+AT_POSITION = re.compile(r"^at \d+\(\d+\): ")  # a place in llguidance's wrapping of a regex
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,12 @@ def grammar_problem(grammar: Grammar) -> str | None:
         return str(err).strip().splitlines()[0]
     if not error:
         return None
-    first = error.strip().splitlines()[0]
+    lines = [line.strip() for line in error.strip().splitlines()]
+    first = AT_POSITION.sub("", lines[0])
+    if first.endswith("regex parse error:"):  # what is wrong is further down
+        first += " " + next(
+            (line[len("error: ") :] for line in lines if line.startswith("error: ")), ""
+        )
     if found := UNIMPLEMENTED.match(first):
         return f"cannot enforce the keyword(s) {found.group(1)}"
     if found := UNKNOWN_FORMAT.match(first):

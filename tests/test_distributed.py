@@ -25,11 +25,13 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
+from click.testing import CliRunner
 from lossless import assert_lossless, plain_greedy
 from mlx.utils import tree_flatten
 from terminal import Terminal, needs_tmux
 from tiny_models import FAMILIES, byte_tokenizer, tiny_model
 
+from mlxspec.cli import main
 from mlxspec.distributed.launch import (
     LaunchRequest,
     Outcome,
@@ -618,6 +620,30 @@ def test_tensor_parallel_output_equals_one_process_greedy(tiny):
         if args[0] == "prompt-lookup":
             assert record["k_policy"] == "adaptive" and record["accepted"] > 0
     assert digest(store_dir("tiny")) == before
+
+
+def test_a_json_schema_answer_on_two_ranks_is_the_one_process_answer(tiny):
+    """`generate --json-schema`: the settings' grammar crosses to the other rank as plain
+    strings, each rank compiles it and masks the same verify rows."""
+    from mlxspec.verify_cost import VerifyCost, calibration_key
+
+    seed_flat_calibration(tiny, "tiny", 2)  # and one process's, as flat: neither measures
+    curves = json.loads((tiny / "cache" / "calibration.json").read_text())
+    flat = VerifyCost({1: 1.0, 64: 1.0}, step_seconds=0.01).to_json()
+    curves[calibration_key("tiny", "float32")] = flat
+    (tiny / "cache" / "calibration.json").write_text(json.dumps(curves))
+    schema = tiny / "pair.schema.json"
+    pair = {"a": {"enum": ["abc", "cab"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}
+    closed = {"type": "object", "properties": pair, "required": ["a", "n"]}
+    schema.write_text(json.dumps({**closed, "additionalProperties": False}))
+    args = ["--json-schema", str(schema), "-n", "40", "--proposer", "prompt-lookup"]
+    two = generate(tiny, "--ranks", "2", *args)
+    env = {"MLXSPEC_MODELS": str(tiny / "models.toml"), "MLXSPEC_CACHE": str(tiny / "cache")}
+    one = CliRunner().invoke(main, ["generate", PROMPT, "--raw", "--json", *args], env=env)
+    assert one.exit_code == 0, one.output
+    assert (two["record"]["ranks"], two["record"]["grammar"]) == (2, "json_schema")
+    assert two["token_ids"] == json.loads(one.stdout)["token_ids"]
+    assert sorted(json.loads(two["text"])) == ["a", "n"]
 
 
 def test_ranks_measure_the_verify_cost_together_when_none_is_cached(tiny):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import click
 
@@ -13,7 +14,9 @@ from mlxspec.cli.options import (
     PROPOSER_OPTION,
     TREE_OPTION,
     WEIGHTS_OPTION,
+    answer_constraint,
     chat_template_args_option,
+    grammar_options,
     model_option,
     sampling_options,
 )
@@ -36,6 +39,7 @@ from mlxspec.registry import load_registry
 @TREE_OPTION
 @click.option("--chat/--raw", default=True, help="Apply the chat template (default) or not.")
 @chat_template_args_option()
+@grammar_options
 @click.option(
     "--json",
     "as_json",
@@ -65,6 +69,8 @@ def generate(
     tree,
     chat,
     chat_template_args,
+    json_schema,
+    regex,
     as_json,
     color,
     no_history,
@@ -82,7 +88,9 @@ def generate(
       echo "Rename x to count in: ..." | mlxspec generate - --json
       mlxspec generate "Repeat: a, b, c" --ranks 3 --json     # target sharded over 3 ranks
       mlxspec generate "Hi" -m qwen3-8b --chat-template-args '{"enable_thinking": false}'
+      mlxspec generate "Invent a city" --json-schema city.schema.json
     """
+    from mlxspec.answer_grammar import answer_grammar
     from mlxspec.answer_pieces import PieceReader
     from mlxspec.conversation import Conversation
     from mlxspec.distributed.rank import current_rank
@@ -94,6 +102,7 @@ def generate(
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.UsageError("the prompt is empty")
+    constraint = answer_constraint(json_schema, regex)
     warn_if_slow_blas()
     registry = load_registry().including(model)
     registry = registry.with_defaults(weights=weights, chat_template_kwargs=chat_template_args)
@@ -128,6 +137,10 @@ def generate(
         )
     else:
         request = prompt
+    if constraint is not None:  # in the model's markup: its reasoning stays free
+        settings = replace(
+            settings, grammar=answer_grammar(runtime.engine.tokenizer, request, constraint)
+        )
     reader = PieceReader(runtime.engine.tokenizer, request)
     echo = AnswerEcho(
         sys.stdout.isatty() if color is None else color,
@@ -166,8 +179,13 @@ def generate(
     echo.end()
     record = done.record
     thought = f" ({record.reasoning_tokens} reasoning)" if record.reasoning_tokens else ""
+    if record.grammar:  # forced tokens are drafts too, made by the grammar for free
+        forced = f" ({record.grammar_accepted}/{record.grammar_drafted} forced by the grammar)"
+    else:
+        forced = ""
     say(
         f"{record.completion_tokens} tokens{thought}, {record.tokens_per_second:.1f} tok/s "
         f"({record.speedup_estimate.value:.2f}x plain), proposer {record.proposer}, "
-        f"accepted {record.accepted}/{record.drafted} drafts, finish: {record.finish_reason}"
+        f"accepted {record.accepted}/{record.drafted} drafts{forced}, "
+        f"finish: {record.finish_reason}"
     )

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
+from mlxspec.grammar import Grammar
 from mlxspec.weights import CHOICES as WEIGHT_CHOICES
 from mlxspec.weights import ENV_VAR as WEIGHTS_ENV
 
@@ -94,3 +96,69 @@ sampling_options = bundle(
     click.option("--top-k", type=click.IntRange(min=0), help="Keep the k likeliest tokens."),
     click.option("--seed", type=int, help="Seed for sampling (the record shows the one used)."),
 )
+
+
+def _schema_file(ctx: click.Context, param: click.Parameter, path: str | None) -> Grammar | None:
+    """--json-schema FILE: the schema as a grammar, checked before any model loads (one
+    line naming the file and what is wrong with it otherwise)."""
+    if path is None:
+        return None
+    said = f"--json-schema {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise click.ClickException(f"{said}: cannot read it: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise click.ClickException(f"{said}: not a JSON file (not UTF-8 text)") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise click.ClickException(f"{said}: not valid JSON: {err}") from None
+    if not isinstance(schema, dict):
+        raise click.ClickException(
+            f"{said}: a JSON schema is a JSON object, this file holds a {type(schema).__name__}"
+        )
+    return _checked(said, Grammar.json_schema(schema))
+
+
+def _regex(ctx: click.Context, param: click.Parameter, pattern: str | None) -> Grammar | None:
+    """--regex PATTERN: the pattern as a grammar, or one line saying why it cannot be one."""
+    return None if pattern is None else _checked("--regex", Grammar("regex", pattern))
+
+
+def _checked(said: str, grammar: Grammar) -> Grammar:
+    """`grammar`, once llguidance can compile it (no tokenizer needed: no model loads)."""
+    from mlxspec.answer_grammar import grammar_problem
+
+    problem = grammar_problem(grammar)
+    if problem is not None:
+        raise click.ClickException(f"{said}: {problem}")
+    return grammar
+
+
+# Structured output for generate: the answer (after any reasoning) must match; the two
+# are one choice, so `answer_constraint` refuses both at once.
+grammar_options = bundle(
+    click.option(
+        "--json-schema",
+        metavar="FILE",
+        callback=_schema_file,
+        help="Answer with JSON valid against the JSON schema in FILE.",
+    ),
+    click.option(
+        "--regex",
+        metavar="PATTERN",
+        callback=_regex,
+        help="Answer with text that matches PATTERN in full.",
+    ),
+)
+
+
+def answer_constraint(json_schema: Grammar | None, regex: Grammar | None):
+    """The AnswerConstraint of --json-schema / --regex (None: free text)."""
+    from mlxspec.answer_grammar import AnswerConstraint
+
+    if json_schema is not None and regex is not None:
+        raise click.ClickException("--json-schema and --regex cannot be used together")
+    grammar = json_schema or regex
+    return None if grammar is None else AnswerConstraint(grammar=grammar)
