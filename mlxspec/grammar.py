@@ -137,6 +137,7 @@ class Constraint:
         wait and its prefill (the scheduler admits it once `ready`); `wait`: seconds to
         wait for it here, where a grammar that fails raises GrammarError."""
         self.grammar, self.vocab_size = grammar, vocab_size
+        self.eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
         self._started = time.monotonic()
         self._compiling = _compiler.submit(compile_grammar, grammar, tokenizer, vocab_size)
         self._matcher = None
@@ -207,6 +208,15 @@ class Constraint:
             rows[node] = self.mask()
             for child in children[node]:
                 token = tokens[child - 1]
+                if rows[node][token] and token in self.eos:
+                    # The end, where the grammar allows it: nothing follows it (its row
+                    # decides nothing), and llguidance takes it without a token to roll
+                    # back, so it is not taken in at all.
+                    kept.append(child)
+                    rows[child] = rows[node]
+                    if children[child] and refused is None:
+                        refused = children[child][0]
+                    continue
                 if not rows[node][token] or not self.matcher.consume_token(token):
                     refused = child if refused is None else refused
                     continue

@@ -101,11 +101,6 @@ def test_a_thinking_model_reasons_freely_and_the_grammar_holds_its_answer(models
     assert thinker("-p", "none")["text"] == ANSWER
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="grammar.Constraint.prune: a draft of the end token after a finished grammar is "
-    "consumed without a token to roll back, and its rollback(1) drops a real token",
-)
 def test_a_thinking_model_speculates_to_constrained_plain_decodings_answer(models):  # noqa: F811
     """Its drafter (itself) drafts the end token after the forced "i!" (k fixed: always)."""
     plain = thinker("--regex", "Hi!", "-p", "none")
