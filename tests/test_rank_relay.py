@@ -10,7 +10,9 @@ CPU time, read from /proc, not speed: a loaded machine slows the run but not the
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -106,3 +108,38 @@ def test_the_relay_sleeps_while_the_ranks_run(tiny):
         f"the launcher/relay used {share:.0%} of a core while the ranks ran "
         f"({last[1] - first[1]:.2f} s CPU in {last[0] - first[0]:.1f} s)"
     )
+
+
+def test_generate_over_a_hostfile_starts_every_rank_over_ssh(tiny, tmp_path):
+    """`generate --hostfile` (ring): every host's rank, rank 0's too, starts over ssh as
+    mlx.launch started it, with the hostfile's `envs`; the answer is relayed and equals
+    `--ranks 2`'s. `ssh` is a stand-in on PATH that runs the remote line here."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    called, lines = tmp_path / "ssh-called", tmp_path / "ssh-lines"
+    fake_ssh = bin_dir / "ssh"
+    fake_ssh.write_text(
+        "#!/bin/bash\n"
+        'while [[ "$1" == -* ]]; do shift 2; done  # options and their values\n'
+        f'echo "$1" >> {shlex.quote(str(called))}; shift\n'
+        f'echo "$1" >> {shlex.quote(str(lines))}\n'
+        'exec bash -c "$1"\n'
+    )
+    fake_ssh.chmod(0o755)
+    hosts = tmp_path / "hosts.json"
+    pair = [{"ssh": "mac1", "ips": ["127.0.0.1"]}, {"ssh": "mac2", "ips": ["127.0.0.1"]}]
+    hosts.write_text(json.dumps({"hosts": pair, "envs": ["HOSTS_WIDE=1"]}))
+    env = {**os.environ, "MLXSPEC_MODELS": str(tiny / "models.toml")}
+    env |= {"MLXSPEC_CACHE": str(tiny / "cache"), "OPENBLAS_NUM_THREADS": "1"}
+    env |= {"PATH": f"{bin_dir}:{env['PATH']}"}
+    env.pop("MLXSPEC_FAULT", None)
+    run = [sys.executable, "-m", "mlxspec", "generate", "abc abc abc abc", "--raw", "-n", "16"]
+    run += ["-p", "none", "--k", "0"]
+    answers = [
+        subprocess.run([*run, *args], capture_output=True, text=True, env=env, timeout=120)
+        for args in (["--ranks", "2"], ["--hostfile", str(hosts)])
+    ]
+    assert all(done.returncode == 0 for done in answers), answers[1].stderr
+    assert answers[1].stdout == answers[0].stdout and answers[0].stdout.strip()
+    assert called.read_text().split() == ["mac1", "mac2"]
+    assert lines.read_text().count("export HOSTS_WIDE=1;") == 2
