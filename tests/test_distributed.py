@@ -1,4 +1,4 @@
-"""The target sharded over local ranks (mlx.launch, ring backend over loopback).
+"""The target sharded over local ranks (ring backend over loopback; mlxspec starts them).
 
 Each test starts real processes with a timeout, so nothing here can hang pytest. The
 tiny models are saved in mlx-lm's format so that every rank loads the same files.

@@ -1,12 +1,10 @@
 """`chat --ranks N | --hostfile H` (ring backend): rank 0 in this very process, ranks
 1..N-1 as children that follow it (local processes, or ssh to the hostfile's other hosts).
 
-`mlx.launch` starts every rank as its child with pipes for stdin and stdout, and the
-Textual chat needs the user's terminal. The ring backend needs nothing from the launcher
-but two variables per rank (MLX_RANK, and MLX_HOSTFILE: a file listing every rank's
-address), so this process sets them for itself and for the children it starts, beside
-the options `launch_command` passes, and reads the children's stderr as `run_launched`
-reads mlx.launch's (exit markers, `Error:` lines).
+The Textual chat needs the user's terminal, where mlx.launch would give rank 0 pipes, so
+this process joins the ring as rank 0 itself and starts the others as `ring` says
+mlx.launch would; it reads the children's stderr as `ranks.LaunchedRanks` reads every
+rank's (exit markers, `Error:` lines).
 
 A child that dies, or a watchdog timeout on rank 0, goes through `fail`: the other
 children are stopped first (so a collective rank 0 waits in ends instead of hanging),
@@ -16,26 +14,16 @@ or, with none, the process ends at once with one `Error:` line.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 
-from mlxspec.distributed.config import CHILD_ENV, RankConfig
-from mlxspec.distributed.launch import (
-    NOISE,
-    LaunchRequest,
-    Outcome,
-    free_port_base,
-    read_hostfile_ips,
-)
-from mlxspec.processes import PARENT_ENV, child_env
+from mlxspec.distributed.config import RankConfig
+from mlxspec.distributed.launch import NOISE, LaunchRequest, Outcome
+from mlxspec.distributed.ring import Ring
 
 STOP_SECONDS = 5.0  # a child asked to stop (SIGTERM) gets this long before SIGKILL
 
@@ -55,38 +43,23 @@ class Followers:
         self._stopping = False  # children that end from now on were asked to
         self._lock = threading.Lock()
         self._code: int | None = None  # set once by `finish`
-        self._hostfile = ""
+        self.ring: Ring | None = None  # set by `start`
 
     def start(self) -> None:
         """Write the ring's addresses, join it as rank 0 (this process's environment, read
         by `mx.distributed.init`), and start the other ranks: local children for
         `--ranks`, over ssh for a hostfile's other hosts (rank 0 is its first host, this
-        machine), each as mlx.launch's ring launcher starts it."""
-        size = self.request.size
-        ring = self._ring_addresses()
-        handle, self._hostfile = tempfile.mkstemp(prefix="mlxspec-ring-", suffix=".json")
-        with os.fdopen(handle, "w") as file:
-            file.write(json.dumps(ring) if size > 1 else "")  # as mlx.launch writes it
-        os.environ.update(MLX_RANK="0", MLX_HOSTFILE=self._hostfile)
+        machine), each as mlx.launch's ring launcher starts it (see `ring`)."""
+        self.ring = Ring.plan(self.request)
+        os.environ.update(MLX_RANK="0", MLX_HOSTFILE=self.ring.write())
         command = [sys.executable, "-m", "mlxspec", *self.rank_argv]
-        for rank in range(1, size):
-            env = {
-                **child_env(),  # the child ends if this process is killed
-                "MLX_RANK": str(rank),
-                "MLX_HOSTFILE": self._hostfile,
-                CHILD_ENV: self.config.to_env(),
-            }
-            if self.request.hostfile:
-                remote = remote_script(rank, json.dumps(ring), command, env)
-                launch = ["ssh", "-o", "BatchMode=yes", self.request.hosts[rank], remote]
-            else:
-                launch = command
+        for rank in range(1, self.request.size):
             self.children[rank] = subprocess.Popen(
-                launch,
+                self.ring.argv(rank, command),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # rank 0 owns stdout
                 stderr=subprocess.PIPE,
-                env=env,
+                env=self.ring.env(rank),
                 start_new_session=True,  # the terminal's Ctrl-C reaches rank 0 only
             )
             reader = threading.Thread(
@@ -94,20 +67,6 @@ class Followers:
             )
             reader.start()
             self._readers.append(reader)
-
-    def _ring_addresses(self) -> list[list[str]]:
-        """Each rank's ip:port list: loopback for `--ranks`; a hostfile's `ips`, ports
-        counted up from one free here, as mlx.launch counts from its starting port."""
-        if not self.request.hostfile:
-            base = free_port_base(self.request.size)
-            return [[f"127.0.0.1:{base + rank}"] for rank in range(self.request.size)]
-        ips = read_hostfile_ips(self.request.hostfile)
-        port = free_port_base(sum(map(len, ips)))
-        ring = []
-        for host_ips in ips:
-            ring.append([f"{ip}:{port + i}" for i, ip in enumerate(host_ips)])
-            port += len(host_ips)
-        return ring
 
     def _watch(self, rank: int) -> None:
         """Read one child's stderr to its end; a child that ends unasked ends the run."""
@@ -181,23 +140,8 @@ class Followers:
         """Remove the ring's address file: once every rank has joined, nothing reads it
         again, and a rank 0 killed later (SIGHUP when its terminal closes) cannot
         leave it behind."""
-        if self._hostfile:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._hostfile)
-            self._hostfile = ""
-
-
-def remote_script(rank: int, ring: str, command: list[str], env: dict[str, str]) -> str:
-    """The shell line another host runs for `rank`, as mlx.launch's ring launcher writes
-    it: this directory if it exists there, mlxspec's own variables (models, cache, the
-    rank settings), the ring's addresses in a file of its own, then the rank itself."""
-    script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; "
-    for key, value in sorted(env.items()):
-        if key.startswith("MLXSPEC_") and key != PARENT_ENV:  # its parent there is ssh's
-            script += f"export {key}={shlex.quote(value)}; "
-    script += f"ring=$(mktemp); printf %s {shlex.quote(ring)} > $ring; "
-    script += f"export MLX_HOSTFILE=$ring MLX_RANK={rank}; "
-    return script + "exec " + " ".join(map(shlex.quote, command))
+        if self.ring is not None:
+            self.ring.forget()
 
 
 def hide_collective_noise() -> None:

@@ -1,13 +1,17 @@
-"""Re-run this very command under `mlx.launch`, one process per rank, and turn what the
-ranks report into one exit code and, on failure, one `Error: ...` line.
+"""Run this very command once per rank and turn what the ranks report into one exit
+code and, on failure, one `Error: ...` line.
 
-`mlx.launch` starts the ranks (locally, or over ssh from a hostfile), relays their
-output, and stops the others when one fails, but always exits 0 itself; so every rank
-prints a marker line with its exit code on stderr, and this process reads them.
+The ring backend's ranks are started by mlxspec itself (`ranks`, `followers`, with what
+`ring` says mlx.launch would give them); the other backends (jaccl, mpi) still run
+under `mlx.launch` (`run_launched`), which starts the ranks (over ssh from a hostfile),
+relays their output, and stops the others when one fails, but always exits 0 itself; so
+every rank prints a marker line with its exit code on stderr, and the owner reads them
+(`Outcome`), whoever started the ranks.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -16,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +74,13 @@ def read_hostfile_ips(path: str) -> list[list[str]]:
     if not all(ips):
         raise DistributedError("the ring backend needs the `ips` of every host in the hostfile")
     return ips
+
+
+def read_hostfile_envs(path: str) -> dict[str, str]:
+    """The hostfile's `envs` ("NAME=value" strings, every rank gets them), as a dict."""
+    data = json.loads(Path(path).expanduser().read_text())
+    envs = data.get("envs", []) if isinstance(data, dict) else []
+    return dict(entry.split("=", 1) for entry in map(str, envs) if "=" in entry)
 
 
 def _hostfile_hosts(path: str) -> list[dict]:
@@ -203,7 +215,7 @@ def run_launched(request: LaunchRequest, rank_argv: list[str], stdin=None) -> in
     every way out nothing of mlx.launch's process group is left running."""
     command = launch_command(request, rank_argv)
     if os.environ.get("MLXSPEC_VERBOSE"):
-        _say(f"mlxspec: {' '.join(command)}\n")
+        write_stderr(f"mlxspec: {' '.join(command)}\n")
     process = subprocess.Popen(
         command,
         stdin=stdin if stdin is not None else subprocess.DEVNULL,
@@ -213,7 +225,7 @@ def run_launched(request: LaunchRequest, rank_argv: list[str], stdin=None) -> in
         start_new_session=True,  # one process group: mlx.launch and every local rank
     )
     outcome = Outcome(request.size)
-    stop = LaunchStop(process.pid, outcome, request.stop_seconds)
+    stop = LaunchStop(functools.partial(signal_group, process.pid), outcome, request.stop_seconds)
     relay = threading.Thread(target=_relay_stdout, args=(process.stdout,), daemon=True)
     relay.start()
     with stop_signals(stop.request):
@@ -221,15 +233,20 @@ def run_launched(request: LaunchRequest, rank_argv: list[str], stdin=None) -> in
             for raw in process.stderr:
                 line = raw.decode(errors="replace")
                 if outcome.read(line) or os.environ.get("MLXSPEC_VERBOSE"):
-                    _say(line)
+                    write_stderr(line)
             process.wait()
         finally:
             end_group(process.pid, STOP_SECONDS)  # ranks whose launcher went first
     relay.join(STOP_SECONDS)
+    return report_failure(outcome, stop, request.hosts)
+
+
+def report_failure(outcome: Outcome, stop: LaunchStop, hosts: list[str]) -> int:
+    """The command's exit code from what the ranks reported; on failure, one line that
+    says why (a stop signal's reason first)."""
     code = outcome.exit_code()
     if code:
-        message = stop.reason() or outcome.message(request.hosts)
-        _say(f"Error: {message}\n")
+        write_stderr(f"Error: {stop.reason() or outcome.message(hosts)}\n")
     return code
 
 
@@ -237,25 +254,25 @@ class LaunchStop:
     """What a stop signal to the owner does: rank 0 is asked to stop (a server first ends
     its requests, then leads the other ranks out), or, before rank 0 has said where it
     runs, every rank at once; whatever still runs `seconds` later is killed. A second
-    signal kills at once."""
+    signal kills at once. `signal_all` sends a signal to every process of the run."""
 
-    def __init__(self, pgid: int, outcome: Outcome, seconds: float):
-        self.pgid, self.outcome, self.seconds = pgid, outcome, seconds
+    def __init__(self, signal_all: Callable[[int], None], outcome: Outcome, seconds: float):
+        self.signal_all, self.outcome, self.seconds = signal_all, outcome, seconds
         self.signum: int | None = None
 
     def request(self, signum: int) -> None:
         if self.signum is not None:
-            signal_group(self.pgid, signal.SIGKILL)
+            self.signal_all(signal.SIGKILL)
             return
         self.signum = signum
         try:
             if self.outcome.front_pid is not None:
                 os.kill(self.outcome.front_pid, signal.SIGTERM)
             else:
-                signal_group(self.pgid, signal.SIGTERM)
+                self.signal_all(signal.SIGTERM)
         except ProcessLookupError:
             pass
-        timer = threading.Timer(self.seconds, signal_group, (self.pgid, signal.SIGKILL))
+        timer = threading.Timer(self.seconds, self.signal_all, (signal.SIGKILL,))
         timer.daemon = True
         timer.start()
 
@@ -264,7 +281,7 @@ class LaunchStop:
         return None if self.signum is None else stop_reason(self.signum)
 
 
-def _say(text: str) -> None:
+def write_stderr(text: str) -> None:
     """Write to stderr, which may be gone (SIGHUP: the terminal closed)."""
     try:
         sys.stderr.write(text)

@@ -1,7 +1,8 @@
 """The --ranks/--hostfile/--backend/--parallel options of generate, chat and serve.
 
-Without them a command runs as before. With them, the command re-runs itself under
-mlx.launch (see `launch`); inside a launched rank, the command body runs with a rank
+Without them a command runs as before. With them, the command re-runs itself once per
+rank: as children of this process on the ring backend (see `ranks`), under mlx.launch
+on the others (see `launch`); inside a launched rank, the command body runs with a rank
 session started (see `rank.current_rank`), and every way out reports an exit marker.
 `chat` on the ring backend (`--ranks N`, or `--hostfile H` over ssh) is the exception:
 rank 0 stays in this process, on the user's terminal, and starts the other ranks itself
@@ -101,7 +102,10 @@ def distributed_options(func):
                     "pipes; the TUI needs the ring backend)"
                 )
             stdin = sys.stdin  # rank 0 reads the turns (mlx.launch relays stdin)
-        sys.exit(run_launched(request, _rank_argv(argv), stdin))
+        from mlxspec.distributed.ranks import run_ranks  # ring: no mlx.launch (its relay spins)
+
+        run = run_ranks if request.backend == "ring" else run_launched
+        sys.exit(run(request, _rank_argv(argv), stdin))
 
     for option in reversed(OPTIONS):
         wrapper = option(wrapper)
