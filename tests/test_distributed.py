@@ -668,12 +668,16 @@ def test_pipeline_parallel_where_mlx_lm_has_it(tiny):
 
 
 def test_impossible_splits_fail_with_one_clear_line(tiny):
+    """One launch carries the ranks' refusal to the user as one line; the refusals
+    themselves are one check, read in this process (a launch is 10 s of CPU here)."""
+    from mlxspec.distributed.errors import DistributedError
+    from mlxspec.distributed.sharding import check_shardable
+
     done, _ = mlxspec(tiny, "generate", PROMPT, "--ranks", "3")
     assert done.returncode != 0
     assert "rank counts that work: 1, 2" in error_line(done)
-    done, _ = mlxspec(tiny, "generate", PROMPT, "--ranks", "2", "--parallel", "pipeline")
-    assert done.returncode != 0
-    assert "no pipeline split" in error_line(done)
+    with pytest.raises(DistributedError, match="no pipeline split"):
+        check_shardable(tiny_model("llama", seed=3), "pipeline", 2)
 
 
 @pytest.mark.parametrize(
@@ -742,9 +746,10 @@ def test_bench_sharded_runs_every_row_on_the_ranks_and_times_the_collectives(tin
 
 @pytest.mark.slow
 def test_smollm2_served_on_three_ranks_answers_four_clients_as_one_process(smollm2, tmp_path):
-    """`serve --ranks 3` on SmolLM2, the issue's case: four concurrent openai clients,
-    prompt lookup inside the sharded batch, each answer its one-process greedy answer
-    (near-tie rule), and a streamed answer equal to the same request not streamed. The
+    """`serve --ranks 3` on SmolLM2, the issue's case: four concurrent openai clients, one
+    of them streaming, prompt lookup inside the sharded batch, each answer its one-process
+    greedy answer (near-tie rule). The streamed client is one of the four, not a fifth
+    request after them (a lone row on three ranks sharing two cores costs 19 s here). The
     sharded calibration (two minutes of SmolLM2 passes here) is seeded: the ranks measuring
     together is tested on the tiny model."""
     prompts = [
@@ -755,10 +760,16 @@ def test_smollm2_served_on_three_ranks_answers_four_clients_as_one_process(smoll
     ]
     lookup = {"mlxspec": {"proposer": "prompt-lookup"}}
 
-    def ask(prompt: str, stream: bool = False):
+    streaming = prompts[2]  # lookup finds nothing to copy in it: its record is not needed
+
+    def ask(prompt: str):
         messages = [{"role": "user", "content": prompt}]
         asked = dict(model="smollm2-135m", messages=messages, max_tokens=16, temperature=0)
-        return client.chat.completions.create(**asked, stream=stream, extra_body=lookup)
+        if prompt != streaming:
+            answer = client.chat.completions.create(**asked, extra_body=lookup)
+            return answer.choices[0].message.content, answer.model_extra["x_mlxspec"]
+        chunks = client.chat.completions.create(**asked, stream=True, extra_body=lookup)
+        return "".join(chunk.choices[0].delta.content or "" for chunk in chunks), None
 
     cache = seeded_shipped_cache(tmp_path, "smollm2-135m", 3)
     with serving_ranks(None, "--max-batch", "4", ranks=3, model="smollm2-135m", cache=cache) as (
@@ -768,18 +779,15 @@ def test_smollm2_served_on_three_ranks_answers_four_clients_as_one_process(smoll
     ):
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(ask, prompts))
-        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in ask(prompts[0], True))
-    assert streamed == answers[0].choices[0].message.content
-    records = [answer.model_extra["x_mlxspec"] for answer in answers]
+    records = [record for _, record in answers if record is not None]
     assert all(record["ranks"] == 3 for record in records)
     assert any(sum(record["batch_sizes"][2:]) for record in records)  # rows shared passes
     assert sum(record["accepted"] for record in records) > 0  # speculation inside it
     tokenizer, eos = smollm2.tokenizer, set(smollm2.tokenizer.eos_token_ids)
-    for prompt, answer in zip(prompts, answers):
+    for prompt, (text, _) in zip(prompts, answers):
         messages = [{"role": "user", "content": prompt}]
         tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         reference = plain_greedy(smollm2.model, tokens, 16, eos)
-        text = answer.choices[0].message.content
         if text != tokenizer.decode(reference):  # the first difference must be a near tie
             got = tokenizer.encode(text, add_special_tokens=False)
             assert_lossless(smollm2.model, tokens, reference, got, f"3 ranks: {prompt}")

@@ -216,14 +216,20 @@ def run_launched(request: LaunchRequest, rank_argv: list[str], stdin=None) -> in
     command = launch_command(request, rank_argv)
     if os.environ.get("MLXSPEC_VERBOSE"):
         write_stderr(f"mlxspec: {' '.join(command)}\n")
+    # mlx.launch (jaccl, mpi) relays its stdin to the ranks, polling it every 0.1 s
+    # (select): at EOF, as /dev/null is, the poll returns at once and its loop spins a core
+    # for the command's life. A pipe held open and never written blocks the poll instead.
+    quiet, held_open = os.pipe() if stdin is None else (None, None)
     process = subprocess.Popen(
         command,
-        stdin=stdin if stdin is not None else subprocess.DEVNULL,
+        stdin=stdin if stdin is not None else quiet,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=child_env(),
         start_new_session=True,  # one process group: mlx.launch and every local rank
     )
+    if quiet is not None:
+        os.close(quiet)
     outcome = Outcome(request.size)
     stop = LaunchStop(functools.partial(signal_group, process.pid), outcome, request.stop_seconds)
     relay = threading.Thread(target=_relay_stdout, args=(process.stdout,), daemon=True)
@@ -237,6 +243,8 @@ def run_launched(request: LaunchRequest, rank_argv: list[str], stdin=None) -> in
             process.wait()
         finally:
             end_group(process.pid, STOP_SECONDS)  # ranks whose launcher went first
+            if held_open is not None:
+                os.close(held_open)
     relay.join(STOP_SECONDS)
     return report_failure(outcome, stop, request.hosts)
 
