@@ -422,11 +422,11 @@ def test_cli_writes_json_and_markdown(tiny_cli, tmp_path):
 def test_ctrl_c_prints_the_rows_so_far_and_fails(tiny_cli, monkeypatch):
     measure, calls = Bench.measure, []
 
-    def interrupted_on_the_third_timed_run(self, method, prompt, max_tokens):
+    def interrupted_on_the_third_timed_run(self, method, prompt, max_tokens, *grammar):
         calls.append(max_tokens)
         if calls.count(10) == 3:  # timed runs ask for --max-tokens; warm-ups for fewer
             raise KeyboardInterrupt
-        return measure(self, method, prompt, max_tokens)
+        return measure(self, method, prompt, max_tokens, *grammar)
 
     monkeypatch.setattr(Bench, "measure", interrupted_on_the_third_timed_run)
     result = CliRunner().invoke(main, [*tiny_cli, "--proposers", "none,prompt-lookup"])
