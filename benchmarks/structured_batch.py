@@ -27,8 +27,8 @@ from mlxspec.settings import GenerationSettings
 
 def requests() -> list[tuple[str, dict]]:
     """Eight (prompt, schema) pairs, no two schemas alike."""
-    found = [(p.text, json.loads(p.grammar.source)) for p in load_suite("structured")]
-    found = [(text, schema) for text, schema in found if schema.get("type") == "object"]
+    schemas = [p for p in load_suite("structured") if p.grammar.kind == "json_schema"]
+    found = [(p.text, json.loads(p.grammar.source)) for p in schemas]
     variants = []
     for text, schema in found:
         loose = {**schema, "additionalProperties": True}  # another grammar, same prompt
