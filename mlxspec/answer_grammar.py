@@ -23,13 +23,10 @@ import json
 import re
 from dataclasses import dataclass
 
+from mlxspec.grammar import error_line
 from mlxspec.output_parser import AnswerFormat, answer_format
 from mlxspec.settings import JSON_OPTIONS, Grammar, GrammarError
 from mlxspec.tool_grammar import ForcedTools, Spelling, literal, tool_calls_rules
-
-UNIMPLEMENTED = re.compile(r"^Unimplemented keys: \[(.*)\]$")
-UNKNOWN_FORMAT = re.compile(r"^Unknown format: (.*)$")
-AT_POSITION = re.compile(r"^at \d+\(\d+\): ")  # a place in llguidance's wrapping of a regex
 
 
 @dataclass(frozen=True)
@@ -79,19 +76,7 @@ def grammar_problem(grammar: Grammar) -> str | None:
         error = LLMatcher.validate_grammar(grammar.llguidance())
     except (GrammarError, ValueError) as err:
         return str(err).strip().splitlines()[0]
-    if not error:
-        return None
-    lines = [line.strip() for line in error.strip().splitlines()]
-    first = AT_POSITION.sub("", lines[0])
-    if first.endswith("regex parse error:"):  # what is wrong is further down
-        first += " " + next(
-            (line[len("error: ") :] for line in lines if line.startswith("error: ")), ""
-        )
-    if found := UNIMPLEMENTED.match(first):
-        return f"cannot enforce the keyword(s) {found.group(1)}"
-    if found := UNKNOWN_FORMAT.match(first):
-        return f'cannot enforce "format": {json.dumps(found.group(1))}'
-    return first
+    return error_line(error) if error else None
 
 
 def _reasoning_rules(form: AnswerFormat, spell: Spelling) -> str:

@@ -15,6 +15,8 @@ mlxspec's part is to keep decoding lossless under it (see docs/design/grammar.md
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -83,7 +85,7 @@ def compile_grammar(grammar: Grammar, tokenizer, vocab_size: int):
     if template is None:
         matcher = LLMatcher(llg_tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise GrammarError(_clean_error(matcher.get_error()))
+            raise GrammarError(error_line(matcher.get_error()))
         with _lock:
             _compiled[key] = matcher
             while len(_compiled) > CACHED_GRAMMARS:
@@ -92,12 +94,28 @@ def compile_grammar(grammar: Grammar, tokenizer, vocab_size: int):
     return template.deep_copy()
 
 
-def _clean_error(message: str) -> str:
-    """llguidance's error, as one line for a user: its first line, and the line that
-    says what is wrong where the first only says where (a regex's parse error)."""
+UNIMPLEMENTED = re.compile(r"^Unimplemented keys: \[(.*)\]$")
+UNKNOWN_FORMAT = re.compile(r"^Unknown format: (.*)$")
+AT_POSITION = re.compile(r"^at \d+\(\d+\): ")  # a place in llguidance's wrapping of a regex
+
+
+def error_line(message: str) -> str:
+    """llguidance's error, as one line for a user: a keyword or format it cannot enforce
+    named; a regex's parse error with the line that says what is wrong (the first only
+    says where); else its first line."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    said = lines[:1] + [line for line in lines[1:] if line.startswith("error:")][:1]
-    return f"cannot enforce this grammar: {' '.join(said) or 'invalid grammar'}"
+    if not lines:
+        return "invalid grammar"
+    first = AT_POSITION.sub("", lines[0])
+    if first.endswith("regex parse error:"):  # what is wrong is further down
+        first += " " + next(
+            (line[len("error: ") :] for line in lines if line.startswith("error: ")), ""
+        )
+    if found := UNIMPLEMENTED.match(first):
+        return f"cannot enforce the keyword(s) {found.group(1)}"
+    if found := UNKNOWN_FORMAT.match(first):
+        return f'cannot enforce "format": {json.dumps(found.group(1))}'
+    return first
 
 
 def masked_logits(logits: mx.array, allowed: np.ndarray) -> mx.array:
