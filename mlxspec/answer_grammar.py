@@ -19,11 +19,12 @@ in the grammar (`<[id]>`), since llguidance never matches special tokens as text
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
 
-from mlxspec.grammar import error_line
+from mlxspec.grammar import CACHED_GRAMMARS, error_line
 from mlxspec.output_parser import AnswerFormat, answer_format
 from mlxspec.settings import JSON_OPTIONS, Grammar, GrammarError
 from mlxspec.tool_grammar import ForcedTools, Spelling, literal, tool_calls_rules
@@ -67,9 +68,12 @@ def json_spelling(schema: dict) -> dict:
     return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_OPTIONS}}
 
 
+@functools.lru_cache(maxsize=CACHED_GRAMMARS)
 def grammar_problem(grammar: Grammar) -> str | None:
     """Why llguidance cannot compile `grammar` (one line), or None: checked without a
-    tokenizer, so a request is refused before it waits for its model."""
+    tokenizer, so a request is refused before it waits for its model. Kept per grammar,
+    as compiled grammars are: an agent sends the same schema again and again, and a large
+    one takes a second to check."""
     from llguidance import LLMatcher
 
     try:
