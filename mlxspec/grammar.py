@@ -218,7 +218,7 @@ class Constraint:
         children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]
         for node, parent in enumerate(parents, start=1):
             children[parent].append(node)
-        kept, masks, refused = [], [], None
+        kept, refused = [], None
         rows = {}  # node -> its mask row
 
         def visit(node: int) -> None:
