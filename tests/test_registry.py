@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -62,11 +63,42 @@ def test_shipped_download_pairs_are_hub_ids_with_a_chain_by_default():
     registry = load_registry()
     pairs = [entry for name, entry in registry.entries.items() if name != "smollm2-135m"]
     assert {entry.name for entry in pairs} >= {"qwen3-8b", "llama3.1-8b", "gemma3-12b"}
+    assert {entry.name for entry in pairs} >= {"qwen3.5-9b", "gpt-oss-20b", "gemma4-26b-a4b"}
     for entry in pairs:
         assert entry.target.startswith("mlx-community/"), entry.name
-        assert entry.proposer("draft-model").options["draft"].startswith("mlx-community/")
-        assert entry.proposer(None).kind == "chain", entry.name
         assert "download" in entry.description, entry.name
+        drafts = [p.options["draft"] for p in entry.proposers.values() if p.kind == "draft-model"]
+        assert all(draft.startswith("mlx-community/") for draft in drafts), entry.name
+        if drafts:  # a draft model pays only beside prompt lookup, in a chain
+            assert entry.proposer(None).kind == "chain", entry.name
+
+
+def _model_name(hub_id: str) -> str:
+    """'z-lab/Qwen3.5-9B-DFlash' -> 'qwen3.5-9b': the model a drafter or checkpoint is of."""
+    name = hub_id.split("/", 1)[1].lower()
+    return re.sub(r"-dflash(-b\d+)?$", "", name)
+
+
+def test_shipped_drafters_and_mtp_sources_are_of_their_own_target():
+    """A z-lab DFlash drafter reads the layers of the one model it was trained on, and
+    `pull --mtp` copies the MTP layer of the checkpoint named as source: each must name the
+    entry's own model (a 27B drafter beside a 9B target fails only on a Mac, at load)."""
+    registry = load_registry()
+    checked = 0
+    for entry in registry.entries.values():
+        for proposer in entry.proposers.values():
+            if proposer.kind == "block" and proposer.options["path"].startswith("z-lab/"):
+                reference = proposer.options["path"]
+            elif proposer.kind == "mtp":
+                reference = proposer.options["source"]
+                assert reference, f"{entry.name}: an MLX conversion has no MTP tensors"
+            else:
+                continue
+            target = entry.target.split("/", 1)[1].lower()
+            model = _model_name(reference)
+            assert target.startswith(f"{model}-"), f"{entry.name}: {reference} is not of {target}"
+            checked += 1
+    assert checked >= 7
 
 
 def test_user_file_from_env_extends_overrides_and_sets_default(tmp_path, monkeypatch):
