@@ -50,7 +50,7 @@ def chat(model, proposer, plain, color, chat_template_args, tree, no_history, we
     \b
     Examples:
       mlxspec chat
-      mlxspec chat --model qwen3-8b --proposer draft-model
+      mlxspec chat --model qwen3.5-9b --proposer dflash
       printf 'Name three primes\\n/quit\\n' | mlxspec chat --plain
       mlxspec chat --ranks 3     # the target sharded over 3 local ranks, same chat
     """

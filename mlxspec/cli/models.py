@@ -147,9 +147,10 @@ def pull(name, mtp, mtp_source):
 
     \b
     Examples:
-      mlxspec pull smollm2-135m
+      mlxspec pull qwen3.5-9b          # a Mac pair; `mlxspec models` lists the others
+      mlxspec pull qwen3.5-9b --mtp    # also its own MTP layer, from Qwen/Qwen3.5-9B
       mlxspec pull mlx-community/Qwen3-0.6B-4bit
-      mlxspec pull mlx-community/Qwen3.5-9B-4bit --mtp --from Qwen/Qwen3.5-9B
+      mlxspec pull mlx-community/Qwen3.5-27B-4bit --mtp --from Qwen/Qwen3.5-27B
     """
     from mlxspec.loading import HUB_REPO_ID, fetch_weights
     from mlxspec.pull import is_packaged
