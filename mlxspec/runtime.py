@@ -56,6 +56,23 @@ def parameter_count(model: nn.Module) -> int:
     return sum(value.size for _, value in tree_flatten(model.parameters()))
 
 
+def proposer_downloads(config: ProposerConfig) -> list[tuple[str, list[str] | None]]:
+    """The weights a proposer fetches when first used, as (reference, hub file patterns):
+    what `mlxspec pull` fetches ahead, so that an entry pulled once drafts offline."""
+    options = config.options
+    wanted = {
+        "draft-model": ("draft", None),
+        "head": ("path", HEAD_PATTERNS),
+        "mtp": ("path", HEAD_PATTERNS),  # None: the pulled layer (`pull --mtp`)
+        "block": ("path", BLOCK_PATTERNS),
+        "medusa": ("path", MEDUSA_PATTERNS),
+        "self-spec": ("exit", EXIT_PATTERNS),
+    }.get(config.kind)
+    if wanted is None or not options.get(wanted[0]):
+        return []
+    return [(options[wanted[0]], wanted[1])]
+
+
 class Runtime:
     def __init__(
         self,

@@ -774,3 +774,33 @@ def test_mimo_mtp_drafts_what_vllms_mimo_mtp_computes(tmp_path):
     assert mx.allclose(logits, expected, atol=1e-3, rtol=1e-3), float(
         (logits - expected).abs().max()
     )
+
+
+def test_pull_fetches_every_drafter_of_an_entry_so_it_drafts_offline(hub, monkeypatch):
+    """`pull NAME` fetches the target, draft models and the drafters' weights (a block
+    drafter, a head, Medusa heads, an exit head), each with its own files: a user who
+    pulls once and goes offline can still use `--proposer dflash`."""
+    import mlxspec.loading as loading
+    from mlxspec.drafter.block import BLOCK_PATTERNS
+    from mlxspec.drafter.medusa import MEDUSA_PATTERNS
+
+    tmp_path, _ = hub
+    (tmp_path / "models.toml").write_text(
+        f'[models.tiny]\ntarget = "{tmp_path / "tiny"}"\n'
+        '[models.tiny.proposers.draft-model]\ndraft = "org/draft"\n'
+        '[models.tiny.proposers.dflash]\nkind = "block"\npath = "org/dflash"\n'
+        '[models.tiny.proposers.medusa]\npath = "org/medusa"\n'
+        "[models.tiny.proposers.mtp]\n"  # pulled by --mtp, not here
+    )
+    fetched = {}
+
+    def download(ref, *, progress, patterns):
+        fetched[ref] = patterns
+        return tmp_path / "tiny"
+
+    monkeypatch.setattr(loading, "_download_from_hub", download)
+    result = cli("pull", "tiny")
+    assert result.exit_code == 0, result.output
+    drafters = {"org/dflash": BLOCK_PATTERNS, "org/medusa": MEDUSA_PATTERNS}
+    assert fetched == {"org/draft": None, **drafters}
+    assert "tiny: ready" in result.output

