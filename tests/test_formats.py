@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import pytest
 from test_output_parser import calls_of, form_of, joined, tokenizer_with
+from test_tool_grammar import forced, matched
 from tool_examples import ASK, WEATHER
 
+from mlxspec.answer_grammar import AnswerConstraint, answer_grammar
 from mlxspec.chat_template import render_chat
 from mlxspec.conversation import AnswerText, Conversation, ParsedAnswer, ReasoningText
+from mlxspec.grammar import Grammar, GrammarError
 from mlxspec.output_parser import answer_format, answer_parser, reasoning_tokens
 
 PARIS = [("get_weather", {"city": "Paris"})]
@@ -146,3 +149,37 @@ def test_earlier_reasoning_reaches_each_template_as_it_reads_it():
     for template, expected in shown.items():
         prompt = render_chat(tokenizer_with(template), Conversation(history, [WEATHER]))
         assert expected in prompt, template
+
+
+def test_a_forced_harmony_call_is_a_commentary_message_after_optional_analysis():
+    tokenizer, conversation, grammar = forced("gpt-oss.jinja")
+    call = (
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Oslo", "unit": "C"}'
+    )
+    analysis = "<|channel|>analysis<|message|>Oslo <|en then.<|end|><|start|>assistant"
+    assert matched(grammar, tokenizer, call) == "complete"
+    assert matched(grammar, tokenizer, analysis + call) == "complete"
+    wrong_name = call.replace("get_weather", "get_time")
+    assert matched(grammar, tokenizer, wrong_name).startswith("refused")
+    final = "<|channel|>final<|message|>Sunny."
+    assert matched(grammar, tokenizer, final).startswith("refused")
+    parts, parser = parse(answer_format(tokenizer, conversation), [analysis + call])
+    assert calls_of(parts) == [("get_weather", {"city": "Oslo", "unit": "C"})]
+    assert parser.answer.reasoning == "Oslo <|en then."
+
+
+def test_a_harmony_schema_answer_is_the_final_message():
+    tokenizer = tokenizer_with("gpt-oss.jinja")
+    constraint = AnswerConstraint(grammar=Grammar.json_schema({"type": "object"}))
+    grammar = answer_grammar(tokenizer, Conversation(ASK), constraint)
+    assert matched(grammar, tokenizer, '<|channel|>final<|message|>{"a": 1}') == "complete"
+    assert matched(grammar, tokenizer, '{"a": 1}').startswith("refused")
+
+
+@pytest.mark.parametrize(
+    "template, parser", [("qwen3.5.jinja", "qwen3_coder"), ("gemma4.jinja", "gemma4")]
+)
+def test_forcing_a_call_in_qwen35s_or_gemma4s_format_is_refused_naming_it(template, parser):
+    with pytest.raises(GrammarError, match=rf"tool-call format \({parser}\)"):
+        forced(template)
