@@ -14,7 +14,8 @@ them). Headers and markers are never shown; a body's text is released as soon as
 cannot be the start of the marker that ends it, a call whole once it ends.
 
 OpenAI's `openai-harmony` package parses this too, but it loads its o200k encoding from
-the network on first use (no offline copy ships with it), and here the text comes
+the network on first use (no offline copy ships with it: openai/harmony issues #46, #95,
+#101), and here the text comes
 detokenized already; this reader is the few markers above and the house parser's
 bookkeeping (parts_parser).
 """

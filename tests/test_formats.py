@@ -11,8 +11,10 @@ from test_tool_grammar import forced, matched
 from tool_examples import ASK, WEATHER
 
 from mlxspec.answer_grammar import AnswerConstraint, answer_grammar
+from mlxspec.answer_pieces import PieceReader
 from mlxspec.chat_template import render_chat
 from mlxspec.conversation import AnswerText, Conversation, ParsedAnswer, ReasoningText
+from mlxspec.events import Accepted, Bonus
 from mlxspec.grammar import Grammar, GrammarError
 from mlxspec.output_parser import answer_format, answer_parser, reasoning_tokens
 
@@ -183,3 +185,16 @@ def test_a_harmony_schema_answer_is_the_final_message():
 def test_forcing_a_call_in_qwen35s_or_gemma4s_format_is_refused_naming_it(template, parser):
     with pytest.raises(GrammarError, match=rf"tool-call format \({parser}\)"):
         forced(template)
+
+
+def test_generate_and_the_chat_app_show_harmony_analysis_as_reasoning():
+    """Both read their pieces through PieceReader: the analysis is reasoning, with who
+    wrote it; headers and markers are never shown."""
+    reader = PieceReader(tokenizer_with("gpt-oss.jinja"), Conversation(ASK))
+    events = [Accepted((), HARMONY_ANSWER[:40]), Bonus((), HARMONY_ANSWER[40:])]
+    pieces = [piece for event in events for piece in reader.read(event).pieces]
+    reasoning = "".join(piece.text for piece in pieces if piece.reasoning)
+    shown = "".join(piece.text for piece in pieces if not piece.reasoning)
+    assert (reasoning, shown) == ("The tool said 18C.", "It is 18C <in> Paris.")
+    written_by = [(piece.text, piece.source) for piece in pieces if piece.reasoning]
+    assert written_by == [("The tool s", Accepted), ("aid 18C.", Bonus)]  # cut at 40
