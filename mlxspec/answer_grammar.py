@@ -12,6 +12,8 @@ at hand (`answer_grammar`), because the markup is the model's:
   the grammar is the request's own, unchanged.
 - a forced tool call is written in the format the output parser reads back
   (tool_grammar.py).
+- gpt-oss's harmony: an optional analysis message, then the answer as a `final` message
+  (a forced call: a commentary message to the tool, tool_grammar.py).
 
 A marker that is a special token to the tokenizer (Mistral's `[TOOL_CALLS]`) is the token
 in the grammar (`<[id]>`), since llguidance never matches special tokens as text.
@@ -25,6 +27,7 @@ import re
 from dataclasses import dataclass
 
 from mlxspec.grammar import CACHED_GRAMMARS, error_line
+from mlxspec.harmony import CHANNEL, END, MESSAGE, START
 from mlxspec.output_parser import AnswerFormat, answer_format
 from mlxspec.settings import JSON_OPTIONS, Grammar, GrammarError
 from mlxspec.tool_grammar import ForcedTools, Spelling, literal, tool_calls_rules
@@ -45,13 +48,16 @@ def answer_grammar(tokenizer, prompt: object, constraint: AnswerConstraint) -> G
     as plain text); GrammarError, with a reason, where it cannot be written."""
     form = answer_format(tokenizer, prompt)
     spell = _spelling(tokenizer)
-    reasoning = _reasoning_rules(form, spell)
+    reasoning = _harmony_reasoning(spell) if form.harmony else _reasoning_rules(form, spell)
     if constraint.tools is not None:
         answer = tool_calls_rules(form, constraint.tools, spell, rule="answer")
     elif constraint.grammar is None:
         raise GrammarError("nothing to constrain the answer to")
     elif not reasoning:
         return constraint.grammar
+    elif form.harmony:  # the final channel's message
+        final = f'answer: {spell(CHANNEL)} "final" {spell(MESSAGE)} final_text'
+        answer = f"{final}\n{_answer_rule(constraint.grammar, 'final_text')}"
     else:
         answer = _answer_rule(constraint.grammar)
     start = "start: thought? answer" if reasoning else "start: answer"
@@ -100,18 +106,30 @@ def _reasoning_rules(form: AnswerFormat, spell: Spelling) -> str:
     return f"{thought}\nGAP: /[ \\t\\r\\n]+/"
 
 
-def _answer_rule(grammar: Grammar) -> str:
-    """The request's grammar as the Lark rule `answer`."""
+def _harmony_reasoning(spell: Spelling) -> str:
+    """Lark rules for harmony's analysis message (`thought`) and the next one's start."""
+    opening = f'{spell(CHANNEL)} "analysis" {spell(MESSAGE)}'
+    end, next_message = spell(END), f'{spell(START)} "assistant"'
+    if end.startswith("<["):  # a special token: text can never be it, so no laziness
+        return f"thought: {opening} /(?s:.*)/ {end} {next_message}"
+    return (
+        f"thought: {opening} thought_text {next_message}\n"
+        f"thought_text[lazy]: /(?s:.*){_escape(END)}/"
+    )
+
+
+def _answer_rule(grammar: Grammar, rule: str = "answer") -> str:
+    """The request's grammar as the Lark rule `rule`."""
     if grammar.kind == "regex":
-        return f"answer: /{_slashes(grammar.source)}/"
+        return f"{rule}: /{_slashes(grammar.source)}/"
     if grammar.kind == "json_object":
-        return f"answer: %json {json.dumps(json_spelling({'type': 'object'}))}"
+        return f"{rule}: %json {json.dumps(json_spelling({'type': 'object'}))}"
     if grammar.kind == "json_schema":
         try:
             schema = json.loads(grammar.source)
         except ValueError as err:
             raise GrammarError(f"the JSON schema is not valid JSON: {err}") from None
-        return f"answer: %json {json.dumps(json_spelling(schema))}"
+        return f"{rule}: %json {json.dumps(json_spelling(schema))}"
     raise GrammarError("a Lark grammar cannot follow this model's reasoning block")
 
 

@@ -12,6 +12,11 @@ tools described in the system turn, a call as
 
 in the assistant's turn, and a result as `<tool_response>...</tool_response>` in a user
 turn. The output parser (output_parser.py) reads calls in the same format back.
+
+An assistant turn's earlier reasoning is its `reasoning_content`, the name most templates
+read (Qwen's, Gemma 4's); gpt-oss's reads `thinking`, and refuses a call turn that has both
+text and reasoning, so there the text joins the reasoning: its template writes either into
+the same analysis message.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from mlxspec.settings import GenerationError
 
 FALLBACK_CALL_START, FALLBACK_CALL_END = "<tool_call>", "</tool_call>"
 RESPONSE_START, RESPONSE_END = "<tool_response>", "</tool_response>"
+THINKING_FIELD = "message.thinking"  # gpt-oss's template reads earlier reasoning there
 
 
 def encode_chat(
@@ -52,6 +58,8 @@ def render_chat(
         return "\n".join(m["content"] or "" for m in _in_fallback_form(conversation).messages)
     if "tools" not in template:
         conversation = _in_fallback_form(conversation)
+    if THINKING_FIELD in template:
+        conversation = _with_thinking(conversation)
     # Tools only where there are some: a tokenizer's own renderer may not take the argument.
     tools = {"tools": conversation.tools} if conversation.tools else {}
     try:
@@ -73,6 +81,20 @@ def template_text(tokenizer) -> str | None:
     if isinstance(template, dict):
         return "\n".join(template.values())
     return template or None
+
+
+def _with_thinking(conversation: Conversation) -> Conversation:
+    """Each assistant turn's reasoning as `thinking` too; in a call turn, its text joined."""
+    messages = []
+    for message in conversation.messages:
+        reasoning = message.get("reasoning_content")
+        if reasoning and message["role"] == "assistant":
+            message = {**message, "thinking": reasoning}
+            if message.get("tool_calls") and message.get("content"):
+                message["thinking"] = f"{reasoning}\n\n{message['content']}"
+                message["content"] = ""
+        messages.append(message)
+    return Conversation(messages, conversation.tools, conversation.template_kwargs)
 
 
 def _has_tool_parts(conversation: Conversation) -> bool:

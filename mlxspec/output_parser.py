@@ -10,7 +10,10 @@ an answer that opens with `{` (after `<|python_tag|>`, which may be left out) is
 JSON objects separated by `;`, read here. A template without tool support gets the fallback
 format (chat_template.py), which is read back here. Whether the answer starts inside the
 reasoning is read off the rendered prompt: a template that opens the thinking block in the
-generation prompt (DeepSeek-R1's ends with `<think>\\n`) leaves only its end to the model.
+generation prompt (DeepSeek-R1's and Qwen3.5's end with `<think>\\n`) leaves only its end to
+the model. Gemma 4 thinks in `<|channel>thought` ... `<channel|>` (mlx-lm's markers for it,
+read off its template too). gpt-oss's harmony format has no markers of this kind: its
+messages on channels are read by harmony.py.
 
 Text is released as soon as it cannot be the start of a marker, so only a possible
 marker's prefix is held back. A tool call is released whole, once its end marker is in
@@ -22,9 +25,7 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import re
-import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,25 +34,19 @@ from typing import Any
 from mlx_lm.tokenizer_utils import _infer_tool_parser
 
 from mlxspec.chat_template import render_chat, template_text
-from mlxspec.conversation import (
-    AnswerPart,
-    AnswerText,
-    Conversation,
-    ParsedAnswer,
-    ReasoningText,
-    ToolCall,
-    ToolCallArguments,
-    ToolCallStarted,
-)
+from mlxspec.conversation import AnswerPart, Conversation, ParsedAnswer
 from mlxspec.events import Done, TokenEvent
+from mlxspec.harmony import HarmonyParser, is_harmony
 from mlxspec.logprobs import TokenLogprob
-
-log = logging.getLogger("mlxspec.output")
+from mlxspec.parts_parser import PartsParser, Placed, log
 
 # mlx-lm's parser for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`: the format of
 # Qwen, Hermes, and our fallback.
 JSON_TOOLS = "json_tools"
 THINK_START, THINK_END = "<think>", "</think>"
+# The thinking markers a template may write, as mlx-lm names them where they are tokens:
+# `<think>`'s, and Gemma 4's (its thought channel).
+THINKING_MARKERS = ((THINK_START, THINK_END), ("<|channel>thought", "<channel|>"))
 # Llama 3.x: an answer that is calls may open with this; its template writes a call as
 # `{"name": ..., "parameters": ...}` (the Llama 3.2 template has no python tag, only that).
 PYTHON_TAG = "<|python_tag|>"
@@ -75,6 +70,7 @@ class AnswerFormat:
     calls_open_answer: bool = False
     tool_parser: ToolParser | None = None
     tools: list[dict[str, Any]] | None = None  # handed to the tool parser
+    harmony: bool = False  # gpt-oss's messages on channels (harmony.py), no markers above
 
 
 PLAIN = AnswerFormat()  # raw text completions: nothing is parsed
@@ -88,12 +84,13 @@ def answer_format(tokenizer, prompt: object) -> AnswerFormat:
     if not isinstance(prompt, Conversation):
         return PLAIN
     template = template_text(tokenizer) or ""
+    if is_harmony(template):
+        return AnswerFormat(tools=prompt.tools, harmony=True)
     if getattr(tokenizer, "has_thinking", False):
         think_start, think_end = tokenizer.think_start, tokenizer.think_end
-    elif THINK_START in template and THINK_END in template:
-        think_start, think_end = THINK_START, THINK_END
     else:
-        think_start = think_end = None
+        written = [pair for pair in THINKING_MARKERS if all(m in template for m in pair)]
+        think_start, think_end = written[0] if written else (None, None)
     opened = False
     if think_start is not None:
         rendered = render_chat(tokenizer, prompt)
@@ -152,32 +149,22 @@ class _ToolModule:
     tool_parser: ToolParser
 
 
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
-
-
 REASONING, ANSWER, TOOL_CALL = "reasoning", "answer", "tool call"
 
 
-@dataclass(frozen=True)
-class Placed:
-    """A part, and where its text starts in all the parser was fed (None: a tool call's
-    parts, read from a call's markup rather than copied from it), so a front end can tell
-    which output event wrote each character even where text was held back for a marker."""
-
-    part: AnswerPart
-    start: int | None = None
+def answer_parser(form: AnswerFormat) -> PartsParser:
+    """The reader of answers in `form`."""
+    return HarmonyParser(form.tools) if form.harmony else OutputParser(form)
 
 
-class OutputParser:
-    """Feed it the generated text piece by piece; each piece gives the parts it completed.
-    `finish()` releases what was held back; `answer` is then the whole answer."""
+class OutputParser(PartsParser):
+    """Markers in the text: `<think>` ... `</think>`, `<tool_call>` ... `</tool_call>` and
+    their kin (the AnswerFormat's)."""
 
     def __init__(self, form: AnswerFormat):
+        super().__init__()
         self.form = form
         self._state = REASONING if form.starts_in_reasoning else ANSWER
-        self._buffer = ""  # fed, not yet released
-        self._fed = 0  # characters fed so far
         # The answer may open a thinking block only before it has said anything else.
         self._may_open_reasoning = form.think_start is not None and not form.starts_in_reasoning
         self._may_open_call = bool(form.tools) and form.calls_open_answer
@@ -185,46 +172,11 @@ class OutputParser:
         # its `{`), given back with it where it does not parse.
         self._opening = ""
         self._after_marker = False  # whitespace right after a closing marker is dropped
-        self.reasoning_chars = 0  # text fed up to the reasoning's end marker (included)
-        self._reasoning: list[str] = []
-        self._text: list[str] = []
-        self._calls: list[ToolCall] = []
-
-    def feed(self, text: str) -> list[AnswerPart]:
-        return [placed.part for placed in self.feed_placed(text)]
-
-    def finish(self) -> list[AnswerPart]:
-        return [placed.part for placed in self.finish_placed()]
-
-    def feed_placed(self, text: str) -> list[Placed]:
-        """`feed`, each part with where its text lies in all that was fed."""
-        self._buffer += text
-        self._fed += len(text)
-        parts: list[Placed] = []
-        while self._step(parts, final=False):
-            pass
-        return parts
-
-    def finish_placed(self) -> list[Placed]:
-        parts: list[Placed] = []
-        while self._step(parts, final=True):
-            pass
-        return parts
-
-    @property
-    def consumed(self) -> int:
-        """Characters fed and no longer held (released in parts, or dropped as markup):
-        where the buffer starts in all that was fed."""
-        return self._fed - len(self._buffer)
 
     @property
     def in_reasoning(self) -> bool:
         """Whether the text fed so far ends inside the reasoning."""
         return self._state == REASONING
-
-    @property
-    def answer(self) -> ParsedAnswer:
-        return ParsedAnswer("".join(self._reasoning), "".join(self._text), tuple(self._calls))
 
     def _step(self, parts: list[Placed], final: bool) -> bool:
         """Release what the buffer's start allows; True when a marker moved the state on."""
@@ -305,63 +257,14 @@ class OutputParser:
         self._state, self._after_marker = ANSWER, True
         return closed
 
-    def _release(self, final: bool, marker: str | None) -> str:
-        """Take from the buffer all but the longest end that may start `marker`."""
-        keep = 0 if final or not marker else _marker_prefix(self._buffer, marker)
-        released = self._buffer[: len(self._buffer) - keep]
-        self._buffer = self._buffer[len(released) :]
-        return released
-
     def _call(self, parts: list[Placed], body: str, closed: bool) -> None:
         try:
-            calls = _parsed_calls(self.form.tool_parser(body, self.form.tools))
+            self._add_calls(parts, self.form.tool_parser(body, self.form.tools))
         except Exception as err:  # any parser's failure: the text is still the model's answer
             log.warning("a tool call did not parse (%s), kept as text: %r", err, body)
             end = self.form.tool_call_end if closed else ""
             text = f"{self._opening}{body}{end}"
             self._say(parts, text, self.consumed - len(text))
-            return
-        for name, arguments, call_id in calls:
-            index = len(self._calls)
-            self._calls.append(ToolCall(call_id, name, arguments))
-            parts.append(Placed(ToolCallStarted(index, call_id, name)))
-            parts.append(Placed(ToolCallArguments(index, arguments)))
-
-    def _reason(self, parts: list[Placed], text: str, start: int) -> None:
-        if text:
-            self._reasoning.append(text)
-            parts.append(Placed(ReasoningText(text), start))
-
-    def _say(self, parts: list[Placed], text: str, start: int) -> None:
-        if text:
-            self._text.append(text)
-            parts.append(Placed(AnswerText(text), start))
-
-
-def _marker_prefix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
-def _parsed_calls(parsed: Any) -> list[tuple[str, str, str]]:
-    """(name, arguments as JSON text, id) of each call a tool parser returned; ValueError
-    for anything that is not a call with a name and an object of arguments."""
-    calls = parsed if isinstance(parsed, list) else [parsed]
-    if not calls:
-        raise ValueError("no call in it")
-    out = []
-    for call in calls:
-        name, arguments = call.get("name"), call.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = json.loads(arguments)
-        if not isinstance(name, str) or not name or not isinstance(arguments, dict):
-            raise ValueError("a call needs a name and an object of arguments")
-        call_id = call.get("id") if isinstance(call.get("id"), str) else new_call_id()
-        out.append((name, json.dumps(arguments, ensure_ascii=False), call_id))
-    return out
 
 
 def reasoning_tokens(tokenizer, token_ids: tuple[int, ...], reasoning_chars: int) -> int:
@@ -407,7 +310,7 @@ class AnswerReader:
 
     def __init__(self, tokenizer, prompt: object):
         self.tokenizer = tokenizer
-        self.parser = OutputParser(answer_format(tokenizer, prompt))
+        self.parser = answer_parser(answer_format(tokenizer, prompt))
         # Logprob entries of tokens whose text the parser still holds, in order.
         self._held_logprobs: deque[TokenLogprob] = deque()
 

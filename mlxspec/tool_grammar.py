@@ -4,7 +4,8 @@ names one of the allowed tools and holds that tool's arguments (its parameters s
 The markup is what the output parser reads back (output_parser.AnswerFormat): Qwen3,
 Hermes and the fallback format's `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`,
 Llama 3.x's bare `{"name": ..., "parameters": ...}` (calls separated by `; `), Mistral's
-`[TOOL_CALLS][{"name": ..., "arguments": ...}]`. Other formats (XML-like arguments,
+`[TOOL_CALLS][{"name": ..., "arguments": ...}]`, gpt-oss's harmony message to
+`functions.NAME` (one call: a harmony call ends the generation). Other formats (XML-like arguments,
 pythonic calls) are refused with their name rather than guessed at. The grammar is
 llguidance's Lark with each tool's call as a `%json` schema, so a forced call is a call
 the parser accepts, with arguments valid against the tool's schema (compiled leniently:
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxspec.harmony import CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE
 from mlxspec.output_parser import JSON_TOOLS, AnswerFormat
 from mlxspec.settings import JSON_OPTIONS, GrammarError
 
@@ -28,6 +30,7 @@ MISTRAL_ID = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}  # its template's
 # Where a schema keeps the definitions its `$ref`s point at: kept at the root of the
 # call's schema, which wraps the tool's.
 DEFINITIONS = ("$defs", "definitions")
+LENIENT = {**JSON_OPTIONS, "lenient": True}
 
 
 Spelling = Callable[[str], str]  # a marker -> its Lark form
@@ -58,6 +61,8 @@ def tool_calls_rules(
     missing = [name for name in forced.names if name not in tools]
     if missing or not forced.names:
         raise GrammarError(f"no tool named {', '.join(map(repr, missing)) or 'at all'}")
+    if form.harmony:
+        return _harmony_call_rules([tools[name] for name in forced.names], spell, rule)
     markup = _markup(form)
     schemas = [_call_schema(tools[name], markup) for name in forced.names]
     call_rules = [f"{rule}_{i}: %json {json.dumps(schema)}" for i, schema in enumerate(schemas)]
@@ -94,21 +99,44 @@ def _markup(form: AnswerFormat) -> CallMarkup:
         return CallMarkup((start, "["), (", ",), ("]",), more={"id": MISTRAL_ID})
     raise GrammarError(
         f"cannot force a tool call in this model's tool-call format ({parser or 'unknown'}); "
-        "forced calls support the Hermes/Qwen <tool_call> JSON, Llama 3.x and Mistral formats"
+        "forced calls support the Hermes/Qwen <tool_call> JSON, Llama 3.x, Mistral and "
+        "gpt-oss harmony formats"
     )
+
+
+def _harmony_call_rules(functions: list[dict[str, Any]], spell: Spelling, rule: str) -> str:
+    """Harmony's call: a commentary message to one of `functions`, its body the arguments
+    (the end token, `<|call|>`, is the generation's end, left to the engine)."""
+    channel, message, constrain = spell(CHANNEL), spell(MESSAGE), spell(CONSTRAIN)
+    alternatives, rules = [], []
+    for i, function in enumerate(functions):
+        recipient = literal(f"commentary to={FUNCTIONS}{function['name']} ")
+        arguments = json.dumps({"x-guidance": LENIENT, **_parameters(function)})
+        rules.append(
+            f'{rule}_{i}: {channel} {recipient} {constrain} "json" {message} %json {arguments}'
+        )
+        alternatives.append(f"{rule}_{i}")
+    return "\n".join([f"{rule}: {' | '.join(alternatives)}", *rules])
+
+
+def _parameters(function: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema, a copy, checked, typed as an object where it has
+    properties."""
+    parameters = copy.deepcopy(function.get("parameters") or {"type": "object"})
+    if not isinstance(parameters, dict):
+        raise GrammarError(f"the parameters of tool {function['name']!r} are not a JSON schema")
+    if parameters.get("type") is None and "properties" in parameters:
+        parameters["type"] = "object"
+    return parameters
 
 
 def _call_schema(function: dict[str, Any], markup: CallMarkup) -> dict[str, Any]:
     """One call to `function` as a JSON schema: its name, then its arguments, in the
     JSON spelling of the house (grammar.JSON_OPTIONS), leniently compiled."""
-    parameters = copy.deepcopy(function.get("parameters") or {"type": "object"})
-    if not isinstance(parameters, dict):
-        raise GrammarError(f"the parameters of tool {function['name']!r} are not a JSON schema")
+    parameters = _parameters(function)
     definitions = {key: parameters.pop(key) for key in DEFINITIONS if key in parameters}
-    if parameters.get("type") is None and "properties" in parameters:
-        parameters["type"] = "object"
     return {
-        "x-guidance": {**JSON_OPTIONS, "lenient": True},
+        "x-guidance": LENIENT,
         "type": "object",
         "properties": {
             "name": {"const": function["name"]},

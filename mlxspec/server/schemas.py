@@ -208,6 +208,10 @@ class Message(BaseModel):
     tool_calls: list[CallMade] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An assistant turn's reasoning, as this server returns it (`reasoning_content`) or as
+    # others name it (`reasoning`): templates show it where they keep earlier reasoning.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _whole(self) -> Message:
@@ -234,6 +238,9 @@ class Message(BaseModel):
         message: dict[str, Any] = {"role": role, "content": self.text}
         if self.tool_calls:
             message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        reasoning = self.reasoning_content or self.reasoning
+        if reasoning and self.role == "assistant":
+            message["reasoning_content"] = reasoning
         if self.role == "tool":
             message["tool_call_id"] = self.tool_call_id
             message["name"] = self.name or call_names[self.tool_call_id]
