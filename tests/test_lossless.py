@@ -27,7 +27,10 @@ from mlxspec.proposers import (
 from mlxspec.sampling import SamplingSettings, TokenScorer, near_tie_bound
 from mlxspec.verify_cost import VerifyCost
 
-FAMILIES = ["llama", "qwen3", "gemma3_text", "lfm2"]
+# Qwen3.5: Gated DeltaNet + attention; gpt-oss: sliding windows with sinks, MoE; Gemma 4:
+# per-layer inputs, KV-sharing layers. One seed each, to keep the suite fast.
+NEWER = ["qwen3_5", "gpt_oss", "gemma4_text"]
+FAMILIES = ["llama", "qwen3", "gemma3_text", "lfm2", *NEWER]
 MAX_TOKENS = 40
 # A cost curve like the one measured on this CPU, so the adaptive policy drafts.
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
@@ -93,16 +96,17 @@ def run(engine, prompt, proposer, k):
 
 def proposers_for(family, model, target, tokenizer):
     found = [PromptLookup("lookup", ngram_max=3, ngram_min=1, k_max=8)]
-    draft = DraftModel(truncated_model(model, 2), name="draft-truncated", k_max=5)
-    stranger = DraftModel(tiny_model(family, seed=99), name="draft-other", k_max=4)
-    found += [draft, stranger]
+    if family != "gemma4_text":  # its per-layer inputs are made for all its layers
+        found.append(DraftModel(truncated_model(model, 2), name="draft-truncated", k_max=5))
+    found.append(DraftModel(tiny_model(family, seed=99), name="draft-other", k_max=4))
     if family in ("llama", "qwen3"):
         found.append(SelfSpeculation(target, layers=1, name="self-spec", k_max=4))
     return found
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    "family, seed", [(f, s) for f in FAMILIES for s in ([0] if f in NEWER else [0, 1])]
+)
 def test_greedy_speculation_matches_plain_greedy(family, seed):
     tokenizer = byte_tokenizer()
     model = tiny_model(family, seed=seed)
@@ -123,7 +127,7 @@ def test_greedy_speculation_matches_plain_greedy(family, seed):
                 if name == "oracle" and k == 3 and len(reference) > 6:
                     # The oracle forces rejections: the rollback path really ran.
                     assert 0 < done.record.accepted < done.record.drafted
-    assert compared >= 3 * (1 + 3 * 4)
+    assert compared == 3 * (1 + 3 * len(engine.proposers)) >= 3 * (1 + 3 * 3)
 
 
 def test_every_rejection_position_is_exercised():
