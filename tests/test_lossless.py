@@ -14,6 +14,7 @@ from tf32 import emulate_tf32
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec import device, sampling
+from mlxspec.anatomy import UnsupportedModel
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Corrected, Done, Rejected, RunRecord, Step
 from mlxspec.proposers import (
@@ -369,3 +370,31 @@ def test_half_precision_logits_widen_the_near_tie_bound(monkeypatch):
     assert scorer.near_ties(logits.astype(mx.bfloat16), [0, 1]) == 1
     assert scorer.near_ties(logits.astype(mx.float16), [0, 1]) == 0  # 11 bits: 0.03 at 30
     assert scorer.near_ties(mx.array([[1.0, 1.0005, 0.0]]), [0]) == 1  # NEAR_TIE in fp32
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
+def test_a_split_decoder_gives_the_models_own_logits_past_its_window(family):
+    """Heads read hidden states from the verify itself (`Target.verify` with a capture),
+    so those logits must be the model's: Qwen3.5's recurrent layers get the SSM mask,
+    gpt-oss's sliding layers their window's mask, here 30 tokens into a window of 8."""
+    model = tiny_model(family, seed=0)
+    tokens = [random.Random(family).randrange(256) for _ in range(36)]
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens[:30]]), cache=cache)
+    expected = model(mx.array([tokens[30:]]), cache=cache)[0]
+    engine = Engine(model, byte_tokenizer(), family, verify_cost=CPU_LIKE_COST)
+    engine.target.fill(tokens[:30], capture=(1,))
+    logits, hidden = engine.target.verify(tokens[30:], capture=(1,))
+    assert hidden.shape == (6, 2 * 64)
+    assert mx.allclose(logits, expected, atol=1e-4).item(), float(mx.abs(logits - expected).max())
+
+
+def test_gemma4_has_no_split_decoder_and_says_so_in_one_line():
+    """Gemma 4's layers hand shared KV on beside the hidden state, and its embeddings
+    are scaled: heads and self-speculation are refused, in one line."""
+    engine = Engine(
+        tiny_model("gemma4_text"), byte_tokenizer(), "gemma4", verify_cost=CPU_LIKE_COST
+    )
+    with pytest.raises(UnsupportedModel, match="cannot split") as refused:
+        SelfSpeculation(engine.target, layers=1)
+    assert "\n" not in str(refused.value)
