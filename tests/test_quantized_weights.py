@@ -31,7 +31,7 @@ from mlxspec.drafter.medusa import MedusaHeads, save_medusa
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.loading import load_model
 from mlxspec.registry import load_registry
-from mlxspec.runtime import Runtime, open_runtime, target_weights
+from mlxspec.runtime import ProposerError, Runtime, open_runtime, target_weights
 from mlxspec.verify_cost import calibration_key
 from mlxspec.weights import held_weights
 
@@ -133,7 +133,9 @@ def test_every_proposer_kind_drafts_losslessly_on_quantized_weights(quantized_ta
     prompts = [[5, 6, 7, 8] * 3, [40, 41, 42, 9, 40, 41]]
     references = [plain_greedy(model, prompt, MAX_TOKENS, eos) for prompt in prompts]
     drafted = {}
-    for name in proposers:
+    with pytest.raises(ProposerError, match="whose KV cache can be trimmed|cannot split"):
+        runtime.proposer("self-spec")  # it would share the target's recurrent/window caches
+    for name in proposers.keys() - {"self-spec"}:
         runtime.proposer(name)
         for tree in (False, True) if name in TREES else (False,):
             settings = GenerationSettings(max_tokens=MAX_TOKENS, k=3, tree=tree)
@@ -152,18 +154,24 @@ def test_every_proposer_kind_drafts_losslessly_on_quantized_weights(quantized_ta
 def test_newer_families_draft_losslessly_on_weights_kept_quantized(family, tmp_path, monkeypatch):
     """Qwen3.5, gpt-oss (its router at 8 bits, by mlx-lm's own predicate) and Gemma 4
     (per-layer embeddings too) quantized to 4 bits as mlx-lm quantizes them, kept so:
-    prompt lookup and a cut-down copy of the target (where one can be cut) stay lossless."""
+    every proposer kind that applies stays lossless (the heads, untrained, read the
+    hidden states of the verify itself; Gemma 4 cannot be split into layers)."""
     model = tiny_model(family, seed=1)
     model, config = quantize_model(model, FAMILIES[family], group_size=32, bits=4)
     target = tmp_path / "target"
     save_model(target, model)
     save_config(config, target / "config.json")
     byte_tokenizer()._tokenizer.save_pretrained(target)
-    proposers = {"prompt-lookup": ("prompt-lookup", "ngram_min = 1\nngram_max = 3")}
-    if family != "gemma4_text":  # its per-layer inputs are made for all its layers
-        proposers["draft-model"] = ("draft-model", f'draft = "{target}"\ndraft_layers = 2')
+    names = ["prompt-lookup", "suffix", "lookahead", "self-spec"]
+    if family != "gemma4_text":  # its layers cannot be split off its per-layer inputs
+        names += ["draft-model", "head", "medusa"]
+        drafter_heads(tmp_path, str(target))
+    proposers = {name: PROPOSERS[name] for name in names}
+    if "draft-model" in proposers:  # Qwen3.5's first layer alone has no attention
+        proposers["draft-model"] = ("draft-model", 'draft = "{target}"\ndraft_layers = 2')
     lines = [f'[models.tiny]\ntarget = "{target}"\n\n[models.tiny.defaults]\nweights = "quantized"']
     for name, (kind, options) in proposers.items():
+        options = options.format(folder=tmp_path, target=target)
         lines.append(f'[models.tiny.proposers.{name}]\nkind = "{kind}"\nk_max = 4\n{options}')
     (tmp_path / "models.toml").write_text("\n\n".join(lines) + "\n")
     monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path / "models.toml"))
@@ -172,7 +180,9 @@ def test_newer_families_draft_losslessly_on_weights_kept_quantized(family, tmp_p
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.named_modules()), family
     eos = set(runtime.loaded.tokenizer.eos_token_ids)
     prompts = [[5, 6, 7, 8] * 3, [40, 41, 42, 9, 40, 41, 7, 1, 2, 3, 4, 5, 6]]
-    for name in proposers:
+    with pytest.raises(ProposerError, match="whose KV cache can be trimmed|cannot split"):
+        runtime.proposer("self-spec")  # it would share the target's recurrent/window caches
+    for name in proposers.keys() - {"self-spec"}:
         runtime.proposer(name)
         drafted = 0
         for prompt in prompts:
