@@ -45,7 +45,7 @@ from mlxspec.sampling import SamplingSettings
 from mlxspec.verify_cost import VerifyCost
 
 # lfm2: recurrent conv layers; gemma3: windows; NEWER: gated delta, windows with sinks, ...
-BATCHED = ["llama", "qwen3", "lfm2", "gemma3_text", *NEWER]
+BATCHED = ["llama", "qwen3", "lfm2", "gemma3_text", *NEWER, "qwen3_5_moe"]
 # Seed 1's tiny Gemma 4 ends two requests early (EOS): they would mostly run alone.
 REQUESTS_SEED = {"gemma4_text": 3}
 

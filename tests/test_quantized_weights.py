@@ -150,9 +150,9 @@ def test_every_proposer_kind_drafts_losslessly_on_quantized_weights(quantized_ta
     assert all(drafted.values()), f"{form}: proposers that never drafted: {drafted}"
 
 
-@pytest.mark.parametrize("family", NEWER)
+@pytest.mark.parametrize("family", [*NEWER, "qwen3_5_moe"])
 def test_newer_families_draft_losslessly_on_weights_kept_quantized(family, tmp_path, monkeypatch):
-    """Qwen3.5, gpt-oss (its router at 8 bits, by mlx-lm's own predicate) and Gemma 4
+    """Qwen3.5 (and its MoE, router gates at 8 bits), gpt-oss (its router at 8 bits) and Gemma 4
     (per-layer embeddings too) quantized to 4 bits as mlx-lm quantizes them, kept so:
     every proposer kind that applies stays lossless (the heads, untrained, read the
     hidden states of the verify itself; Gemma 4 cannot be split into layers)."""
