@@ -179,7 +179,7 @@ def test_newer_families_draft_losslessly_on_weights_kept_quantized(family, tmp_p
     loaded = runtime.loaded.model
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.named_modules()), family
     eos = set(runtime.loaded.tokenizer.eos_token_ids)
-    prompts = [[5, 6, 7, 8] * 3, [40, 41, 42, 9, 40, 41, 7, 1, 2, 3, 4, 5, 6]]
+    prompts = [[40, 41, 42, 9, 40, 41, 7, 1, 2, 3, 4, 5, 6, 40, 41]]
     with pytest.raises(ProposerError, match="whose KV cache can be trimmed|cannot split"):
         runtime.proposer("self-spec")  # it would share the target's recurrent/window caches
     for name in proposers.keys() - {"self-spec"}:
