@@ -10,12 +10,13 @@ numerically on the model it is given, and refuses models where it does not hold
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 
 class UnsupportedModel(ValueError):
@@ -31,6 +32,8 @@ class Decoder:
     # Attention masks as arrays, never the "causal" shortcut: MLA (DeepSeek-V3) applies
     # its mask with `mx.where` and asks mlx-lm for an array (`return_array=True`).
     array_masks: bool = False
+    # Sliding-window layers (gpt-oss's): layer index -> window, each masked to it.
+    windows: dict[int, int] = field(default_factory=dict)
 
     @property
     def width(self) -> int:
@@ -51,15 +54,23 @@ class Decoder:
         heads read three layers; `logits` takes the LM head of the last `width` columns."""
         layers = self.layers if n_layers is None else self.layers[:n_layers]
         h = self.embed(inputs)
-        masks = _layer_masks(h, self.layers, cache, self.array_masks)
+        kinds = [self.mask_kind(i) for i in range(len(self.layers))]
+        masks = _layer_masks(h, kinds, cache, self.array_masks)
         taken = []
         for index, (layer, layer_cache) in enumerate(zip(layers, cache)):
             if index in capture:
                 taken.append(h)
-            h = layer(h, masks[is_recurrent(layer)], cache=layer_cache)
+            h = layer(h, masks[kinds[index]], cache=layer_cache)
         if len(layers) in capture:  # the last layer's own output, before the final norm
             taken.append(h)
         return mx.concatenate([*taken, self.norm(h)], axis=-1) if taken else self.norm(h)
+
+    def mask_kind(self, index: int) -> str | int | None:
+        """What layer `index` is masked by: "recurrent" (an SSM mask), its window, or None
+        (full causal attention)."""
+        if is_recurrent(self.layers[index]):
+            return "recurrent"
+        return self.windows.get(index)
 
     def logits(self, features: mx.array) -> mx.array:
         """Logits from `hidden`'s output: the LM head on the final normed state."""
@@ -81,16 +92,19 @@ def last_attention_layer(layers: list[nn.Module]) -> int:
 
 
 def _layer_masks(
-    h: mx.array, layers: list[nn.Module], cache: list[Any], array: bool = False
-) -> dict[bool, Any]:
-    """{recurrent?: mask}, each made from the cache of the first layer of its kind, as
-    the hybrid models' own forward does."""
-    first = {
-        kind: next((c for layer, c in zip(layers, cache) if is_recurrent(layer) == kind), None)
-        for kind in (False, True)
-    }
-    attention = create_attention_mask(h, first[False], return_array=array)
-    return {False: attention, True: create_ssm_mask(h, first[True])}
+    h: mx.array, kinds: list[str | int | None], cache: list[Any], array: bool = False
+) -> dict[str | int | None, Any]:
+    """{mask kind: mask} (`Decoder.mask_kind`), each made from the cache of the first layer
+    of its kind, as the hybrid and sliding-window models' own forwards do."""
+    masks = {}
+    for kind, layer_cache in zip(kinds, cache):
+        if kind in masks:
+            continue
+        if kind == "recurrent":
+            masks[kind] = create_ssm_mask(h, layer_cache)
+        else:
+            masks[kind] = create_attention_mask(h, layer_cache, kind, return_array=array)
+    return masks
 
 
 def split_decoder(model: nn.Module) -> Decoder:
@@ -107,13 +121,19 @@ def split_decoder(model: nn.Module) -> Decoder:
     head = lm_head if lm_head is not None else embed.as_linear
     probe = mx.array([[1, 2, 3]])
     expected = model(probe)
+    windows = {
+        i: c.max_size
+        for i, c in enumerate(make_prompt_cache(model))
+        if isinstance(c, RotatingKVCache) and c.keep == 0
+    }
     for array_masks in (False, True):  # the "causal" shortcut where the layers take it
-        decoder = Decoder(embed, list(layers), norm, head, array_masks)
+        decoder = Decoder(embed, list(layers), norm, head, array_masks, windows)
         if _same_logits(decoder, probe, expected):
             return decoder
     raise UnsupportedModel(
         f"model type '{getattr(model, 'model_type', '?')}' computes logits in a way mlxspec "
-        "cannot split into layers + head (embedding scaling or logit soft-capping); "
+        "cannot split into layers + head (embedding scaling, logit soft-capping, or layers "
+        "that pass more than the hidden state on, as Gemma 4's do); "
         "self-speculation and drafter heads are not available for it"
     )
 
@@ -123,5 +143,7 @@ def _same_logits(decoder: Decoder, probe: mx.array, expected: mx.array) -> bool:
     try:
         got = decoder.head(decoder.hidden(probe, [None] * len(decoder.layers)))
     except ValueError:  # MLA handed the "causal" string where it applies an array
+        return False
+    except TypeError:  # Gemma 4's layers return (hidden, shared KV, offset)
         return False
     return expected.shape == got.shape and mx.allclose(expected, got, atol=1e-3, rtol=1e-3).item()

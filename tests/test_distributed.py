@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from lossless import assert_lossless, plain_greedy
 from mlx.utils import tree_flatten
 from terminal import Terminal, needs_tmux
-from tiny_models import FAMILIES, byte_tokenizer, tiny_model
+from tiny_models import FAMILIES, VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.cli import main
 from mlxspec.distributed.launch import (
@@ -678,6 +678,48 @@ def test_impossible_splits_fail_with_one_clear_line(tiny):
     assert "rank counts that work: 1, 2" in error_line(done)
     with pytest.raises(DistributedError, match="no pipeline split"):
         check_shardable(tiny_model("llama", seed=3), "pipeline", 2)
+
+
+# (config, seed): Qwen3.5 with a vocabulary of 258 (its untied LM head is split by rows:
+# 257 would not divide; tied, the sharpened embeddings make it echo its input), gpt-oss
+# as tiny_models has it. The seeds give outputs prompt lookup drafts well and not always.
+SHARDED_NEWER = {
+    "qwen3_5": (dict(FAMILIES["qwen3_5"], vocab_size=258), 11),
+    "gpt_oss": (FAMILIES["gpt_oss"], 4),
+}
+
+
+@pytest.mark.parametrize("family", list(SHARDED_NEWER))
+def test_newer_families_on_two_ranks_equal_one_process_greedy(family, tmp_path):
+    """Qwen3.5 (Gated DeltaNet heads split, recurrent state rolled back on every rank) and
+    gpt-oss (heads, sinks and experts split; windows 8 wide) speculate on two ranks."""
+    config, seed = SHARDED_NEWER[family]
+    tokenizer = byte_tokenizer(["<|pad|>"] if config["vocab_size"] > VOCAB else [])
+    save_model(tiny_model(family, seed=seed, config=config), config, tmp_path / family, tokenizer)
+    (tmp_path / "models.toml").write_text(
+        f'[models.{family}]\ntarget = "./{family}"\n'
+        f"[models.{family}.proposers.prompt-lookup]\nk_max = 8\n"
+    )
+    seed_flat_calibration(tmp_path, family, 2)
+    model, prompt, expected = reference(tmp_path / family)
+    got = generate(tmp_path, "--model", family, "--ranks", "2", "--proposer", "prompt-lookup")
+    record = got["record"]
+    assert (record["ranks"], record["parallel"]) == (2, "tensor")
+    assert 0 < record["accepted"] < record["drafted"]  # kept drafts, and rolled back others
+    assert_lossless(model, prompt, expected, got["token_ids"], f"{family} on 2 ranks", record)
+
+
+def test_newer_families_that_cannot_split_say_so_in_one_line():
+    from mlxspec.distributed.errors import DistributedError
+    from mlxspec.distributed.sharding import check_shardable
+
+    with pytest.raises(DistributedError, match="neither a tensor-parallel shard") as refused:
+        check_shardable(tiny_model("gemma4_text"), "tensor", 2)
+    assert "run them on one rank" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(DistributedError, match="257 vocabulary; rank counts that work: 1$"):
+        check_shardable(tiny_model("qwen3_5"), "tensor", 2)  # its untied LM head
+    check_shardable(tiny_model("qwen3_5", config=SHARDED_NEWER["qwen3_5"][0]), "tensor", 2)
+    check_shardable(tiny_model("qwen3_5"), "pipeline", 2)  # mlx-lm's Qwen3.5 has both
 
 
 @pytest.mark.parametrize(

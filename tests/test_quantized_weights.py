@@ -16,10 +16,10 @@ import mlx.nn as nn
 import pytest
 from click.testing import CliRunner
 from lossless import assert_lossless, plain_greedy
-from mlx_lm.utils import save_config, save_model
+from mlx_lm.utils import quantize_model, save_config, save_model
 from test_block import dflash_checkpoint
 from test_cli import assert_one_line_error
-from test_lossless import CPU_LIKE_COST
+from test_lossless import CPU_LIKE_COST, NEWER
 from test_mtp import layout_tensors
 from tiny_gguf import write_tiny_gguf
 from tiny_models import FAMILIES, byte_tokenizer, tiny_model
@@ -31,7 +31,7 @@ from mlxspec.drafter.medusa import MedusaHeads, save_medusa
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.loading import load_model
 from mlxspec.registry import load_registry
-from mlxspec.runtime import Runtime, open_runtime, target_weights
+from mlxspec.runtime import ProposerError, Runtime, open_runtime, target_weights
 from mlxspec.verify_cost import calibration_key
 from mlxspec.weights import held_weights
 
@@ -133,7 +133,9 @@ def test_every_proposer_kind_drafts_losslessly_on_quantized_weights(quantized_ta
     prompts = [[5, 6, 7, 8] * 3, [40, 41, 42, 9, 40, 41]]
     references = [plain_greedy(model, prompt, MAX_TOKENS, eos) for prompt in prompts]
     drafted = {}
-    for name in proposers:
+    with pytest.raises(ProposerError, match="whose KV cache can be trimmed|cannot split"):
+        runtime.proposer("self-spec")  # it would share the target's recurrent/window caches
+    for name in proposers.keys() - {"self-spec"}:
         runtime.proposer(name)
         for tree in (False, True) if name in TREES else (False,):
             settings = GenerationSettings(max_tokens=MAX_TOKENS, k=3, tree=tree)
@@ -146,6 +148,52 @@ def test_every_proposer_kind_drafts_losslessly_on_quantized_weights(quantized_ta
                 assert done.record.tree_rounds > 0 or not tree, label
                 drafted[name, tree] += done.record.drafted
     assert all(drafted.values()), f"{form}: proposers that never drafted: {drafted}"
+
+
+@pytest.mark.parametrize("family", [*NEWER, "qwen3_5_moe"])
+def test_newer_families_draft_losslessly_on_weights_kept_quantized(family, tmp_path, monkeypatch):
+    """Qwen3.5 (and its MoE, router gates at 8 bits), gpt-oss (its router at 8 bits) and Gemma 4
+    (per-layer embeddings too) quantized to 4 bits as mlx-lm quantizes them, kept so:
+    every proposer kind that applies stays lossless (the heads, untrained, read the
+    hidden states of the verify itself; Gemma 4 cannot be split into layers)."""
+    model = tiny_model(family, seed=1)
+    model, config = quantize_model(model, FAMILIES[family], group_size=32, bits=4)
+    target = tmp_path / "target"
+    save_model(target, model)
+    save_config(config, target / "config.json")
+    byte_tokenizer()._tokenizer.save_pretrained(target)
+    names = ["prompt-lookup", "suffix", "lookahead", "self-spec"]
+    if family != "gemma4_text":  # its layers cannot be split off its per-layer inputs
+        names += ["draft-model", "head", "medusa"]
+        drafter_heads(tmp_path, str(target))
+    proposers = {name: PROPOSERS[name] for name in names}
+    if "draft-model" in proposers:  # Qwen3.5's first layer alone has no attention
+        proposers["draft-model"] = ("draft-model", 'draft = "{target}"\ndraft_layers = 2')
+    lines = [f'[models.tiny]\ntarget = "{target}"\n\n[models.tiny.defaults]\nweights = "quantized"']
+    for name, (kind, options) in proposers.items():
+        options = options.format(folder=tmp_path, target=target)
+        lines.append(f'[models.tiny.proposers.{name}]\nkind = "{kind}"\nk_max = 4\n{options}')
+    (tmp_path / "models.toml").write_text("\n\n".join(lines) + "\n")
+    monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path / "models.toml"))
+    runtime = priced_like_this_cpu(open_runtime(load_registry().get("tiny")))
+    loaded = runtime.loaded.model
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.named_modules()), family
+    eos = set(runtime.loaded.tokenizer.eos_token_ids)
+    prompts = [[40, 41, 42, 9, 40, 41, 7, 1, 2, 3, 4, 5, 6, 40, 41]]
+    with pytest.raises(ProposerError, match="whose KV cache can be trimmed|cannot split"):
+        runtime.proposer("self-spec")  # it would share the target's recurrent/window caches
+    for name in proposers.keys() - {"self-spec"}:
+        runtime.proposer(name)
+        drafted = 0
+        for prompt in prompts:
+            reference = plain_greedy(loaded, prompt, MAX_TOKENS, eos)
+            settings = GenerationSettings(max_tokens=MAX_TOKENS, k=3)
+            done = list(runtime.engine.stream(prompt, settings, name))[-1]
+            label = f"{family} quantized {name} {prompt[:3]}"
+            assert_lossless(loaded, prompt, reference, list(done.token_ids), label, done.record)
+            assert done.record.weights["form"] == "quantized", label
+            drafted += done.record.drafted
+        assert drafted, f"{family}: {name} never drafted"
 
 
 def test_the_weights_form_is_part_of_the_calibration_key(tmp_path):

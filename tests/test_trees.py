@@ -149,7 +149,7 @@ def test_tree_greedy_matches_plain_greedy_for_every_proposer(family):
     assert tree_rounds > 20
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "lfm2"])
+@pytest.mark.parametrize("family", ["gemma3_text", "lfm2", "qwen3_5", "gpt_oss", "gemma4_text"])
 def test_models_without_plain_kv_caches_fall_back_to_a_line_and_say_why(family):
     tokenizer = byte_tokenizer()
     model = tiny_model(family, seed=0)

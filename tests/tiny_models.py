@@ -114,6 +114,79 @@ FAMILIES = {
         block_ff_dim=128,
         full_attn_idxs=[1],
     ),
+    # Qwen3.5: Gated DeltaNet layers (recurrent state, `ArraysCache`) with full attention
+    # every `full_attention_interval`-th layer: here 0 and 2 recurrent, 1 attention. A flat
+    # config is the text model's (`ModelArgs.from_dict` wraps it as `text_config`).
+    "qwen3_5": dict(
+        SIZE,
+        model_type="qwen3_5",
+        intermediate_size=128,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=2,
+        tie_word_embeddings=False,
+        rope_parameters={"type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+    ),
+    # Qwen3.5 MoE (35B-A3B's text model): the same layers, with 4 routed experts (2 per
+    # token) and a gated shared one in place of each MLP.
+    "qwen3_5_moe": dict(
+        SIZE,
+        model_type="qwen3_5_moe",
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        tie_word_embeddings=False,
+        rope_parameters={"type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+    ),
+    # gpt-oss: sliding-window layers (a window shorter than the prompts) beside full ones,
+    # attention sinks (random here: a fresh model's are zeros), 4 experts, 2 per token.
+    "gpt_oss": dict(
+        SIZE,
+        model_type="gpt_oss",
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_theta=10000,
+    ),
+    # Gemma 4 (E2B/E4B's text model): sliding and full layers (the full ones with their own
+    # head width), per-layer input embeddings, the last layer reusing layer 1's KV (it has
+    # no cache of its own), a logit soft-cap.
+    "gemma4_text": dict(
+        SIZE,
+        model_type="gemma4_text",
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_key_value_heads=1,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=12,
+        sliding_window_pattern=2,
+        num_kv_shared_layers=1,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,  # tied, the scaled embeddings make it echo its input
+    ),
 }
 
 
@@ -134,6 +207,8 @@ def tiny_model(
     model = module.Model(module.ModelArgs.from_dict(config))
 
     def sharpen(path, value):
+        if path.endswith("self_attn.sinks"):  # gpt-oss: zeros until trained
+            return mx.random.normal(value.shape)
         if path.endswith("lm_head.weight") or (
             path.endswith("embed_tokens.weight") and not hasattr(model, "lm_head")
         ):

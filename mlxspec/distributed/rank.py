@@ -332,8 +332,10 @@ class RankSession:
         not. True when rank 0 (`stopping`) ends the request here, on every rank."""
         target = engine.target
         tail = target.cached_tokens[-16:]
+        # The first layer that counts its tokens (a recurrent layer's state does not).
+        offset = next((c.offset for c in target.cache if hasattr(c, "offset")), 0)
         mine = [
-            int(target.cache[0].offset) if target.cache else 0,
+            int(offset),
             len(target.cached_tokens),
             step.drafted,
             step.accepted,

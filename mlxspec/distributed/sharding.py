@@ -15,8 +15,11 @@ from mlxspec.distributed.errors import DistributedError
 
 
 def _args(model: nn.Module) -> dict:
+    """The model's settings; a multimodal wrapper's (Qwen3.5) are its `text_config`."""
     args = getattr(model, "args", None)
-    return vars(args) if args is not None else {}
+    if args is None:
+        return {}
+    return dict(args.text_config) if hasattr(args, "text_config") else vars(args)
 
 
 def tensor_widths(model: nn.Module) -> dict[str, int]:
@@ -26,8 +29,15 @@ def tensor_widths(model: nn.Module) -> dict[str, int]:
         "num_attention_heads": "query heads",
         "num_key_value_heads": "KV heads",
         "intermediate_size": "MLP width",
+        "linear_num_key_heads": "linear-attention key heads",  # Qwen3.5's Gated DeltaNet
+        "linear_num_value_heads": "linear-attention value heads",
     }
-    return {label: int(args[key]) for key, label in names.items() if args.get(key)}
+    widths = {label: int(args[key]) for key, label in names.items() if args.get(key)}
+    # Qwen3.5 splits an untied LM head by vocabulary rows.
+    if hasattr(getattr(model, "language_model", None), "sharding_group"):
+        if not args.get("tie_word_embeddings") and args.get("vocab_size"):
+            widths["vocabulary"] = int(args["vocab_size"])
+    return widths
 
 
 def working_rank_counts(widths: dict[str, int], most: int = 16) -> list[int]:
@@ -37,6 +47,12 @@ def working_rank_counts(widths: dict[str, int], most: int = 16) -> list[int]:
 def check_shardable(model: nn.Module, parallel: str, size: int) -> None:
     """Raise one clear line when this model cannot be split `size` ways in `parallel`."""
     family = getattr(model, "model_type", type(model).__module__.rsplit(".", 1)[-1])
+    inner = getattr(model, "model", None)
+    if not hasattr(model, "shard") and not hasattr(inner, "pipeline"):
+        raise DistributedError(
+            f"mlx-lm's '{family}' models have neither a tensor-parallel shard() nor a "
+            "pipeline split: run them on one rank"
+        )
     if parallel == "tensor":
         if not hasattr(model, "shard"):
             raise DistributedError(
@@ -52,7 +68,6 @@ def check_shardable(model: nn.Module, parallel: str, size: int) -> None:
                 f"{sizes}; rank counts that work: {counts}"
             )
     elif parallel == "pipeline":
-        inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "pipeline"):
             raise DistributedError(
                 f"mlx-lm's '{family}' models have no pipeline split (mlx-lm has one for "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,19 +45,31 @@ def truncated_model(model: nn.Module, n_layers: int) -> nn.Module:
     with no place for the scales of quantized ones (what Metal keeps).
     """
     args = model.args
-    total = args.num_hidden_layers
+    # Multimodal wrappers (Qwen3.5) keep the text model's settings in `text_config`.
+    text = args.text_config if hasattr(args, "text_config") else vars(args)
+    total = text["num_hidden_layers"]
     if not 1 <= n_layers <= total:
         raise ValueError(f"draft_layers must be in 1..{total}, got {n_layers}")
+    if text.get("hidden_size_per_layer_input") and n_layers < total:
+        raise ValueError(  # Gemma 4 E2B/E4B: one embedding table feeds every layer
+            f"cannot cut {model.model_type} to {n_layers} layers: its per-layer input "
+            f"embeddings are made for all {total}"
+        )
     changes = {"num_hidden_layers": n_layers}
-    if getattr(args, "layer_types", None):
-        changes["layer_types"] = list(args.layer_types[:n_layers])
+    if text.get("layer_types"):
+        changes["layer_types"] = list(text["layer_types"][:n_layers])
+    if text.get("num_kv_shared_layers"):  # Gemma 4: the last layers reuse earlier KV
+        changes["num_kv_shared_layers"] = max(0, n_layers - total + text["num_kv_shared_layers"])
+    if hasattr(args, "text_config"):
+        changes = {"text_config": {**args.text_config, **changes}}
     small = type(model)(dataclasses.replace(args, **changes))
+    layer_name = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
 
     def first_layers(items: list) -> list:
         return [
             (name, value)
             for name, value in items
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < n_layers
+            if not (found := layer_name.search(name)) or int(found.group(1)) < n_layers
         ]
 
     leaves = tree_flatten(model.leaf_modules(), is_leaf=lambda value: isinstance(value, nn.Module))
