@@ -7,6 +7,8 @@ import pytest
 
 from mlxspec.paths import cache_dir
 
+pytest_plugins = ["side_by_side"]  # two pytest-xdist workers, `alone` tests one at a time
+
 # --- The suite's own cache dir -----------------------------------------------------------------
 
 DOWNLOADS = ("models", "mtp")  # what the cache dir holds besides calibrations: fetched files

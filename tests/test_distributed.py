@@ -39,6 +39,9 @@ from mlxspec.distributed.launch import (
     strip_launch_options,
 )
 
+# Ranks fill both cores, and their collectives have timeouts (tests/side_by_side.py).
+pytestmark = pytest.mark.alone
+
 PROMPT = "abc abc abc abc abc abc"
 QWEN2 = dict(FAMILIES["qwen3"], model_type="qwen2", num_hidden_layers=4, tie_word_embeddings=False)
 DEEP = dict(FAMILIES["llama"], num_hidden_layers=24)

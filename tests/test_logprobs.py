@@ -304,6 +304,7 @@ def tiny(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.alone  # two ranks fill both cores (tests/side_by_side.py)
 @pytest.mark.parametrize("max_batch", ["1", "2"])
 def test_a_sharded_server_reports_the_one_process_logprobs(tiny, max_batch):
     """`serve --ranks 2`: rank 0 reads the logprobs of its verify rows (the other ranks

@@ -69,6 +69,7 @@ def test_progress_notes_share_one_line(monkeypatch, capsys, terminal):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # a timing held to a ratio (tests/side_by_side.py)
 def test_estimated_speedup_agrees_with_the_bench(smollm2):
     """On a copy prompt, what `generate --json` and the chat show (the run record's
     estimated_speedup, over plain decoding) is within 25% of what `mlxspec bench` measures
@@ -76,10 +77,11 @@ def test_estimated_speedup_agrees_with_the_bench(smollm2):
     medians of 5 interleaved repeats. Not over mlx-lm's plain loop, whose token cost
     7-35% more or less than the engine's own plain one on this CPU, quiet to loaded.
     25%, not 15%: on this 2-core CPU the estimate read 13-22% under the measured ratio,
-    quiet (CI: 1.86x against 2.39x over mlx-lm, twice) and loaded (0.78-0.87 in five of
-    six benches; see docs/design/test-suite.md). What it catches is a price that is
-    really off: rounds priced without their verify's cost, or a round's other work left
-    out, move it by 40% or more."""
+    quiet (CI: 1.86x against 2.39x over mlx-lm, twice) and loaded (five of six benches;
+    see docs/design/test-suite.md). The round's arithmetic (its verify's cost, its other
+    work) is held exactly by the test above; a tolerance this wide passes either of its
+    breaks here. What this one catches is the machine's real costs far off the policy's:
+    a curve at twice the extra cost stops the drafting (1.05x measured, seen failing)."""
     entry = load_registry().get("smollm2-135m")
     runtime = Runtime(entry, smollm2, notify=lambda _: None)
     plain, spec = Method("mlxspec", "none"), Method("mlxspec", "prompt-lookup")

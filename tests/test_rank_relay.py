@@ -26,7 +26,11 @@ TICKS = os.sysconf("SC_CLK_TCK")
 RELAY_SHARE = 0.05  # of one core, over the ranks' lifetime
 POLL_SECONDS = 0.1
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+# Ranks fill both cores, and the launcher's CPU share is measured (tests/side_by_side.py).
+pytestmark = [
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc"),
+    pytest.mark.alone,
+]
 
 
 def cpu_seconds(pid: int) -> float | None:

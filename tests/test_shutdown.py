@@ -35,6 +35,10 @@ from tiny_models import FAMILIES, tiny_model
 
 from mlxspec.distributed.launch import Outcome
 
+# Real commands (ranks among them) started and stopped within bounds in seconds
+# (tests/side_by_side.py).
+pytestmark = pytest.mark.alone
+
 GONE_SECONDS = 10.0  # the bound: after a stop signal, nothing left and the port free
 STOPS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
 
@@ -68,6 +72,7 @@ from pathlib import Path
 import mlxspec
 from mlxspec.distributed.rank import rank_setup
 from mlxspec.verify_cost import VerifyCost, calibration_key
+
 flat = VerifyCost({1: 1.0, 64: 1.0}, step_seconds=0.01).to_json()
 tiny, trio = ("tiny", "float32"), ("trio", "float32")  # float32 folders, kept as float32
 keys = [calibration_key(*tiny), calibration_key(*tiny, rank_setup("tensor", 2, "ring"))]
