@@ -89,6 +89,10 @@ class RunRecord:
     # Of the completion tokens, those of the model's reasoning, its thinking markers
     # included (set where the answer is read into parts: output_parser.AnswerReader).
     reasoning_tokens: int = 0
+    # Whether the prompt left the model its thinking: "on", "off" (the template closed it,
+    # e.g. enable_thinking=false: what block drafters trained on plain answers expect),
+    # "" (no thinking markup, or a raw completion). Set where reasoning_tokens is.
+    thinking: str = ""
     reused_prompt_tokens: int = 0
     drafted: int = 0
     accepted: int = 0

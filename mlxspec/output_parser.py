@@ -71,6 +71,9 @@ class AnswerFormat:
     tool_parser: ToolParser | None = None
     tools: list[dict[str, Any]] | None = None  # handed to the tool parser
     harmony: bool = False  # gpt-oss's messages on channels (harmony.py), no markers above
+    # "on": the model may reason before answering; "off": the prompt closed its thinking
+    # block already (a template's enable_thinking=false); "": no thinking markup.
+    thinking: str = ""
 
 
 PLAIN = AnswerFormat()  # raw text completions: nothing is parsed
@@ -84,19 +87,22 @@ def answer_format(tokenizer, prompt: object) -> AnswerFormat:
     if not isinstance(prompt, Conversation):
         return PLAIN
     template = template_text(tokenizer) or ""
-    if is_harmony(template):
-        return AnswerFormat(tools=prompt.tools, harmony=True)
+    if is_harmony(template):  # gpt-oss always reasons first (its reasoning_effort sets how long)
+        return AnswerFormat(tools=prompt.tools, harmony=True, thinking="on")
     if getattr(tokenizer, "has_thinking", False):
         think_start, think_end = tokenizer.think_start, tokenizer.think_end
     else:
         written = [pair for pair in THINKING_MARKERS if all(m in template for m in pair)]
         think_start, think_end = written[0] if written else (None, None)
-    opened = False
+    opened, thinking = False, ""
     if think_start is not None:
         rendered = render_chat(tokenizer, prompt)
         opened = rendered.rfind(think_start) > rendered.rfind(think_end)
+        thinking = "off" if rendered.rstrip().endswith(think_end) else "on"
     tool_markup = _tool_markup(tokenizer, template) if prompt.tools else {}
-    return AnswerFormat(think_start, think_end, opened, tools=prompt.tools, **tool_markup)
+    return AnswerFormat(
+        think_start, think_end, opened, tools=prompt.tools, thinking=thinking, **tool_markup
+    )
 
 
 def _tool_markup(tokenizer, template: str) -> dict[str, Any]:
@@ -310,7 +316,8 @@ class AnswerReader:
 
     def __init__(self, tokenizer, prompt: object):
         self.tokenizer = tokenizer
-        self.parser = answer_parser(answer_format(tokenizer, prompt))
+        self.format = answer_format(tokenizer, prompt)
+        self.parser = answer_parser(self.format)
         # Logprob entries of tokens whose text the parser still holds, in order.
         self._held_logprobs: deque[TokenLogprob] = deque()
 
@@ -325,6 +332,7 @@ class AnswerReader:
 
     def answered(self, done: Done, parts: list[AnswerPart]) -> Answered:
         """The end, once the parser has finished (`parts`: what finishing released)."""
+        done.record.thinking = self.format.thinking
         done.record.reasoning_tokens = reasoning_tokens(
             self.tokenizer, done.token_ids, self.parser.reasoning_chars
         )

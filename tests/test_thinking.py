@@ -208,6 +208,9 @@ def test_generate_takes_chat_template_args(models):
     assert models.calls[-1].template_kwargs == {"enable_thinking": False}
     closed = off["record"]["prompt_tokens"] - on["record"]["prompt_tokens"]
     assert closed == len(CLOSED_BLOCK)
+    # The record says whether the model was left its thinking (block drafters trained on
+    # plain answers draft worse into a thinking block).
+    assert (on["record"]["thinking"], off["record"]["thinking"]) == ("on", "off")
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])

@@ -179,6 +179,7 @@ def generate(
     echo.end()
     record = done.record
     thought = f" ({record.reasoning_tokens} reasoning)" if record.reasoning_tokens else ""
+    thought += " (thinking off)" if record.thinking == "off" else ""
     if record.grammar:  # forced tokens are drafts too, made by the grammar for free
         forced = f" ({record.grammar_accepted}/{record.grammar_drafted} forced by the grammar)"
     else:
