@@ -253,3 +253,32 @@ def test_generate_and_the_chat_app_show_harmony_analysis_as_reasoning():
     assert (reasoning, shown) == ("The tool said 18C.", "It is 18C <in> Paris.")
     written_by = [(piece.text, piece.source) for piece in pieces if piece.reasoning]
     assert written_by == [("The tool s", Accepted), ("aid 18C.", Bonus)]  # cut at 40
+
+
+def test_parallel_calls_in_a_harmony_history_are_one_turn_per_call_each_with_its_result():
+    """gpt-oss's template writes only a turn's first call and names every result after
+    the last call: another model's parallel calls are split before rendering."""
+    calls = [
+        {"id": f"call_{city}", "type": "function", "function": {"name": name}}
+        for city, name in (("paris", "get_weather"), ("utc", "get_time"))
+    ]
+    calls[0]["function"]["arguments"] = {"city": "Paris"}
+    calls[1]["function"]["arguments"] = {"zone": "UTC"}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "", "reasoning_content": "Both.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_utc", "name": "get_time", "content": "12:00"},
+        {"role": "tool", "tool_call_id": "call_paris", "name": "get_weather", "content": "18C"},
+    ]
+    prompt = render_chat(tokenizer_with("gpt-oss.jinja"), Conversation(history, [WEATHER]))
+    assert prompt.endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Both.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris"}<|call|>'
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+        '"18C"<|end|>'
+        "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>"
+        '{"zone": "UTC"}<|call|>'
+        "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"
+        '"12:00"<|end|><|start|>assistant'
+    ), prompt[-600:]
