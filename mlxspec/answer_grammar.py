@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from mlxspec.grammar import CACHED_GRAMMARS, error_line
 from mlxspec.harmony import CHANNEL, END, MESSAGE, START
+from mlxspec.native_calls import slashes
 from mlxspec.output_parser import AnswerFormat, answer_format
 from mlxspec.settings import JSON_OPTIONS, Grammar, GrammarError
 from mlxspec.tool_grammar import ForcedTools, Spelling, literal, tool_calls_rules
@@ -121,7 +122,7 @@ def _harmony_reasoning(spell: Spelling) -> str:
 def _answer_rule(grammar: Grammar, rule: str = "answer") -> str:
     """The request's grammar as the Lark rule `rule`."""
     if grammar.kind == "regex":
-        return f"{rule}: /{_slashes(grammar.source)}/"
+        return f"{rule}: /{slashes(grammar.source)}/"
     if grammar.kind == "json_object":
         return f"{rule}: %json {json.dumps(json_spelling({'type': 'object'}))}"
     if grammar.kind == "json_schema":
@@ -135,16 +136,7 @@ def _answer_rule(grammar: Grammar, rule: str = "answer") -> str:
 
 def _escape(text: str) -> str:
     """`text` as a regex between Lark's slashes."""
-    return _slashes(re.escape(text))
-
-
-def _slashes(pattern: str) -> str:
-    """A regex with its unescaped `/` escaped, to sit between Lark's slashes."""
-    out, escaped = [], False
-    for char in pattern:
-        out.append("\\/" if char == "/" and not escaped else char)
-        escaped = char == "\\" and not escaped
-    return "".join(out)
+    return slashes(re.escape(text))
 
 
 def _spelling(tokenizer) -> Spelling:

@@ -16,7 +16,9 @@ turn. The output parser (output_parser.py) reads calls in the same format back.
 An assistant turn's earlier reasoning is its `reasoning_content`, the name most templates
 read (Qwen's, Gemma 4's); gpt-oss's reads `thinking`, and refuses a call turn that has both
 text and reasoning, so there the text joins the reasoning: its template writes either into
-the same analysis message.
+the same analysis message. Its template renders only an assistant turn's first call, and
+names each result after the last call, so there a turn of several calls (another model's
+parallel calls) becomes one turn per call, each followed by its own result.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def render_chat(
     if "tools" not in template:
         conversation = _in_fallback_form(conversation)
     if THINKING_FIELD in template:
-        conversation = _with_thinking(conversation)
+        conversation = _with_thinking(_one_call_per_turn(conversation))
     # Tools only where there are some: a tokenizer's own renderer may not take the argument.
     tools = {"tools": conversation.tools} if conversation.tools else {}
     try:
@@ -94,6 +96,29 @@ def _with_thinking(conversation: Conversation) -> Conversation:
                 message["thinking"] = f"{reasoning}\n\n{message['content']}"
                 message["content"] = ""
         messages.append(message)
+    return Conversation(messages, conversation.tools, conversation.template_kwargs)
+
+
+def _one_call_per_turn(conversation: Conversation) -> Conversation:
+    """Each assistant turn of several calls as one turn per call, each followed by the
+    results that answer it (the turn's text and reasoning stay with its first call)."""
+    messages, pending = [], list(conversation.messages)
+    while pending:
+        message = pending.pop(0)
+        calls = message.get("tool_calls") or []
+        if message["role"] != "assistant" or len(calls) < 2:
+            messages.append(message)
+            continue
+        results = []
+        while pending and pending[0]["role"] == "tool":
+            results.append(pending.pop(0))
+        for index, call in enumerate(calls):
+            turn = {**message, "tool_calls": [call]} if index == 0 else {}
+            messages.append(turn or {"role": "assistant", "content": "", "tool_calls": [call]})
+            answers = [r for r in results if r.get("tool_call_id") == call.get("id")]
+            messages += answers
+            results = [r for r in results if r not in answers]
+        messages += results  # results that name no call here stay, in order
     return Conversation(messages, conversation.tools, conversation.template_kwargs)
 
 

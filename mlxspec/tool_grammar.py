@@ -5,8 +5,9 @@ The markup is what the output parser reads back (output_parser.AnswerFormat): Qw
 Hermes and the fallback format's `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`,
 Llama 3.x's bare `{"name": ..., "parameters": ...}` (calls separated by `; `), Mistral's
 `[TOOL_CALLS][{"name": ..., "arguments": ...}]`, gpt-oss's harmony message to
-`functions.NAME` (one call: a harmony call ends the generation). Other formats (XML-like arguments,
-pythonic calls) are refused with their name rather than guessed at. The grammar is
+`functions.NAME` (one call: a harmony call ends the generation); Qwen3.5's XML and Gemma 4's
+`call:NAME{...}` (native_calls.py). Other formats (GLM's, pythonic calls...) are refused
+with their name rather than guessed at. The grammar is
 llguidance's Lark with each tool's call as a `%json` schema, so a forced call is a call
 the parser accepts, with arguments valid against the tool's schema (compiled leniently:
 a keyword llguidance cannot enforce is ignored, as a client's tool schema is not ours to
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxspec.harmony import CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE
+from mlxspec.native_calls import GEMMA4, QWEN3_CODER, native_call_rules
 from mlxspec.output_parser import JSON_TOOLS, AnswerFormat
 from mlxspec.settings import JSON_OPTIONS, GrammarError
 
@@ -63,6 +65,14 @@ def tool_calls_rules(
         raise GrammarError(f"no tool named {', '.join(map(repr, missing)) or 'at all'}")
     if form.harmony:
         return _harmony_call_rules([tools[name] for name in forced.names], spell, rule)
+    if _parser_name(form) in (QWEN3_CODER, GEMMA4):
+        functions = [
+            {**tools[name], "parameters": _parameters(tools[name])} for name in forced.names
+        ]
+        markers = (form.tool_call_start or "", form.tool_call_end)
+        return native_call_rules(
+            _parser_name(form), functions, markers, spell, rule, forced.parallel
+        )
     markup = _markup(form)
     schemas = [_call_schema(tools[name], markup) for name in forced.names]
     call_rules = [f"{rule}_{i}: %json {json.dumps(schema)}" for i, schema in enumerate(schemas)]
@@ -90,8 +100,7 @@ class CallMarkup:
 def _markup(form: AnswerFormat) -> CallMarkup:
     if form.calls_open_answer:  # Llama 3.x: the answer is its calls
         return CallMarkup((), ("; ",), (), arguments_key="parameters")
-    module = getattr(form.tool_parser, "__module__", "") or ""
-    parser = module.rsplit(".", 1)[-1]
+    parser = _parser_name(form)
     start, end = form.tool_call_start or "", form.tool_call_end
     if parser == JSON_TOOLS:
         return CallMarkup((start, "\n"), ("\n", end, "\n", start, "\n"), ("\n", end))
@@ -99,9 +108,15 @@ def _markup(form: AnswerFormat) -> CallMarkup:
         return CallMarkup((start, "["), (", ",), ("]",), more={"id": MISTRAL_ID})
     raise GrammarError(
         f"cannot force a tool call in this model's tool-call format ({parser or 'unknown'}); "
-        "forced calls support the Hermes/Qwen <tool_call> JSON, Llama 3.x, Mistral and "
-        "gpt-oss harmony formats"
+        "forced calls support the Hermes/Qwen <tool_call> JSON, Llama 3.x, Mistral, "
+        "gpt-oss harmony, Qwen3.5 XML and Gemma 4 formats"
     )
+
+
+def _parser_name(form: AnswerFormat) -> str:
+    """The mlx-lm tool parser's module name ("" for none)."""
+    module = getattr(form.tool_parser, "__module__", "") or ""
+    return module.rsplit(".", 1)[-1]
 
 
 def _harmony_call_rules(functions: list[dict[str, Any]], spell: Spelling, rule: str) -> str:

@@ -12,15 +12,17 @@ import anthropic
 import openai
 import pytest
 from scripted import scripted_model, scripted_tokenizer
-from test_server import serving
+from test_server import RecordingEngine, serving
 from test_tool_calls import calls_of, streamed
 from test_units import CPU_LIKE_COST
+from tiny_models import byte_tokenizer, tiny_model
 from tool_examples import ASK, TEMPLATES, WEATHER
 
 from mlxspec.chat_template import encode_chat, render_chat
 from mlxspec.conversation import Conversation
 from mlxspec.engine import Engine
-from mlxspec.proposers import PromptLookup
+from mlxspec.events import Done
+from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
 from mlxspec.registry import Defaults
 from mlxspec.server import ModelInfo
 
@@ -129,25 +131,50 @@ class FormatRuntime:
         return "prompt-lookup" if name is None else name
 
 
+# Tiny random llamas over the real templates, for forced calls: what they write is the
+# grammar's doing. name: (template, its arguments)
+RANDOM = {"qwen3.5-tiny": ("qwen3.5.jinja", {}), "gemma4-tiny": ("gemma4.jinja", {})}
+
+
+class RandomRuntime:
+    """A random tiny llama and its own first layers as a draft: drafts it rejects too."""
+
+    def __init__(self, name: str):
+        template, _ = RANDOM[name]
+        tokenizer = byte_tokenizer()
+        tokenizer._tokenizer.chat_template = (TEMPLATES / template).read_text()
+        model = tiny_model("llama", seed=4)  # one that calls rather than thinks, in both
+        draft = DraftModel(truncated_model(model, 2), name="draft", k_max=4)
+        self.engine = RecordingEngine(
+            model, tokenizer, name, [PromptLookup(), draft], verify_cost=CPU_LIKE_COST
+        )
+
+    def proposer(self, name: str | None) -> str:
+        return "draft" if name is None else name
+
+
 class FormatProvider:
     default = "gpt-oss-calls"
 
     def __init__(self):
+        kwargs = {name: script[1] for name, script in SCRIPTS.items()}
+        kwargs.update({name: random[1] for name, random in RANDOM.items()})
         self.models = {
             name: ModelInfo(
                 name,
-                ("prompt-lookup", "none"),
-                Defaults(max_tokens=64, context=2048, chat_template_kwargs=script[1]),
+                ("prompt-lookup", "draft", "none"),
+                Defaults(max_tokens=64, context=2048, chat_template_kwargs=template_kwargs),
             )
-            for name, script in SCRIPTS.items()
+            for name, template_kwargs in kwargs.items()
         }
-        self.opened: dict[str, FormatRuntime] = {}
+        self.opened: dict[str, FormatRuntime | RandomRuntime] = {}
 
     def check(self, name: str, proposer: str | None) -> None:
         pass
 
-    def open(self, name: str) -> FormatRuntime:
-        self.opened[name] = self.opened.get(name) or FormatRuntime(name)
+    def open(self, name: str) -> FormatRuntime | RandomRuntime:
+        runtime = RandomRuntime if name in RANDOM else FormatRuntime
+        self.opened[name] = self.opened.get(name) or runtime(name)
         return self.opened[name]
 
 
@@ -270,3 +297,83 @@ def test_harmony_answers_only_text_where_the_request_gave_no_tools(client):
     response = client.chat.completions.create(model="gpt-oss-calls", messages=ASK)
     message = response.choices[0].message
     assert message.tool_calls is None and json.loads(message.content) == {"city": "Paris"}
+
+
+# Bounded values (a random model's call ends within 250 byte tokens), one of each kind the
+# formats write differently: a raw string, JSON numbers and booleans, an enum.
+TRIP = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "metric": {"type": "boolean"},
+        "unit": {"type": "string", "enum": ["C", "F"]},
+    },
+    "required": ["city", "days", "unit"],
+    "additionalProperties": False,
+}
+PLAN = {"type": "function", "function": {"name": "plan_trip", "parameters": TRIP}}
+ZONE = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": ZONE}}
+
+
+def valid_trip(arguments: dict) -> bool:
+    return (
+        set(arguments) <= set(TRIP["properties"])
+        and {"city", "days", "unit"} <= set(arguments)
+        and isinstance(arguments["city"], str)
+        and len(arguments["city"]) <= 6
+        and type(arguments["days"]) is int
+        and 1 <= arguments["days"] <= 9
+        and type(arguments.get("metric", True)) is bool
+        and arguments["unit"] in ("C", "F")
+    )
+
+
+@pytest.mark.parametrize("model", list(RANDOM))
+@pytest.mark.parametrize(
+    "choice", [{"type": "function", "function": {"name": "plan_trip"}}, "required"]
+)
+def test_a_forced_call_in_qwen35s_or_gemma4s_format_is_constrained_plain_decodings(
+    client, provider, model, choice
+):
+    response = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=[PLAN, TIME],
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=250,
+    )
+    (call,) = response.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "plan_trip":
+        assert valid_trip(arguments), arguments
+    else:
+        assert choice == "required" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
+    assert response.choices[0].finish_reason == "tool_calls"
+    # Token for token what plain decoding under the same grammar writes (the server
+    # speculated: the grammar's forced tokens and the draft model's drafts).
+    engine = provider.opened[model].engine
+    run = engine.runs[-1]
+    speculated = next(event for event in run["events"] if isinstance(event, Done))
+    assert speculated.record.verify_steps < len(speculated.token_ids)
+    events = engine.stream(run["prompt"], run["settings"], "none")
+    plain = next(event for event in events if isinstance(event, Done))
+    assert speculated.token_ids == plain.token_ids
+
+
+def test_anthropic_forced_tool_use_in_gemma4s_format_is_a_tool_use_block(claude):
+    tool = {"name": "plan_trip", "input_schema": TRIP}
+    message = claude.messages.create(
+        model="gemma4-tiny",
+        max_tokens=250,
+        messages=ASK,
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "plan_trip", "disable_parallel_tool_use": True},
+        extra_body={"temperature": 0},
+    )
+    (block,) = [block for block in message.content if block.type == "tool_use"]
+    assert block.name == "plan_trip" and valid_trip(block.input), block
+    assert message.stop_reason == "tool_use"

@@ -15,8 +15,9 @@ from mlxspec.answer_pieces import PieceReader
 from mlxspec.chat_template import render_chat
 from mlxspec.conversation import AnswerText, Conversation, ParsedAnswer, ReasoningText
 from mlxspec.events import Accepted, Bonus
-from mlxspec.grammar import Grammar, GrammarError
+from mlxspec.grammar import Grammar
 from mlxspec.output_parser import answer_format, answer_parser, reasoning_tokens
+from mlxspec.tool_grammar import ForcedTools
 
 PARIS = [("get_weather", {"city": "Paris"})]
 HARMONY_CALL = (
@@ -179,12 +180,66 @@ def test_a_harmony_schema_answer_is_the_final_message():
     assert matched(grammar, tokenizer, '{"a": 1}').startswith("refused")
 
 
-@pytest.mark.parametrize(
-    "template, parser", [("qwen3.5.jinja", "qwen3_coder"), ("gemma4.jinja", "gemma4")]
+QWEN35_FORCED = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+    "<parameter=unit>\nC\n</parameter>\n</function>\n</tool_call>"
 )
-def test_forcing_a_call_in_qwen35s_or_gemma4s_format_is_refused_naming_it(template, parser):
-    with pytest.raises(GrammarError, match=rf"tool-call format \({parser}\)"):
-        forced(template)
+GEMMA4_FORCED = '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,unit:<|"|>C<|"|>}<tool_call|>'
+FORCED_CALLS = {
+    "qwen3.5.jinja": (
+        QWEN35_FORCED,
+        [("<parameter=unit>\nC\n</parameter>\n", ""), ("Oslo", "null"), ("Oslo", "Os</tool_call>")],
+    ),
+    "gemma4.jinja": (
+        GEMMA4_FORCED,
+        [(',unit:<|"|>C<|"|>', ""), ("Oslo", 'Os<|"|>lo'), ("{city", "{ city")],
+    ),
+}
+
+
+@pytest.mark.parametrize("template", FORCED_CALLS)
+def test_a_forced_call_in_qwen35s_or_gemma4s_format_is_the_templates_markup(template):
+    """The call the template writes is the grammar's; each parameter as the parser reads
+    it back; a missing required parameter, a value the parser would misread, another
+    spacing, another tool or a value outside the schema are refused."""
+    call, breaks = FORCED_CALLS[template]
+    tokenizer, conversation, grammar = forced(template, enable_thinking=True)
+    opening = "Hm.\n</think>\n\n" if "qwen" in template else "<|channel>thought\nHm.<channel|>"
+    call = opening + call  # thinking on: the reasoning stays free
+    assert matched(grammar, tokenizer, call) == "complete", grammar.source
+    wrong = [("get_weather", "get_time"), (">\nC\n", ">\nK\n"), (':<|"|>C', ':<|"|>K')]
+    for old, new in [*breaks, *wrong]:
+        if old in call:
+            assert matched(grammar, tokenizer, call.replace(old, new, 1)) != "complete", (old, new)
+    parts, _ = parse(answer_format(tokenizer, conversation), [call])
+    assert calls_of(parts) == [("get_weather", {"city": "Oslo", "unit": "C"})]
+
+
+def test_a_forced_gemma4_call_writes_typed_values_as_its_parser_reads_them():
+    trip = {
+        "type": "object",
+        "properties": {
+            "days": {"type": "integer", "maximum": 9},
+            "metric": {"type": "boolean"},
+            "stops": {
+                "type": "array",
+                "items": {"type": "object", "properties": {"at": {"type": "string"}}},
+            },
+        },
+        "required": ["days"],
+    }
+    tool = {"type": "function", "function": {"name": "plan", "parameters": trip}}
+    tokenizer = tokenizer_with("gemma4.jinja")
+    conversation = Conversation(ASK, [tool])
+    grammar = answer_grammar(
+        tokenizer, conversation, AnswerConstraint(tools=ForcedTools(("plan",)))
+    )
+    call = '<|tool_call>call:plan{days:3,metric:true,stops:[{at:<|"|>a{b}<|"|>},{}]}<tool_call|>'
+    assert matched(grammar, tokenizer, call) == "complete", grammar.source
+    parts, _ = parse(answer_format(tokenizer, conversation), [call])
+    assert calls_of(parts) == [("plan", {"days": 3, "metric": True, "stops": [{"at": "a{b}"}, {}]})]
+    assert matched(grammar, tokenizer, call.replace("days:3", "days:12")) != "complete"
+    assert matched(grammar, tokenizer, call.replace("days:3,", "")) != "complete"
 
 
 def test_generate_and_the_chat_app_show_harmony_analysis_as_reasoning():
@@ -198,3 +253,32 @@ def test_generate_and_the_chat_app_show_harmony_analysis_as_reasoning():
     assert (reasoning, shown) == ("The tool said 18C.", "It is 18C <in> Paris.")
     written_by = [(piece.text, piece.source) for piece in pieces if piece.reasoning]
     assert written_by == [("The tool s", Accepted), ("aid 18C.", Bonus)]  # cut at 40
+
+
+def test_parallel_calls_in_a_harmony_history_are_one_turn_per_call_each_with_its_result():
+    """gpt-oss's template writes only a turn's first call and names every result after
+    the last call: another model's parallel calls are split before rendering."""
+    calls = [
+        {"id": f"call_{city}", "type": "function", "function": {"name": name}}
+        for city, name in (("paris", "get_weather"), ("utc", "get_time"))
+    ]
+    calls[0]["function"]["arguments"] = {"city": "Paris"}
+    calls[1]["function"]["arguments"] = {"zone": "UTC"}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": "", "reasoning_content": "Both.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_utc", "name": "get_time", "content": "12:00"},
+        {"role": "tool", "tool_call_id": "call_paris", "name": "get_weather", "content": "18C"},
+    ]
+    prompt = render_chat(tokenizer_with("gpt-oss.jinja"), Conversation(history, [WEATHER]))
+    assert prompt.endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Both.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris"}<|call|>'
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+        '"18C"<|end|>'
+        "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>"
+        '{"zone": "UTC"}<|call|>'
+        "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"
+        '"12:00"<|end|><|start|>assistant'
+    ), prompt[-600:]

@@ -38,7 +38,8 @@ class RecordingEngine(Engine):
         self.runs: list[dict] = []
 
     def stream(self, *args, **kwargs):
-        run = {"finished": False, "events": [], "settings": args[1] if len(args) > 1 else None}
+        run = {"finished": False, "events": [], "prompt": args[0] if args else None}
+        run["settings"] = args[1] if len(args) > 1 else None
         self.runs.append(run)
         for event in super().stream(*args, **kwargs):
             run["events"].append(event)
