@@ -51,6 +51,22 @@ VOCAB = 257
 # Every family: 3 layers of width 64, 4 heads, the byte tokenizer's vocabulary.
 SIZE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB)
 
+# Qwen3.5's text model, dense or MoE: Gated DeltaNet layers and full attention.
+QWEN3_5 = dict(
+    SIZE,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    tie_word_embeddings=False,
+    rope_parameters={"type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+)
+
 FAMILIES = {
     "llama": dict(
         SIZE,
@@ -117,42 +133,16 @@ FAMILIES = {
     # Qwen3.5: Gated DeltaNet layers (recurrent state, `ArraysCache`) with full attention
     # every `full_attention_interval`-th layer: here 0 and 2 recurrent, 1 attention. A flat
     # config is the text model's (`ModelArgs.from_dict` wraps it as `text_config`).
-    "qwen3_5": dict(
-        SIZE,
-        model_type="qwen3_5",
-        intermediate_size=128,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=2,
-        tie_word_embeddings=False,
-        rope_parameters={"type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
-    ),
+    "qwen3_5": dict(QWEN3_5, model_type="qwen3_5", intermediate_size=128),
     # Qwen3.5 MoE (35B-A3B's text model): the same layers, with 4 routed experts (2 per
     # token) and a gated shared one in place of each MLP.
     "qwen3_5_moe": dict(
-        SIZE,
+        QWEN3_5,
         model_type="qwen3_5_moe",
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=2,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
-        tie_word_embeddings=False,
-        rope_parameters={"type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
     ),
     # gpt-oss: sliding-window layers (a window shorter than the prompts) beside full ones,
     # attention sinks (random here: a fresh model's are zeros), 4 experts, 2 per token.
