@@ -112,6 +112,11 @@ class GenerationRequest(BaseModel):
     max_completion_tokens: Count | None = Field(None, description="Wins over max_tokens.")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # mlx-lm server's: how many of the last tokens (prompt included) each penalty counts
+    presence_context_size: Count = 20
+    frequency_context_size: Count = 20
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | StopStrings | None = None
     n: Count | None = Field(1, description="Only 1 is supported.")
