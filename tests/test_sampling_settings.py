@@ -153,11 +153,13 @@ SAMPLED = {
     "top-p-top-k-penalty": SamplingSettings(
         temperature=1.0, top_p=0.9, top_k=8, repetition_penalty=2.0, repetition_context_size=6
     ),
+    # Negative: recent tokens boosted, so repeats are common and a row penalised over
+    # another row's prefix shows (positive ones here hardly change the law of 4 tokens).
     "presence-frequency": SamplingSettings(
         temperature=0.8,
-        presence_penalty=1.5,
+        presence_penalty=-2.0,
         presence_context_size=3,
-        frequency_penalty=1.0,
+        frequency_penalty=-1.0,
         frequency_context_size=6,
     ),
 }
