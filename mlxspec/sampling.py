@@ -38,6 +38,9 @@ NEAR_TIE_EPS = 2
 # does for float32 (1.6% of the top logit: about 0.4 at logit 25).
 TF32_EPS = 2.0**-10
 TF32_NEAR_TIE_EPS = 16
+# The widest penalty window: mlx-lm slices the history with it, and MLX's slice indices
+# are 32-bit (a wider one fails mid-generation).
+MAX_CONTEXT_SIZE = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,10 @@ class SamplingSettings:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= MAX_CONTEXT_SIZE:
+                raise ValueError(
+                    f"{name} must be from 1 to {MAX_CONTEXT_SIZE}, got {getattr(self, name)}"
+                )
 
     @property
     def greedy(self) -> bool:

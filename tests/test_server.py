@@ -353,6 +353,7 @@ BAD_REQUESTS = [
     (TEXT, {"prompt": "hi", "presence_penalty": -3}, 400, "invalid_value"),
     (TEXT, {"prompt": "hi", "frequency_penalty": 2.5}, 400, "invalid_value"),
     (TEXT, {"prompt": "hi", "presence_context_size": 0}, 400, "invalid_value"),
+    (TEXT, {"prompt": "hi", "frequency_context_size": 2**31}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "n": 2}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "stop": 3}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),
