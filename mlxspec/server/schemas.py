@@ -119,6 +119,7 @@ class GenerationRequest(BaseModel):
     # mlx-lm server's: how many of the last tokens (prompt included) each penalty counts
     presence_context_size: ContextSize = 20
     frequency_context_size: ContextSize = 20
+    logit_bias: dict[str, Any] | None = Field(None, description="Not supported: only {}.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | StopStrings | None = None
     n: Count | None = Field(1, description="Only 1 is supported.")
@@ -126,6 +127,13 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     mlxspec: MlxspecOptions = Field(default_factory=MlxspecOptions)
     response_format: ResponseFormat | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, bias: dict[str, Any] | None) -> dict[str, Any] | None:
+        if bias:  # refused rather than ignored: the answer would not be what was asked
+            raise ValueError("not supported; send none (or {})")
+        return bias
 
     @property
     def stop_strings(self) -> list[str]:
