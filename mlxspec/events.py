@@ -79,6 +79,8 @@ class RunRecord:
     model: str
     proposer: str
     speculative: bool
+    # SamplingSettings.to_dict(), with the seed used: temperature, top-p, top-k, and the
+    # repetition, presence and frequency penalties with their windows.
     sampling: dict[str, Any]
     prompt_tokens: int = 0
     # The most tokens this request could make: what it asked for (or the model's default),

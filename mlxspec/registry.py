@@ -56,6 +56,8 @@ class Defaults:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    presence_penalty: float = 0.0  # OpenAI's penalties, over a window (sampling.py)
+    frequency_penalty: float = 0.0
     max_tokens: int = 256
     context: int = 8192
     tree: bool = False  # draft trees instead of lines (where the model supports them)
@@ -178,11 +180,14 @@ _ENTRY_OPTIONS = {
     "default_proposer": _Option(str, "a proposer name or 'none'", FALLBACK),
 }
 _ENTRY_TABLES = ("defaults", "proposers")
+PENALTY_RULE = "a number from -2 to 2 (0 = off)"  # OpenAI's range
 # Defaults are None here so that Defaults' own field defaults apply to what is left out.
 _DEFAULTS_OPTIONS = {
     "temperature": _Option(float, "a number >= 0", None, lambda v: v >= 0),
     "top_p": _Option(float, "a number > 0 and <= 1", None, lambda v: 0 < v <= 1),
     "top_k": _int(0, None, " (0 = off)"),
+    "presence_penalty": _Option(float, PENALTY_RULE, None, lambda v: -2 <= v <= 2),
+    "frequency_penalty": _Option(float, PENALTY_RULE, None, lambda v: -2 <= v <= 2),
     "max_tokens": _int(1, None),
     "context": _int(1, None),
     "tree": _Option(bool, "true or false", None),

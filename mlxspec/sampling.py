@@ -1,13 +1,15 @@
 """Turn target/draft logits into decisions exactly as plain decoding would.
 
 Greedy and sampled decoding share one pipeline, built from mlx-lm's own pieces:
-logits processors (repetition penalty) → log-softmax → top-k / top-p masks →
-temperature. Draft and target distributions go through the same pipeline, which is
-what makes rejection sampling reproduce the target's distribution exactly.
+logits processors (repetition, presence and frequency penalties) → log-softmax →
+top-k / top-p masks → temperature. Draft and target distributions go through the same
+pipeline, which is what makes rejection sampling reproduce the target's distribution
+exactly.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol
@@ -36,6 +38,9 @@ NEAR_TIE_EPS = 2
 # does for float32 (1.6% of the top logit: about 0.4 at logit 25).
 TF32_EPS = 2.0**-10
 TF32_NEAR_TIE_EPS = 16
+# The widest penalty window: mlx-lm slices the history with it, and MLX's slice indices
+# are 32-bit (a wider one fails mid-generation).
+MAX_CONTEXT_SIZE = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,14 @@ class SamplingSettings:
     top_k: int = 0
     repetition_penalty: float | None = None
     repetition_context_size: int = 20
+    # OpenAI's additive penalties with mlx-lm's semantics: minus presence_penalty for a
+    # token among the last presence_context_size tokens (prompt included), minus
+    # frequency_penalty for each time it occurs among the last frequency_context_size.
+    # OpenAI counts the whole completion and never the prompt (docs/serving.md).
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -56,6 +69,14 @@ class SamplingSettings:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+            if not 1 <= getattr(self, name) <= MAX_CONTEXT_SIZE:
+                raise ValueError(
+                    f"{name} must be from 1 to {MAX_CONTEXT_SIZE}, got {getattr(self, name)}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -77,7 +98,7 @@ class TokenScorer:
     """Applies the sampling settings to rows of logits.
 
     Row i of a verify pass predicts the token after `history + continuation[:i]`;
-    history-dependent processors (repetition penalty) must see exactly that prefix.
+    history-dependent processors (the penalties) must see exactly that prefix.
     """
 
     def __init__(self, settings: SamplingSettings):
@@ -86,6 +107,10 @@ class TokenScorer:
         self.processors = make_logits_processors(
             repetition_penalty=settings.repetition_penalty,
             repetition_context_size=settings.repetition_context_size,
+            presence_penalty=settings.presence_penalty,
+            presence_context_size=settings.presence_context_size,
+            frequency_penalty=settings.frequency_penalty,
+            frequency_context_size=settings.frequency_context_size,
         )
 
     def process(self, logits: mx.array, history: list[int], continuation: list[int]) -> mx.array:

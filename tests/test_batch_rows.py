@@ -53,6 +53,11 @@ def sampled(seed: int) -> SamplingSettings:
     return SamplingSettings(temperature=1.0, seed=seed)
 
 
+PENALISED = SamplingSettings(
+    temperature=1.0, seed=4, presence_penalty=-2.0, frequency_penalty=1.0, frequency_context_size=6
+)
+BESIDE_PENALISED = SamplingSettings(presence_penalty=1.5, repetition_penalty=1.3)
+
 # What one row holds of its own: (the request, the requests it runs beside).
 ROWS = {
     "suffix proposer": (
@@ -71,6 +76,13 @@ ROWS = {
         [
             (p, GenerationSettings(max_tokens=24, k=2, sampling=sampled(9 + i)), "draft")
             for i, p in enumerate(PROMPTS[1:3])
+        ],
+    ),
+    "penalties": (  # its own penalties over its own tokens, beside rows with others
+        (PROMPTS[0], GenerationSettings(max_tokens=30, k=3, sampling=PENALISED), "draft"),
+        [
+            (p, GenerationSettings(max_tokens=40, k=3, sampling=BESIDE_PENALISED), "lookup")
+            for p in PROMPTS[1:]
         ],
     ),
     "stop strings": (  # its stop string: a piece of its answer (`with_stop`)

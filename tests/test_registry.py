@@ -71,6 +71,8 @@ def test_shipped_download_pairs_are_hub_ids_with_a_chain_by_default():
         assert all(draft.startswith("mlx-community/") for draft in drafts), entry.name
         if drafts:  # a draft model pays only beside prompt lookup, in a chain
             assert entry.proposer(None).kind == "chain", entry.name
+    qwen35 = [entry for name, entry in registry.entries.items() if name.startswith("qwen3.5-")]
+    assert qwen35 and all(entry.defaults.presence_penalty == 1.5 for entry in qwen35)  # the card's
 
 
 def _model_name(hub_id: str) -> str:
@@ -284,7 +286,7 @@ BROKEN = [
         ENTRY + "[models.foo.defaults]\ntempreature = 0.5\n",
         True,
         "unknown key 'tempreature' in [models.foo.defaults]; "
-        "known keys: temperature, top_p, top_k, max_tokens, context",
+        "known keys: temperature, top_p, top_k, presence_penalty, frequency_penalty, max_tokens",
     ),
     ("defaults type", ENTRY + "defaults = 1\n", True, "[models.foo.defaults] must be a table"),
     (
@@ -304,6 +306,13 @@ BROKEN = [
         ENTRY + "[models.foo.defaults]\ntop_p = 0\n",
         True,
         "top_p in [models.foo.defaults] must be a number > 0 and <= 1, got 0.0",
+    ),
+    (
+        "penalty range",
+        ENTRY + "[models.foo.defaults]\npresence_penalty = 1.5\nfrequency_penalty = -2.5\n",
+        True,
+        "frequency_penalty in [models.foo.defaults] must be a number from -2 to 2 (0 = off), "
+        "got -2.5",
     ),
     ("temperature", ENTRY + "[models.foo.defaults]\ntemperature = -1\n", True, "got -1.0"),
     ("nan", ENTRY + "[models.foo.defaults]\ntemperature = nan\n", True, "got nan"),

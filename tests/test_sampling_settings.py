@@ -1,5 +1,6 @@
 """Sampling settings during speculation: the engine's output must be what plain mlx-lm
-decoding gives with the same settings (repetition penalty, top-p, top-k, temperature).
+decoding gives with the same settings (repetition, presence and frequency penalties,
+top-p, top-k, temperature).
 
 Greedy runs are compared token for token with mlx-lm's `generate_step`; sampled runs by
 two-sample chi-squares against `generate_step` with `make_sampler`, on the first four
@@ -42,13 +43,22 @@ from mlxspec.verify_cost import VerifyCost
 EOS = set(byte_tokenizer().eos_token_ids)
 
 
+def logits_processors(sampling: SamplingSettings) -> list:
+    """mlx-lm's processors for the settings, field by field (not through TokenScorer)."""
+    return make_logits_processors(
+        repetition_penalty=sampling.repetition_penalty,
+        repetition_context_size=sampling.repetition_context_size,
+        presence_penalty=sampling.presence_penalty,
+        presence_context_size=sampling.presence_context_size,
+        frequency_penalty=sampling.frequency_penalty,
+        frequency_context_size=sampling.frequency_context_size,
+    )
+
+
 def mlx_lm_tokens(model, prompt: list[int], max_tokens: int, sampling: SamplingSettings):
     """What plain mlx-lm decoding emits with these settings (EOS excluded, as the engine)."""
     sampler = make_sampler(sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-    processors = make_logits_processors(
-        repetition_penalty=sampling.repetition_penalty,
-        repetition_context_size=sampling.repetition_context_size,
-    )
+    processors = logits_processors(sampling)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     steps = generate_step(
@@ -66,21 +76,22 @@ def mlx_lm_tokens(model, prompt: list[int], max_tokens: int, sampling: SamplingS
     return tuple(out)
 
 
-# --- Greedy with a repetition penalty: token for token --------------------------------------
+# --- Greedy with penalties: token for token -------------------------------------------------
 
-PENALTIES = [
-    SamplingSettings(repetition_penalty=1.5),
-    SamplingSettings(repetition_penalty=1.3, repetition_context_size=6),
-]
+PENALTIES = {
+    "penalty-1.5": SamplingSettings(repetition_penalty=1.5),
+    "penalty-1.3-last-6": SamplingSettings(repetition_penalty=1.3, repetition_context_size=6),
+    # Unequal windows: each penalty must count over its own.
+    "presence-frequency": SamplingSettings(
+        presence_penalty=1.5, presence_context_size=12, frequency_penalty=0.8
+    ),
+}
 
 
 def processed_top2_gap(model, tokens: list[int], sampling: SamplingSettings) -> float:
     """The near-tie measure of tests/lossless.py, on the logits after the processors."""
     logits = model(mx.array([tokens]))[:, -1, :]
-    for processor in make_logits_processors(
-        repetition_penalty=sampling.repetition_penalty,
-        repetition_context_size=sampling.repetition_context_size,
-    ):
+    for processor in logits_processors(sampling):
         logits = processor(mx.array(tokens), logits)
     top = mx.sort(logits[0])[-2:].tolist()
     return top[1] - top[0]
@@ -100,11 +111,17 @@ def assert_same_greedy(model, prompt, reference, got, sampling, label: str) -> N
     warnings.warn(f"tolerated near tie: {label} at token {first}, gap {gap:.2e}", stacklevel=2)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("sampling", PENALTIES, ids=["penalty-1.5", "penalty-1.3-last-6"])
-def test_greedy_with_a_repetition_penalty_matches_mlx_lm(family, sampling):
+# What a penalty reads (token ids, the rows' prefixes) is the same in both families: one
+# runs the presence and frequency penalties (each run is ~5 s).
+GREEDY_CASES = [(family, name) for family in ("llama", "qwen3") for name in PENALTIES]
+GREEDY_CASES.remove(("qwen3", "presence-frequency"))
+
+
+@pytest.mark.parametrize("family, name", GREEDY_CASES)
+def test_greedy_with_a_penalty_matches_mlx_lm(family, name):
     """Every draft row must see the penalty of its own prefix (a line's drafts, a tree
     node's path): lines and trees, lookup and a draft model, fixed and adaptive k."""
+    sampling = PENALTIES[name]
     model = tiny_model(family, seed=1)
     engine = Engine(model, byte_tokenizer(), family, verify_cost=CPU_LIKE_COST)
     engine.add_proposer(PromptLookup("lookup", ngram_max=3, ngram_min=1, k_max=8))
@@ -141,6 +158,15 @@ SAMPLED = {
     "top-k": SamplingSettings(temperature=1.5, top_k=6),
     "top-p-top-k-penalty": SamplingSettings(
         temperature=1.0, top_p=0.9, top_k=8, repetition_penalty=2.0, repetition_context_size=6
+    ),
+    # Negative: recent tokens boosted, so repeats are common and a row penalised over
+    # another row's prefix shows (positive ones here hardly change the law of 4 tokens).
+    "presence-frequency": SamplingSettings(
+        temperature=0.8,
+        presence_penalty=-2.0,
+        presence_context_size=3,
+        frequency_penalty=-1.0,
+        frequency_context_size=6,
     ),
 }
 
@@ -341,11 +367,12 @@ def test_the_end_to_end_check_catches_a_wrong_acceptance_rule(monkeypatch, name,
 
 SETTINGS_CASES = [("top-p", "line"), ("top-k", "tree")]
 SETTINGS_CASES += [("top-p-top-k-penalty", drafting) for drafting in ("line", "tree")]
+SETTINGS_CASES += [("presence-frequency", "line")]
 
 
 @pytest.mark.parametrize("name, drafting", SETTINGS_CASES)
 def test_sampling_settings_during_speculation_match_mlx_lm(name, drafting):
-    """Top-p, top-k and a repetition penalty through lines and trees: the law of the
+    """Top-p, top-k and the penalties through lines and trees: the law of the
     first four tokens equals mlx-lm's `make_sampler` + `generate_step` with them."""
     runs = engine_runs(name, drafting)
     found = differences(runs.tokens, mlx_lm_runs(name))

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 
 import httpx
 import openai
@@ -163,6 +164,30 @@ def test_a_request_can_turn_the_history_off(client, provider):
     chat(client, ECHO, extra_body={"mlxspec": {"history": False}})
     chat(client, ECHO)
     assert [run["settings"].history for run in provider.engine.runs[-2:]] == [False, True]
+
+
+def test_penalties_reach_the_engine_and_the_record(client, provider):
+    """A request's presence and frequency penalties over the model's defaults (Qwen3.5's
+    presence_penalty), with mlx-lm's windows; the run record reports what was used."""
+    defaults = provider.models["tiny"].defaults
+    provider.models["tiny"] = replace(
+        provider.models["tiny"], defaults=replace(defaults, presence_penalty=1.5)
+    )
+    try:
+        asked = {"frequency_penalty": -0.5, "extra_body": {"frequency_context_size": 64}}
+        asked["logit_bias"] = {}  # what some clients send: accepted (a bias is refused)
+        record = chat(client, ECHO, max_tokens=4, **asked).model_extra["x_mlxspec"]
+        text = client.completions.create(
+            model="tiny", prompt=ECHO, max_tokens=4, presence_penalty=0
+        )
+    finally:
+        provider.models["tiny"] = replace(provider.models["tiny"], defaults=defaults)
+    penalties = ("presence_penalty", "presence_context_size")
+    penalties += ("frequency_penalty", "frequency_context_size")
+    assert [record["sampling"][key] for key in penalties] == [1.5, 20, -0.5, 64]
+    sampling = provider.engine.runs[-1]["settings"].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0, 0)
+    assert text.model_extra["x_mlxspec"]["sampling"]["presence_penalty"] == 0
 
 
 def test_chat_answer_is_the_engines_with_usage_and_run_record(client):
@@ -324,6 +349,14 @@ BAD_REQUESTS = [
     (CHAT, {"messages": HELLO, "max_tokens": 100_000}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "temperature": -0.5}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "top_p": 0}, 400, "invalid_value"),
+    (CHAT, {"messages": HELLO, "presence_penalty": 2.5}, 400, "invalid_value"),
+    (CHAT, {"messages": HELLO, "frequency_penalty": -2.01}, 400, "invalid_value"),
+    (CHAT, {"messages": HELLO, "frequency_penalty": "high"}, 400, "invalid_value"),
+    (TEXT, {"prompt": "hi", "presence_penalty": -3}, 400, "invalid_value"),
+    (TEXT, {"prompt": "hi", "frequency_penalty": 2.5}, 400, "invalid_value"),
+    (TEXT, {"prompt": "hi", "presence_context_size": 0}, 400, "invalid_value"),
+    (TEXT, {"prompt": "hi", "frequency_context_size": 2**31}, 400, "invalid_value"),
+    (CHAT, {"messages": HELLO, "logit_bias": {"65": -100}}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "n": 2}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "stop": 3}, 400, "invalid_value"),
     (CHAT, {"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value"),

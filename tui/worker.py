@@ -40,6 +40,8 @@ def generation_settings(entry: ModelEntry, temperature: float | None = None) -> 
             temperature=defaults.temperature if temperature is None else temperature,
             top_p=defaults.top_p,
             top_k=defaults.top_k,
+            presence_penalty=defaults.presence_penalty,
+            frequency_penalty=defaults.frequency_penalty,
         ),
         context=defaults.context,
         tree=defaults.tree,

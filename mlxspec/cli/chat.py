@@ -15,6 +15,7 @@ from mlxspec.cli.options import (
     WEIGHTS_OPTION,
     chat_template_args_option,
     model_option,
+    penalty_options,
 )
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.errors import DistributedError
@@ -37,9 +38,21 @@ from mlxspec.registry import load_registry
 @TREE_OPTION
 @NO_HISTORY_OPTION
 @WEIGHTS_OPTION
+@penalty_options
 @distributed_options
 @fail_cleanly
-def chat(model, proposer, plain, color, chat_template_args, tree, no_history, weights):
+def chat(
+    model,
+    proposer,
+    plain,
+    color,
+    chat_template_args,
+    tree,
+    no_history,
+    weights,
+    presence_penalty,
+    frequency_penalty,
+):
     """Chat with a model and watch speculation at work.
 
     Accepted drafts are coloured as they stream in; the status bar shows the proposer,
@@ -64,6 +77,8 @@ def chat(model, proposer, plain, color, chat_template_args, tree, no_history, we
             history=False if no_history else None,
             weights=weights,
             chat_template_kwargs=chat_template_args,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
         )
     )
     entry = registry.get(model)

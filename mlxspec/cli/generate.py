@@ -63,6 +63,8 @@ def generate(
     temperature,
     top_p,
     top_k,
+    presence_penalty,
+    frequency_penalty,
     seed,
     stop,
     fixed_k,
@@ -105,7 +107,12 @@ def generate(
     constraint = answer_constraint(json_schema, regex)
     warn_if_slow_blas()
     registry = load_registry().including(model)
-    registry = registry.with_defaults(weights=weights, chat_template_kwargs=chat_template_args)
+    registry = registry.with_defaults(
+        weights=weights,
+        chat_template_kwargs=chat_template_args,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+    )
     entry = registry.get(model)
     defaults = entry.defaults
     proposer_name = entry.proposer(proposer)  # validate before loading weights
@@ -122,6 +129,8 @@ def generate(
             temperature=defaults.temperature if temperature is None else temperature,
             top_p=top_p or defaults.top_p,
             top_k=defaults.top_k if top_k is None else top_k,
+            presence_penalty=defaults.presence_penalty,
+            frequency_penalty=defaults.frequency_penalty,
             seed=seed,
         ),
         stop=stop,

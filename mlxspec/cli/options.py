@@ -88,12 +88,27 @@ def bundle(*options):
     return decorate
 
 
+# OpenAI's penalties with mlx-lm's window (mlxspec/sampling.py); the model's default
+# (models.toml) when not given. On serve and chat they replace every model's default.
+penalty_options = bundle(
+    click.option(
+        "--presence-penalty",
+        type=click.FloatRange(-2, 2),
+        help="OpenAI's presence penalty, over the last 20 tokens (default: the model's).",
+    ),
+    click.option(
+        "--frequency-penalty",
+        type=click.FloatRange(-2, 2),
+        help="OpenAI's frequency penalty, over the last 20 tokens (default: the model's).",
+    ),
+)
 sampling_options = bundle(
     click.option("--temperature", "-t", type=click.FloatRange(min=0), help="0 = greedy."),
     click.option(
         "--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Nucleus mass."
     ),
     click.option("--top-k", type=click.IntRange(min=0), help="Keep the k likeliest tokens."),
+    penalty_options,
     click.option("--seed", type=int, help="Seed for sampling (the record shows the one used)."),
 )
 

@@ -11,6 +11,7 @@ from mlxspec.cli.options import (
     WEIGHTS_OPTION,
     chat_template_args_option,
     model_option,
+    penalty_options,
 )
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
@@ -83,6 +84,7 @@ ROW_FLOOR_OPTION = click.option(
 )
 @TREE_OPTION
 @WEIGHTS_OPTION
+@penalty_options
 @distributed_options
 @fail_cleanly
 def serve(
@@ -99,6 +101,8 @@ def serve(
     chat_template_args,
     tree,
     weights,
+    presence_penalty,
+    frequency_penalty,
 ):
     """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
 
@@ -129,7 +133,11 @@ back as tool_calls) and chat_template_kwargs; reasoning comes back as reasoning_
 
     registry = load_registry().including(model)
     registry = registry.with_defaults(
-        tree=tree, weights=weights, chat_template_kwargs=chat_template_args
+        tree=tree,
+        weights=weights,
+        chat_template_kwargs=chat_template_args,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
     )
     max_batch = max_batch or DEFAULT_MAX_BATCH
     rank = current_rank()  # None unless launched with --ranks/--hostfile

@@ -72,6 +72,10 @@ def _settings(
                 temperature=defaults.temperature if body.temperature is None else body.temperature,
                 top_p=defaults.top_p if body.top_p is None else body.top_p,
                 top_k=defaults.top_k if top_k is None else top_k,
+                presence_penalty=_given(body.presence_penalty, defaults.presence_penalty),
+                frequency_penalty=_given(body.frequency_penalty, defaults.frequency_penalty),
+                presence_context_size=body.presence_context_size,
+                frequency_context_size=body.frequency_context_size,
                 seed=body.seed,
             ),
             stop=body.stop_strings,
@@ -84,6 +88,10 @@ def _settings(
         )
     except (GenerationError, ValueError) as err:
         raise ApiError(400, str(err), code="invalid_value") from None
+
+
+def _given(asked: float | None, default: float) -> float:
+    return default if asked is None else asked
 
 
 async def checked_constraint(

@@ -25,6 +25,7 @@ from mlxspec.answer_grammar import AnswerConstraint, grammar_problem
 from mlxspec.conversation import Conversation
 from mlxspec.grammar import Grammar
 from mlxspec.logprobs import MAX_TOP_LOGPROBS
+from mlxspec.sampling import MAX_CONTEXT_SIZE
 from mlxspec.server.errors import ApiError
 from mlxspec.server.logprobs import MAX_COMPLETION_LOGPROBS
 from mlxspec.tool_grammar import ForcedTools
@@ -33,6 +34,7 @@ NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 StopStrings = Annotated[list[str], Field(max_length=4)]
 Count = Annotated[int, Field(ge=1)]
+ContextSize = Annotated[int, Field(ge=1, le=MAX_CONTEXT_SIZE)]
 
 
 class MlxspecOptions(BaseModel):
@@ -112,6 +114,12 @@ class GenerationRequest(BaseModel):
     max_completion_tokens: Count | None = Field(None, description="Wins over max_tokens.")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # mlx-lm server's: how many of the last tokens (prompt included) each penalty counts
+    presence_context_size: ContextSize = 20
+    frequency_context_size: ContextSize = 20
+    logit_bias: dict[str, Any] | None = Field(None, description="Not supported: only {}.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | StopStrings | None = None
     n: Count | None = Field(1, description="Only 1 is supported.")
@@ -119,6 +127,13 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     mlxspec: MlxspecOptions = Field(default_factory=MlxspecOptions)
     response_format: ResponseFormat | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, bias: dict[str, Any] | None) -> dict[str, Any] | None:
+        if bias:  # refused rather than ignored: the answer would not be what was asked
+            raise ValueError("not supported; send none (or {})")
+        return bias
 
     @property
     def stop_strings(self) -> list[str]:
