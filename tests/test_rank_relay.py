@@ -145,5 +145,7 @@ def test_generate_over_a_hostfile_starts_every_rank_over_ssh(tiny, tmp_path):
     ]
     assert all(done.returncode == 0 for done in answers), answers[1].stderr
     assert answers[1].stdout == answers[0].stdout and answers[0].stdout.strip()
-    assert called.read_text().split() == ["mac1", "mac2"]
+    # Both started (in either order: two processes racing to append, seen mac2 first
+    # under load).
+    assert sorted(called.read_text().split()) == ["mac1", "mac2"]
     assert lines.read_text().count("export HOSTS_WIDE=1;") == 2

@@ -8,6 +8,7 @@ chat template, drafted by itself so that accepted drafts show in both parts.
 import mlxspec  # noqa: F401, I001  (OpenBLAS before mlx.core)
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -25,6 +26,7 @@ from mlxspec.conversation import Conversation
 from mlxspec.events import Accepted, Bonus, Corrected
 from mlxspec.loading import LoadedModel
 from mlxspec.proposers import DraftModel
+from mlxspec.settings import GenerationSettings
 from tui.answer import ACCEPTED, OWN, Answer
 from tui.screens import SettingsScreen
 from tui.widgets import provenance_styles
@@ -56,6 +58,15 @@ class ThinkingModels(TinyModels):
             runtime.engine.add_proposer(
                 DraftModel(runtime.loaded.model, "itself", k_max=2, cost_hint=0.0)
             )
+            # Two drafts every round, not as the policy's timings decide: under load (the
+            # other test worker) a wide pass looked dear and the answer went undrafted.
+            stream = runtime.engine.stream
+
+            def drafting(prompt, settings=None, proposer=None):
+                settings = replace(settings or GenerationSettings(), k=2)
+                return stream(prompt, settings, proposer)
+
+            runtime.engine.stream = drafting
         return runtime
 
     def loaded(self, entry) -> LoadedModel:
