@@ -15,7 +15,9 @@ from mlxspec.engine import GenerationSettings
 from mlxspec.registry import load_registry
 from mlxspec.runtime import Runtime
 
-pytestmark = pytest.mark.slow
+# Alone (tests/side_by_side.py): the adaptive rows must draft, and beside the other worker
+# the policy priced SmolLM2's drafts out on a contended core.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 PROMPTS = [
     "Repeat this list exactly: apples, pears, plums, figs, dates, limes, kiwis.",
