@@ -156,9 +156,10 @@ class BatchCaches:
         take it back by a trim (no recurrent state), and no row reads hidden states."""
         return not self.target.recurrent and all(c is None for c in self.captures)
 
-    def launch(self, tokens: mx.array) -> None:
-        """Start the next round's one-token pass over `tokens` (B,), still lazy."""
-        self.launched.start(self.target, tokens)
+    def launch(self, tokens: mx.array, chosen: list[mx.array]) -> None:
+        """Start the next round's one-token pass over `tokens` (B,), still lazy
+        (`BatchLaunch.start`)."""
+        self.launched.start(self.target, tokens, chosen)
 
     def take_launched(self, rows: list[list[int]]) -> mx.array | None:
         """`verify`'s logits (B, 1, V) from the launched pass if it ran over exactly

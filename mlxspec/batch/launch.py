@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from mlxspec.batch.target import BatchTarget
 from mlxspec.request import RequestRun
+from mlxspec.target import host_last
 
 
 def launches_next(run: RequestRun, rows: list[list[int]]) -> bool:
@@ -50,7 +51,7 @@ def launch_next(caches, decided: list[mx.array], reads: list[dict[str, mx.array]
     a 6 ms pass on this CPU; on a GPU, all the overlap). `caches`: `SingleCaches` or
     `BatchCaches`, whichever can take the pass back."""
     mx.async_eval(decided, reads)
-    caches.launch(next_tokens(reads))
+    caches.launch(next_tokens(reads), [read["argmax"] for read in reads])
 
 
 def one_step(round_seconds: float) -> float:
@@ -64,25 +65,28 @@ class BatchLaunch:
     tokens (B,) and logits (B, 1, V), lazy; each row's cache holds its column."""
 
     def __init__(self) -> None:
-        self._launched: tuple[mx.array, mx.array] | None = None
+        self._launched: tuple[list[mx.array], mx.array] | None = None
 
     @property
     def pending(self) -> bool:
         return self._launched is not None
 
-    def start(self, target: BatchTarget, tokens: mx.array) -> None:
-        """Run `verify` of one token a row over `tokens`, scheduled now, read later."""
+    def start(self, target: BatchTarget, tokens: mx.array, chosen: list[mx.array]) -> None:
+        """Run `verify` of one token a row over `tokens`, scheduled now, read later.
+        `chosen`: the round's own reads whose last columns are `tokens` (`host_last`),
+        which `take` reads instead: `tokens`, scheduled with the pass, wait for all of
+        it, and the next pass's graph would then be built only once this one is done."""
         logits = target.model(tokens[:, None], cache=target.cache)
         mx.async_eval(logits)
-        self._launched = tokens, logits
+        self._launched = chosen, logits
 
     def take(self, target: BatchTarget, rows: list[list[int]]) -> mx.array | None:
         """The launched logits if the pass ran over exactly `rows` (one token each); None
         (the pass taken back) otherwise, or if none was launched."""
         if self._launched is None:
             return None
-        tokens, logits = self._launched
-        if any(len(row) != 1 for row in rows) or tokens.tolist() != [row[0] for row in rows]:
+        chosen, logits = self._launched
+        if any(len(row) != 1 for row in rows) or host_last(chosen) != [row[0] for row in rows]:
             self.drop(target)
             return None
         self._launched = None
