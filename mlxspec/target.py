@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import (
     ConcatenateKVCache,
     KVCache,
@@ -113,6 +114,12 @@ def _copy_state(state: Any) -> Any:
     return state
 
 
+def host_last(arrays: list[mx.array]) -> list[int]:
+    """The last column of each array, rows in order, read to the host: the tokens a round
+    chose, from its own reads ((B, W) for a batch's rows at once, (m,) for one row)."""
+    return [int(t) for a in arrays for t in np.atleast_2d(np.asarray(a))[:, -1]]
+
+
 class Target:
     def __init__(self, model: nn.Module):
         self.model = model
@@ -161,23 +168,25 @@ class Target:
         layer's cache must be trimmable."""
         return not self.snapshot_layers
 
-    def launch(self, token: mx.array) -> None:
+    def launch(self, token: mx.array, chosen: list[mx.array] | None = None) -> None:
         """Start the next one-token verify over `token` (shape (1,), lazy: e.g. the argmax
         of the pass still computing), so that MLX computes it while the host handles the
         current round (as mlx-lm's `generate_step` does with `mx.async_eval`). The next
         `verify` of exactly that token takes it (`take_launched`); anything else first
-        drops it, so a launch changes no result, only when the work is done."""
+        drops it, so a launch changes no result, only when the work is done. `chosen`:
+        arrays evaluated apart from the pass whose last column is `token` (`host_last`),
+        read in its place: reading `token`, scheduled with the pass, waits for all of it."""
         logits = self.model(token[None], cache=self.cache)
         mx.async_eval(logits)
-        self._launched = token, logits
+        self._launched = [token] if chosen is None else chosen, logits
 
     def take_launched(self, tokens: list[int]) -> mx.array | None:
         """The launched pass's logits (1, V) if it ran over exactly `tokens`; None (and
         the pass dropped) otherwise, or if none was launched."""
         if self._launched is None:
             return None
-        token, logits = self._launched
-        if tokens != [token.item()]:
+        chosen, logits = self._launched
+        if tokens != host_last(chosen):
             self.drop_launched()
             return None
         self._launched = None

@@ -183,9 +183,9 @@ def test_what_the_host_reads_is_scheduled_before_the_next_pass(monkeypatch):
         calls.append("pass" if calls and calls[-1] == "launching" else "reads")
         return original_async_eval(*arrays)
 
-    def recording_launch(self, token):
+    def recording_launch(self, token, chosen=None):
         calls.append("launching")
-        return original_launch(self, token)
+        return original_launch(self, token, chosen)
 
     monkeypatch.setattr(mx, "async_eval", recording_async_eval)
     monkeypatch.setattr(Target, "launch", recording_launch)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxspec.batch.launch import BatchLaunch
 from mlxspec.batch.prefix import PrefixPool
 from mlxspec.batch.target import BatchTarget, Prefill
 from mlxspec.tree import DraftTree
@@ -41,6 +42,7 @@ class BatchCaches:
         self.captures: list[tuple[int, ...] | None] = []
         self.hidden: list[mx.array | None] = []
         self._verified_hidden: tuple[mx.array, tuple[int, ...]] | None = None  # and its union
+        self.launched = BatchLaunch()  # the next round's pass, started early (`launch`)
 
     @property
     def tree_unsupported(self) -> str | None:
@@ -68,6 +70,9 @@ class BatchCaches:
         return not self.target.rows and not self.prefills
 
     def lengths(self) -> list[int]:
+        """Tokens each row's cache holds (a launched pass taken back first: a leave or a
+        layout reads them)."""
+        self.launched.drop(self.target)
         return self.target.lengths()
 
     def layout(self) -> dict[str, list]:
@@ -107,10 +112,15 @@ class BatchCaches:
         prefill.advance(chunk)
         return prefill.done
 
+    def unfed(self, request_id: int) -> int:
+        """Prompt tokens a joining request has yet to feed."""
+        return len(self.prefills[request_id].todo)
+
     def join(self, request_id: int) -> None:
         """A fully prefilled request becomes the last row. The merge is evaluated here:
         left lazy it ran inside the next verify, whose time then read as a slow plain
         pass (0.40 s against 0.18 s over 8 rows), and every wider pass as cheaper."""
+        self.launched.drop(self.target)
         prefill = self.prefills.pop(request_id)
         self.target.join(prefill)
         self.row_ids.append(request_id)
@@ -126,6 +136,7 @@ class BatchCaches:
         """Keep only `keep_rows`; first, each (row, tokens) of `kept` (leaving rows whose
         cache holds exactly `tokens`) goes to the prefix pool, unless its window layers
         no longer hold its oldest tokens."""
+        self.launched.drop(self.target)
         for row, tokens in kept:
             if self.target.whole[row]:
                 self.prefixes.add(tokens, self.target.extract(row))
@@ -139,9 +150,26 @@ class BatchCaches:
         """Let the least recently kept prefixes go until they hold at most `tokens`."""
         self.prefixes.evict_to(tokens)
 
+    @property
+    def can_launch(self) -> bool:
+        """Whether the next round's pass may start early (`launch`): every layer can
+        take it back by a trim (no recurrent state), and no row reads hidden states."""
+        return not self.target.recurrent and all(c is None for c in self.captures)
+
+    def launch(self, tokens: mx.array, chosen: list[mx.array]) -> None:
+        """Start the next round's one-token pass over `tokens` (B,), still lazy
+        (`BatchLaunch.start`)."""
+        self.launched.start(self.target, tokens, chosen)
+
+    def take_launched(self, rows: list[list[int]]) -> mx.array | None:
+        """`verify`'s logits (B, 1, V) from the launched pass if it ran over exactly
+        `rows`; None (the launched pass taken back) otherwise."""
+        return self.launched.take(self.target, rows)
+
     def verify(self, rows: list[list[int]]) -> mx.array:
         """One pass over every row's [pending] + drafts: logits (B, width, V); the
         hidden states of the union of the rows' captures too, where any row has one."""
+        self.launched.drop(self.target)
         union = self._capture_union()
         if union is None:
             return self.target.verify(rows)
@@ -153,6 +181,7 @@ class BatchCaches:
         """`verify` where a row's drafts form a tree (`BatchTarget.verify_tree`):
         logits (B, width, V), row i's column j predicting what follows node j's path.
         A tree may come as [tokens, parents] (a replayed plan hands JSON lists)."""
+        self.launched.drop(self.target)
         trees = [t if isinstance(t, DraftTree) else DraftTree(*t) for t in trees]
         union = self._capture_union()
         logits, hidden = self.target.verify_tree(rows, trees, union)
@@ -170,10 +199,12 @@ class BatchCaches:
         """After a verify of `width` columns, row i keeps its first n_keep[i] entries
         (and, capturing, the hidden states of those tokens: rows are right-padded, so
         they are its first n_keep[i]). The trims and rolls are evaluated here, so that
-        the round that caused them is the one whose time they count in."""
+        the round that caused them is the one whose time they count in; not after a
+        launch (a plain round, nothing trimmed), which that would wait for."""
         self.target.keep(n_keep, width)
         self._keep_hidden([slice(0, n) for n in n_keep])
-        self.target.settle()
+        if not self.launched.pending:
+            self.target.settle()
 
     def keep_tree(self, paths: list[list[int]], width: int) -> None:
         """After `verify_tree` of `width` columns, row i keeps its pending token's and

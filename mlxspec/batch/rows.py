@@ -105,29 +105,6 @@ def as_list(read: mx.array | list | None) -> list | None:
     return read if read is None or isinstance(read, list) else read.tolist()
 
 
-def launches_next(run: RequestRun, rows: list[list[int]]) -> bool:
-    """Whether a request alone (on caches that can take a pass back) may have the next
-    round's pass start before this round's token is known on the host (mlx-lm's
-    `generate_step` pipelines every step so): greedy, drafting nothing this round nor the
-    next (k fixed at 0), not ended by its length this round. A round that ends it
-    otherwise (EOS, a stop string, a cancel, a completed grammar) takes the pass back. A
-    request that asked for logprobs reads them once its token is known, which would wait
-    behind the launched pass: it is not launched for."""
-    return (
-        rows == [[run.sequence[-1]]]
-        and run.top_logprobs is None
-        and run.sampling.greedy
-        and run.policy.fixed_k == 0
-        and len(run.produced) + 1 < run.max_tokens
-    )
-
-
-def one_step(round_seconds: float) -> float:
-    """The price of a plain round whose pass was launched the round before: one plain
-    step (the wait for it is not what the pass cost)."""
-    return 1.0
-
-
 def private_copy(proposer: Proposer) -> Proposer:
     """`proposer` for one request alone: its own caches and indexes, weights shared."""
     if hasattr(proposer, "members"):

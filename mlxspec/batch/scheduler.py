@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.forced import draft_after, forced_tokens
+from mlxspec.batch.launch import launch_next, launches_next, one_step
 from mlxspec.batch.owner import RoundOwner
 from mlxspec.batch.rows import (
     as_list,
@@ -47,8 +48,6 @@ from mlxspec.batch.rows import (
     cut_tree,
     first_guess,
     greedy_reads,
-    launches_next,
-    one_step,
     private_copy,
     read_logprobs,
     split_reads,
@@ -369,8 +368,7 @@ class Scheduler:
         trees = [r.tree for r in rounds]
         lines = all(tree.is_chain for tree in trees)
         round_start = time.perf_counter()
-        # Alone, the pass may have been launched last round (`launches_next`).
-        logits = self.caches.take_launched(rows) if self.solo else None
+        logits = self.caches.take_launched(rows)  # launched last round (`_launches`)
         launched = logits is not None
         if logits is None:
             logits = self.caches.verify(rows) if lines else self.caches.verify_tree(rows, trees)
@@ -388,15 +386,9 @@ class Scheduler:
             reads = [greedy_reads(slot.run, p) for slot, p in zip(self.active, decided)]
         else:
             reads = [whole]
-        if self.solo and self.caches.can_launch and launches_next(self.active[0].run, rows):
-            # The next round's input is this one's argmax, still lazy: its pass computes
-            # while the host accepts, detokenizes and hands out this round's events. What
-            # the host reads of this round is scheduled on its own first: MLX signals every
-            # array of one `async_eval` at the end of all of it, so read after being
-            # scheduled with the next pass, it waited for that whole pass (0.6 ms a token
-            # of a 6 ms pass on this CPU; on a GPU, all the overlap).
-            mx.async_eval(decided, reads)
-            self.caches.launch(reads[0]["argmax"][-1:])
+        launching = self._launches(rows)
+        if launching:  # the next pass computes while the host does this round's work
+            launch_next(self.caches, decided, reads)
         mx.eval(decided, reads)
         if whole is not None:
             reads = split_reads(whole, [len(row) for row in rows])
@@ -411,7 +403,7 @@ class Scheduler:
             self.caches.keep([1 + len(path) for path, _ in accepted], max(map(len, rows)))
         else:
             self.caches.keep_tree([path for path, _ in accepted], max(map(len, rows)))
-        if not self.solo:
+        if not (self.solo or launched or launching):  # a wait, or two passes: no pass's cost
             self.pass_cost.observe(
                 len(rows), max(map(len, rows)), time.perf_counter() - round_start
             )
@@ -427,18 +419,27 @@ class Scheduler:
             if not r.tree.is_chain:
                 slot.run.record.tree_rounds += 1
                 slot.run.record.tree_nodes += len(r.tree)
-            price = None
-            if launched:
-                price = one_step
-            elif self.solo:
+            price = one_step if launched and self.solo else None
+            if self.solo and not launched:
                 price = self._price_alone(slot.run, r.tree, verify_seconds)
-            else:
+            elif not self.solo:
                 sizes = slot.run.record.batch_sizes
                 sizes.extend([0] * (batch + 1 - len(sizes)))
                 sizes[batch] += 1
             self._guarded(
                 slot, self._advance, slot, r, path, own_token, round_start, price, entries
             )
+
+    def _launches(self, rows: list[list[int]]) -> bool:
+        """Whether the next round's pass may start now (`launches_next`, every row), on
+        caches that can take it back, with no row about to join: a join takes it back."""
+        if not self.caches.can_launch:
+            return False
+        if self.waiting and len(self.joining) + len(self.active) < self.max_batch:
+            return False
+        if any(self.caches.unfed(s.request_id) <= self.prefill_chunk for s in self.joining):
+            return False
+        return all(launches_next(s.run, [row]) for s, row in zip(self.active, rows))
 
     def _price_alone(
         self, run: RequestRun, tree: DraftTree, verify_seconds: float

@@ -84,9 +84,9 @@ class SingleCaches:
         that can take it back, and no hidden states to hand over (the round's own)."""
         return self.target.can_launch and self.capture is None
 
-    def launch(self, token: mx.array) -> None:
+    def launch(self, token: mx.array, chosen: list[mx.array]) -> None:
         """Start the next round's pass over `token` (1,), still lazy (`Target.launch`)."""
-        self.target.launch(token)
+        self.target.launch(token, chosen)
 
     def take_launched(self, rows: list[list[int]]) -> mx.array | None:
         """`verify`'s logits (1, 1, V) from the launched pass if it ran over exactly

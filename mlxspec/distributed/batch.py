@@ -57,6 +57,9 @@ class PlannedCaches(BatchCaches):
     # Splitting the model for a capturing pass probes it with a forward of its own,
     # which on a sharded target is a collective outside the plans.
     capture_unsupported = "a sharded batch does not hand hidden states to heads yet"
+    # A launched pass is a collective over tokens still lazy on rank 0, which its plan
+    # could name only once they are read: the other ranks could not enter it early.
+    can_launch = False
 
     def __init__(self, model: nn.Module, prefix_capacity: int, collectives: Collectives):
         super().__init__(model, prefix_capacity)
