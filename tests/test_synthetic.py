@@ -11,6 +11,7 @@ from mlxspec.bench.runners import run_mlxspec
 from mlxspec.bench.suites import BenchPrompt
 from mlxspec.bench.synthetic import (
     expected_speedup,
+    own_timings,
     prediction_widths,
     rounds_speedup,
     run_synthetic,
@@ -113,6 +114,12 @@ def test_the_bench_rows_report_measured_and_predicted_speedups(monkeypatch):
 def test_the_prediction_is_timed_at_each_row_s_verify_width():
     assert prediction_widths((4,)) == (1, 2, 3, 4, 5)  # an answer's last rounds draft less
     assert prediction_widths((8, None)) == tuple(range(1, 18))
+
+
+def test_the_prediction_prices_each_width_by_its_own_timing():
+    """A slow timing at a narrow width must not price the wider ones (the engine's
+    running max would): only a price below one step is raised to it."""
+    assert own_timings([1.0, 4.1, 1.5, 0.9]) == [1.0, 4.1, 1.5, 1.0]
 
 
 def test_the_rounds_prediction_prices_each_round_at_its_own_draft():
