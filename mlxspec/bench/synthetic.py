@@ -18,8 +18,8 @@ the answer, where the rounds run.
 "Predicted for its rounds" prices the rounds the engine ran, each at the draft length it
 drafted (the last rounds of an answer draft what is left; at the stop nothing), at the
 measured acceptance: sum E(k_i) / sum c(k_i + 1). That is what an engine without overhead
-reaches on the same rounds; the nominal prediction drafts k in every round (4 % above it
-at k = 8 over 128 tokens, docs/design/synthetic-acceptance.md).
+reaches on the same rounds; the nominal prediction drafts k in every round (about 1 %
+above it at k = 8 over 128 tokens, docs/design/synthetic-acceptance.md).
 """
 
 from __future__ import annotations
