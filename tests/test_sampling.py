@@ -11,7 +11,7 @@ from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.proposers import DraftModel, truncated_model
-from mlxspec.sampling import SamplingSettings, rejection_sample, sample_from
+from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample, sample_from, top_two
 from mlxspec.verify_cost import VerifyCost
 
 # Target rows p0, p1, p2 and an adversarial draft q: heavy where p is light.
@@ -184,3 +184,19 @@ def test_a_fixed_seed_reproduces_a_sampled_run():
 
     assert sample(11) == sample(11)
     assert sample(11) != sample(12)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_top_two_gives_what_topk_gives_ties_included(dtype):
+    """The near-tie test reads each row's best two logits without `mx.topk`: the same
+    values, a repeated maximum (an exact tie) included, and the same near ties."""
+    rows = mx.array(np.random.default_rng(0).normal(size=(6, 50)) * 4, dtype)
+    rows[1, 7] = rows[1, 30] = 20.0  # the maximum twice: a tie of gap 0
+    rows[2, 3], rows[2, 9] = 20.0, 20.0005  # a near tie
+    rows[3, :] = -5.0  # one value everywhere
+    best = mx.argmax(rows, axis=-1)
+    top = mx.sort(mx.topk(rows, 2, axis=-1), axis=-1)[:, ::-1]
+    assert mx.array_equal(top_two(rows, best), top).item()
+    scorer = TokenScorer(SamplingSettings())
+    assert scorer.near_tie_rows(rows, best).tolist() == scorer.near_tie_rows(rows).tolist()
+    assert scorer.near_tie_rows(rows).tolist()[1:4] == [True, True, True]

@@ -7,10 +7,13 @@ import pytest
 from click.testing import CliRunner
 from tiny_models import byte_tokenizer, tiny_model
 
+from mlxspec.bench.runners import run_mlxspec
 from mlxspec.bench.suites import BenchPrompt
 from mlxspec.bench.synthetic import (
     expected_speedup,
+    own_timings,
     prediction_widths,
+    rounds_speedup,
     run_synthetic,
     synthetic_markdown,
     synthetic_transcript,
@@ -102,14 +105,50 @@ def test_the_bench_rows_report_measured_and_predicted_speedups(monkeypatch):
     rows = result["rows"]
     assert [(r["acceptance"], r["k"]) for r in rows] == [(0.9, 4), (0.9, "adaptive")]
     assert all(r["token_match"] and r["speedup"] and r["expected_speedup"] > 1 for r in rows)
+    assert all(r["expected_for_rounds"] > 1 and r["of_expected_for_rounds"] for r in rows)
     assert "| 0.9 | 4 |" in synthetic_markdown(result)
     # The prediction's curve is timed at the widths the rows verify, not interpolated.
     assert sorted(result["verify_cost"]["points"]) == list(range(1, 18))
 
 
 def test_the_prediction_is_timed_at_each_row_s_verify_width():
-    assert prediction_widths((4, 8)) == (1, 5, 9)
+    assert prediction_widths((4,)) == (1, 2, 3, 4, 5)  # an answer's last rounds draft less
     assert prediction_widths((8, None)) == tuple(range(1, 18))
+
+
+def test_the_prediction_prices_each_width_by_its_own_timing():
+    """A slow timing at a narrow width must not price the wider ones (the engine's
+    running max would): only a price below one step is raised to it."""
+    assert own_timings([1.0, 4.1, 1.5, 0.9]) == [1.0, 4.1, 1.5, 1.0]
+
+
+def test_the_rounds_prediction_prices_each_round_at_its_own_draft():
+    """An engine without overhead, on the rounds the engine ran: a last round of 2 drafts
+    yields and costs what 2 drafts do, a round at the stop (nothing drafted) one step."""
+    full = rounds_speedup(CPU_LIKE_COST, 0.9, [8, 8, 8])
+    assert full == pytest.approx(expected_speedup(CPU_LIKE_COST, 0.9, 8))
+    tokens = 3 * expected_tokens(0.9, 8) + expected_tokens(0.9, 2) + 1
+    steps = 3 * CPU_LIKE_COST(9) + CPU_LIKE_COST(3) + 1
+    assert rounds_speedup(CPU_LIKE_COST, 0.9, [8, 8, 8, 2, 0]) == pytest.approx(tokens / steps)
+    assert rounds_speedup(CPU_LIKE_COST, 0.9, []) is None
+
+
+def test_a_run_counts_the_drafts_of_each_timed_round(engine_and_plain):
+    """The rounds the decode rate times (all but the first) and what each drafted."""
+    engine, plain = engine_and_plain
+    engine.add_proposer(
+        SyntheticAcceptance([*PROMPT, *plain], 0.9, engine.vocab_size, seed=0, k_max=8)
+    )
+    events: list = []
+
+    def stream(*args):
+        for event in engine.stream(*args):
+            events.append(event)
+            yield event
+
+    measured = run_mlxspec(engine, PROMPT, MAX_TOKENS, "synthetic", 8, stream=stream)
+    steps = [e.drafted for e in events if isinstance(e, Step)]
+    assert measured.round_drafts == steps[1:] and max(steps) == 8
 
 
 def test_an_answer_that_stops_early_is_drafted_to_its_stop_token(engine_and_plain):

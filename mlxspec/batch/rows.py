@@ -60,7 +60,7 @@ def greedy_reads(run: RequestRun, processed: mx.array) -> dict[str, mx.array]:
         return {}
     reads = {"argmax": mx.argmax(processed, axis=-1)}
     if run.counts_near_ties:
-        reads["near_ties"] = run.scorer.near_tie_rows(processed)
+        reads["near_ties"] = run.scorer.near_tie_rows(processed, reads["argmax"])
     return reads
 
 
@@ -76,7 +76,8 @@ def batch_greedy_reads(runs: list[RequestRun], logits: mx.array) -> dict[str, mx
         return None
     whole = {"argmax": mx.argmax(logits, axis=-1)}
     if any(run.counts_near_ties for run in runs):
-        ties = runs[0].scorer.near_tie_rows(logits.reshape(-1, logits.shape[-1]))
+        rows = logits.reshape(-1, logits.shape[-1])
+        ties = runs[0].scorer.near_tie_rows(rows, whole["argmax"].reshape(-1))
         whole["near_ties"] = ties.reshape(logits.shape[:2])
     return whole
 

@@ -42,6 +42,8 @@ class Measurement:
     tree_rounds: int = 0  # rounds verified as a branching tree (mlxspec @tree)
     tree_nodes: int = 0  # draft nodes verified in them
     accepted_lengths: list[int] = field(default_factory=list)  # rounds by drafts kept
+    # Drafts of each round after the first (the rounds the decode rate times).
+    round_drafts: list[int] = field(default_factory=list)
     estimated_speedup: float | None = None  # mlxspec's own estimate (see mlxspec/speedup.py)
     collective_seconds: float = 0.0  # sharded: waiting in mlxspec's per-round collectives
     collective_rounds: int = 0
@@ -158,9 +160,11 @@ def run_mlxspec(
         grammar=grammar,
     )
     clock = Clock()
-    done = None
+    done, round_drafts = None, []
     for event in (stream or engine.stream)(prompt, settings, proposer):
         if isinstance(event, Step):
+            if clock.first_round_end is not None:
+                round_drafts.append(event.drafted)
             clock.round_done(event.accepted + 1)
         elif isinstance(event, Done):
             done = event
@@ -173,6 +177,7 @@ def run_mlxspec(
         tree_rounds=record.tree_rounds,
         tree_nodes=record.tree_nodes,
         accepted_lengths=record.accepted_lengths,
+        round_drafts=round_drafts,
         estimated_speedup=record.speedup_estimate.value,
         collective_seconds=record.collective_seconds,
         collective_rounds=record.collective_rounds,
