@@ -19,6 +19,12 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 
+def text_settings(args: Any) -> dict[str, Any]:
+    """A model's settings (`model.args`) as a dict; a multimodal wrapper's (Qwen3.5) are
+    its text model's, nested in `text_config`."""
+    return dict(args.text_config) if hasattr(args, "text_config") else dict(vars(args))
+
+
 class UnsupportedModel(ValueError):
     """The model's structure is not the plain decoder these features need."""
 

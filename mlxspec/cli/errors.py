@@ -16,7 +16,6 @@ from mlxspec.registry import RegistryError
 def fail_cleanly(func):
     """Turn the errors users can cause into one clear line (no traceback)."""
     from mlxspec.engine import GenerationError
-    from mlxspec.grammar import GrammarError
     from mlxspec.loading import LoadError
     from mlxspec.pull import PullError
     from mlxspec.runtime import ProposerError
@@ -25,14 +24,7 @@ def fail_cleanly(func):
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
-        except (
-            RegistryError,
-            LoadError,
-            PullError,
-            ProposerError,
-            GenerationError,
-            GrammarError,
-        ) as err:
+        except (RegistryError, LoadError, PullError, ProposerError, GenerationError) as err:
             raise click.ClickException(str(err)) from None
         except KeyboardInterrupt:
             raise click.ClickException("interrupted") from None

@@ -10,16 +10,15 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxspec.anatomy import text_settings
 from mlxspec.distributed.config import PARALLEL_MODES
 from mlxspec.distributed.errors import DistributedError
 
 
 def _args(model: nn.Module) -> dict:
-    """The model's settings; a multimodal wrapper's (Qwen3.5) are its `text_config`."""
+    """The model's settings (a multimodal wrapper's: its text model's)."""
     args = getattr(model, "args", None)
-    if args is None:
-        return {}
-    return dict(args.text_config) if hasattr(args, "text_config") else vars(args)
+    return {} if args is None else text_settings(args)
 
 
 def tensor_widths(model: nn.Module) -> dict[str, int]:

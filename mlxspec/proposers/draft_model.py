@@ -10,6 +10,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxspec.anatomy import text_settings
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
 from mlxspec.proposers.growth import grow
 from mlxspec.target import catch_up
@@ -45,8 +46,7 @@ def truncated_model(model: nn.Module, n_layers: int) -> nn.Module:
     with no place for the scales of quantized ones (what Metal keeps).
     """
     args = model.args
-    # Multimodal wrappers (Qwen3.5) keep the text model's settings in `text_config`.
-    text = args.text_config if hasattr(args, "text_config") else vars(args)
+    text = text_settings(args)  # a multimodal wrapper's (Qwen3.5): its text model's
     total = text["num_hidden_layers"]
     if not 1 <= n_layers <= total:
         raise ValueError(f"draft_layers must be in 1..{total}, got {n_layers}")
