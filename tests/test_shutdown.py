@@ -83,8 +83,9 @@ keys.append(calibration_key(*trio, rank_setup("tensor", 3, "ring")))
 
 def environment(root: Path) -> dict[str, str]:
     env = {**os.environ, "MLXSPEC_MODELS": str(root / "models.toml")}
-    env |= {"MLXSPEC_CACHE": str(root / "cache"), "OPENBLAS_NUM_THREADS": "1"}
+    env |= {"MLXSPEC_CACHE": str(root / "cache")}
     env.pop("MLXSPEC_FAULT", None)
+    env.pop("OPENBLAS_NUM_THREADS", None)  # the ranks share the cores by themselves
     return env
 
 

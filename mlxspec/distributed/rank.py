@@ -14,6 +14,7 @@ loop, they replay the cache work of rank 0's batch (`mlxspec.distributed.batch`)
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -26,11 +27,13 @@ from functools import partial
 
 import mlx.core as mx
 
+from mlxspec import blas
 from mlxspec.conversation import Conversation
 from mlxspec.distributed.batch import PLAN, BatchFollower, batches
 from mlxspec.distributed.collectives import Collectives
 from mlxspec.distributed.config import FAULT_ENV, RankConfig
 from mlxspec.distributed.errors import DistributedError
+from mlxspec.distributed.ring import ranks_on_my_host
 from mlxspec.distributed.sharding import allreduces_per_forward, fingerprint, shard
 from mlxspec.distributed.watchdog import Watchdog
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
@@ -116,13 +119,25 @@ class RankEngine(Engine):
         return VerifyCost.from_json(col.broadcast_json(None, "sharing the calibration"))
 
 
+def _ranks_on_this_host() -> int:
+    """The ranks sharing this machine, from the ring's address file (1 where there is
+    none to read: another backend, or mlx.launch's own launch)."""
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as file:
+            return ranks_on_my_host(json.load(file), int(os.environ["MLX_RANK"]))
+    except (KeyError, OSError, ValueError, TypeError, IndexError, AttributeError):
+        return 1
+
+
 class RankSession:
     """This process's place in the group and the collectives it runs with the others."""
 
     def __init__(self, config: RankConfig):
         self.config = config
+        neighbours = _ranks_on_this_host()  # read before the ring's address file goes
         self.group = mx.distributed.init(strict=True, backend=config.backend)
         self.rank, self.size = self.group.rank(), self.group.size()
+        self.blas_threads = blas.share_cores(neighbours)
         self.watchdog = Watchdog(config.timeout, self.rank)
         self.collectives = Collectives(self.group, self.watchdog)
         self.allreduce_seconds = 0.0
@@ -161,9 +176,10 @@ class RankSession:
         from mlxspec.runtime import Runtime, target_weights
 
         notify = self.notify(say)
+        threads = f", OpenBLAS {self.blas_threads} thread(s) a rank" if self.blas_threads else ""
         notify(
-            f"rank 0 of {self.size} ({self.config.backend}, {self.config.parallel} parallel): "
-            f"loading {entry.name}"
+            f"rank 0 of {self.size} ({self.config.backend}, {self.config.parallel} parallel"
+            f"{threads}): loading {entry.name}"
         )
         self.watchdog.disarm()  # loading takes as long as it takes on each host
         mx.reset_peak_memory()

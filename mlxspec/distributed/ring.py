@@ -110,6 +110,14 @@ def remote_script(rank: int, ring: str, command: list[str], exports: dict[str, s
     return script + "exec " + " ".join(map(shlex.quote, command))
 
 
+def ranks_on_my_host(addresses: list[list[str]], rank: int) -> int:
+    """How many of the ring's ranks listen on `rank`'s first address's host (itself
+    included): all of them for `--ranks`' loopback ring, those a hostfile puts on the
+    same machine's ips otherwise."""
+    host = addresses[rank][0].rsplit(":", 1)[0]
+    return sum(1 for ips in addresses if ips and ips[0].rsplit(":", 1)[0] == host)
+
+
 def _terminal_size() -> dict[str, str]:
     """COLUMNS and LINES as mlx.launch passes them, where there is a terminal to read."""
     columns, lines = shutil.get_terminal_size((0, 0))
