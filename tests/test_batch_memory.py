@@ -151,7 +151,7 @@ def test_a_sharded_batchs_ranks_let_the_same_prefixes_go():
     class Loopback:
         watchdog = SimpleNamespace(disarm=lambda: None)
 
-        def broadcast_json(self, plan, what: str) -> None:
+        def announce(self, plan, what: str) -> None:
             evictions.extend(call for call in plan["plan"] if call[0] == "evict")
             follower.replay(json.loads(json.dumps(plan)), lambda rows, round_: None)
 

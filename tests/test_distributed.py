@@ -352,7 +352,7 @@ def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass(tre
     class Loopback:  # rank 0's broadcast, replayed by rank 1 at once
         watchdog = SimpleNamespace(disarm=lambda: None)
 
-        def broadcast_json(self, plan, what: str) -> None:
+        def announce(self, plan, what: str) -> None:
             follower.replay(json.loads(json.dumps(plan)), same_rows_as_rank_0)
 
     scheduler = Scheduler(engine, 3, PlannedCaches(model, 3, Loopback()))
@@ -486,7 +486,7 @@ def test_a_follower_whose_caches_drift_stops_with_one_line_naming_it(drift, what
     class Loopback:
         watchdog = SimpleNamespace(disarm=lambda: None)
 
-        def broadcast_json(self, plan, what: str) -> None:
+        def announce(self, plan, what: str) -> None:
             plan = json.loads(json.dumps(plan))
             if not drifted and drift(plan["plan"], follower):
                 drifted.append(follower.rounds)
@@ -531,7 +531,7 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
     class Loopback:
         watchdog = SimpleNamespace(disarm=lambda: None)
 
-        def broadcast_json(self, plan, what: str) -> None:
+        def announce(self, plan, what: str) -> None:
             calls = plan["plan"]
             runs = bool(calls) and follower.caches.runs_model(calls[-1])
             announced[0] = calls[-1][0] if runs else None

@@ -68,7 +68,7 @@ def sharded(scheduler: Scheduler) -> tuple[Scheduler, BatchFollower, list[dict]]
     class Loopback:
         watchdog = SimpleNamespace(disarm=lambda: None)
 
-        def broadcast_json(self, plan, what: str) -> None:
+        def announce(self, plan, what: str) -> None:
             plans.append(json.loads(json.dumps(plan)))
             follower.replay(plans[-1], lambda rows, round_: None)
 

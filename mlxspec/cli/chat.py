@@ -86,7 +86,7 @@ def chat(
     warn_if_slow_blas()
     rank = current_rank()  # None unless run with --ranks/--hostfile
     if rank is not None and not rank.front:  # the other ranks run what rank 0 announces
-        rank.follow(rank.open_runtime(entry, say, calibrate=True))
+        rank.follow(rank.open_runtime(entry, say, calibrate=True, follows=True))
         return
     # (With the jaccl or mpi backend, mlx.launch gives rank 0 pipes: the line chat.)
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
@@ -96,7 +96,7 @@ def chat(
         if rank is None:
             runtime, stream = open_runtime(entry, notify=say), None
         else:
-            runtime = rank.open_runtime(entry, say, calibrate=True)
+            runtime = rank.open_runtime(entry, say, calibrate=True, follows=True)
             stream = partial(rank.stream, runtime)
         colours = (
             sys.stdout.isatty() if color is None else color,
@@ -115,7 +115,7 @@ def chat(
         registry,
         entry.name,
         proposer,
-        lambda entry, notify: rank.open_runtime(entry, notify, calibrate=True),
+        lambda entry, notify: rank.open_runtime(entry, notify, calibrate=True, follows=True),
         ranks=rank,
     )
     rank.on_lost = app.lose_ranks  # a dead or stuck rank: leave the screen, then say why

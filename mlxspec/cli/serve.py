@@ -146,7 +146,7 @@ back as tool_calls) and chat_template_kwargs; reasoning comes back as reasoning_
     else:
         entry = registry.get(model)
         if not rank.front:  # the other ranks run what rank 0's server announces
-            rank.follow(rank.open_runtime(entry, say), max_batch)  # they replay its batch
+            rank.follow(rank.open_runtime(entry, say, follows=True), max_batch)  # replay its batch
             return
         from mlxspec.server.sharded import RankProvider
 

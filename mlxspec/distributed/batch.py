@@ -110,7 +110,7 @@ class PlannedCaches(BatchCaches):
     def _send(self, idle: bool) -> None:
         plan = {PLAN: self.pending, "layout": self.layout(), "idle": idle}
         self.pending = []
-        self.collectives.broadcast_json(plan, "sending the batch's plan")
+        self.collectives.announce(plan, "sending the batch's plan")
         if idle:  # no deadline until the next request
             self.collectives.watchdog.disarm()
 

@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxspec.distributed.bell import Bell
 from mlxspec.distributed.watchdog import Watchdog
 
 
@@ -22,6 +23,7 @@ class Collectives:
         self.rank, self.size = group.rank(), group.size()
         self.seconds = 0.0  # time spent waiting in these collectives
         self.calls = 0
+        self.bell: Bell | None = None  # serve and chat: rank 0 rings before announcing
 
     def _run(self, array: mx.array, what: str, op, idle: bool = False) -> np.ndarray:
         """`idle`: waiting here is legitimate however long (for the user's next request),
@@ -56,6 +58,25 @@ class Collectives:
         (length,) = self.broadcast_ints([len(data)], what, idle)
         payload = list(data) if self.rank == 0 else [0] * length
         return json.loads(bytes(self.broadcast_ints(payload, what)).decode())
+
+    def announce(self, value: Any, what: str) -> Any:
+        """Rank 0: `broadcast_json` of what the ranks in `RankSession.follow` wait for,
+        rung first so that they wait asleep (`bell`); the other ranks' side of the same
+        broadcast (a generate's `agree`) passes None."""
+        if self.bell is not None and self.rank == 0:
+            self.bell.ring()
+        return self.broadcast_json(value, what)
+
+    def await_announcement(self, what: str, idle: bool) -> Any:
+        """A following rank: rank 0's next `announce`, waited for asleep where there is a
+        bell. `idle`: however long (between requests), else within the watchdog's time."""
+        if self.bell is not None:
+            if idle:
+                self.watchdog.disarm()
+            else:
+                self.watchdog.arm(what)
+            self.bell.wait()
+        return self.broadcast_json(None, what, idle)
 
     def allreduce_latency(self, width: int, repeats: int = 20) -> float:
         """Median seconds of one all_sum of a `width`-float vector: the model's own

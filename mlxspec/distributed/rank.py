@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from mlxspec import blas
 from mlxspec.conversation import Conversation
+from mlxspec.distributed import bell
 from mlxspec.distributed.batch import PLAN, BatchFollower, batches
 from mlxspec.distributed.collectives import Collectives
 from mlxspec.distributed.config import FAULT_ENV, RankConfig
@@ -119,14 +120,16 @@ class RankEngine(Engine):
         return VerifyCost.from_json(col.broadcast_json(None, "sharing the calibration"))
 
 
-def _ranks_on_this_host() -> int:
-    """The ranks sharing this machine, from the ring's address file (1 where there is
-    none to read: another backend, or mlx.launch's own launch)."""
+def _ring_addresses() -> list[list[str]] | None:
+    """Every rank's ip:port list, from the ring's address file (None where there is none
+    to read: another backend, or one rank)."""
     try:
         with open(os.environ["MLX_HOSTFILE"]) as file:
-            return ranks_on_my_host(json.load(file), int(os.environ["MLX_RANK"]))
-    except (KeyError, OSError, ValueError, TypeError, IndexError, AttributeError):
-        return 1
+            addresses = json.load(file)
+    except (KeyError, OSError, ValueError):
+        return None
+    ok = isinstance(addresses, list) and all(isinstance(a, list) and a for a in addresses)
+    return addresses if ok and addresses else None
 
 
 class RankSession:
@@ -134,10 +137,13 @@ class RankSession:
 
     def __init__(self, config: RankConfig):
         self.config = config
-        neighbours = _ranks_on_this_host()  # read before the ring's address file goes
+        addresses = _ring_addresses()  # read before the file goes (`Ring.forget`)
         self.group = mx.distributed.init(strict=True, backend=config.backend)
         self.rank, self.size = self.group.rank(), self.group.size()
-        self.blas_threads = blas.share_cores(neighbours)
+        self.blas_threads = blas.share_cores(
+            ranks_on_my_host(addresses, self.rank) if addresses else 1
+        )
+        self.front_host = addresses[0][0].rsplit(":", 1)[0] if addresses else ""  # rank 0's
         self.watchdog = Watchdog(config.timeout, self.rank)
         self.collectives = Collectives(self.group, self.watchdog)
         self.allreduce_seconds = 0.0
@@ -168,10 +174,13 @@ class RankSession:
     def notify(self, say: Callable[[str], None]) -> Callable[[str], None]:
         return say if self.front else (lambda _: None)
 
-    def open_runtime(self, entry, say: Callable[[str], None], calibrate: bool = False):
+    def open_runtime(
+        self, entry, say: Callable[[str], None], calibrate: bool = False, follows: bool = False
+    ):
         """Load the target on every rank, check the files agree, shard it, and return a
         Runtime whose engine keeps every rank in step. `calibrate`: agree on the verify
-        cost now, on every rank (the chat does it while "loading" shows)."""
+        cost now, on every rank (the chat does it while "loading" shows). `follows`: the
+        other ranks will `follow` rank 0 (serve, chat): give them a bell to wait on."""
         from mlxspec.loading import load_model
         from mlxspec.runtime import Runtime, target_weights
 
@@ -235,15 +244,36 @@ class RankSession:
         runtime.engine = engine
         if calibrate:
             engine.verify_cost  # noqa: B018  (a collective: every rank runs it here)
+        if follows:
+            self._open_bell()
         # Every collective leaves the watchdog armed; what comes next (the user's first
         # turn, a client's first request) may take as long as it takes.
         self.watchdog.disarm()
         return runtime
 
+    def _open_bell(self) -> None:
+        """Every rank: connect rank 0's bell to each follower (`distributed.bell`), or
+        agree to go on without one."""
+        server = bell.listen(self.front_host) if self.front and self.front_host else None
+        port = server.getsockname()[1] if server else 0
+        (port,) = self.collectives.broadcast_ints([port], "ringing up")
+        mine = bell.connect(self.front_host, port) if port and not self.front else None
+        reached = self.collectives.all_gather([int(self.front or mine is not None)], "ringing up")
+        connections = None
+        if self.front and server:
+            connections = bell.accept(server, self.size - 1) if reached.all() else None
+            if connections is None:
+                server.close()
+        (rung,) = self.collectives.broadcast_ints([int(connections is not None)], "ringing up")
+        if rung:
+            self.collectives.bell = bell.Bell(connections if self.front else [mine])
+        elif mine is not None:
+            mine.close()
+
     def agree(self, request, settings: GenerationSettings | None, proposer):
         """Rank 0's request on every rank (a random seed is drawn once, on rank 0)."""
         message = self._request_message(request, settings, proposer) if self.front else None
-        return _agreed(self.collectives.broadcast_json(message, "receiving the request"))
+        return _agreed(self.collectives.announce(message, "receiving the request"))
 
     def _request_message(self, request, settings: GenerationSettings, proposer) -> dict:
         sampling = settings.sampling
@@ -257,7 +287,7 @@ class RankSession:
 
     def end_following(self) -> None:
         """Rank 0: tell the ranks in `follow` that no request will come (they return)."""
-        self.collectives.broadcast_json(None, "stopping the other ranks")
+        self.collectives.announce(None, "stopping the other ranks")
 
     def follow(self, runtime, max_batch: int = 1) -> None:
         """Ranks other than 0 under serve and chat: run every request rank 0 announces,
@@ -269,9 +299,7 @@ class RankSession:
             _ = runtime.engine.verify_cost  # rank 0's scheduler calibrates with us at start
             batch = BatchFollower(model, max_batch, self.rank)
         idle = True  # between requests, rank 0 waits for its clients: no deadline
-        while (
-            message := self.collectives.broadcast_json(None, "receiving work", idle)
-        ) is not None:
+        while (message := self.collectives.await_announcement("receiving work", idle)) is not None:
             if PLAN in message:
                 idle = batch.replay(message, self._maybe_fault)
                 continue

@@ -52,7 +52,7 @@ class RankProvider:
         """Nothing to download: the model was loaded (or failed) at start."""
 
     def open(self, name: str) -> OpenModel:
-        return self.session.open_runtime(self.entry, self.notify)
+        return self.session.open_runtime(self.entry, self.notify, follows=True)
 
 
 class ShardedWorker(Worker):
