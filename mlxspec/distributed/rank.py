@@ -128,7 +128,10 @@ def _ring_addresses() -> list[list[str]] | None:
             addresses = json.load(file)
     except (KeyError, OSError, ValueError):
         return None
-    ok = isinstance(addresses, list) and all(isinstance(a, list) and a for a in addresses)
+    ok = isinstance(addresses, list) and all(
+        isinstance(ips, list) and ips and all(isinstance(ip, str) for ip in ips)
+        for ips in addresses
+    )
     return addresses if ok and addresses else None
 
 
@@ -140,6 +143,8 @@ class RankSession:
         addresses = _ring_addresses()  # read before the file goes (`Ring.forget`)
         self.group = mx.distributed.init(strict=True, backend=config.backend)
         self.rank, self.size = self.group.rank(), self.group.size()
+        if addresses and len(addresses) != self.size:
+            addresses = None  # not this group's file
         self.blas_threads = blas.share_cores(
             ranks_on_my_host(addresses, self.rank) if addresses else 1
         )
