@@ -35,9 +35,10 @@ from tiny_models import FAMILIES, tiny_model
 
 from mlxspec.distributed.launch import Outcome
 
-# Real commands (ranks among them) started and stopped within bounds in seconds
-# (tests/side_by_side.py).
-pytestmark = pytest.mark.alone
+# Commands on ranks run alone (tests/side_by_side.py): their ranks fill both cores, and
+# they stop within bounds in seconds. A one-process command's stop is a signal handler and
+# a socket closed, well inside its bound beside the other worker.
+RANKS = pytest.mark.alone
 
 GONE_SECONDS = 10.0  # the issue's bound: after a stop signal, nothing left and the port free
 STOPS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
@@ -248,6 +249,7 @@ def serving_three_ranks(models: Path, tmp_path: Path, *args: str):
     return port, log, started(command, environment(models), log)
 
 
+@RANKS
 def test_serve_on_three_ranks_leaves_nothing_running_on_a_stop_signal(models, tmp_path):
     """The issue's case: a stop signal to the process the user started ends all three
     ranks (its children), frees the port, and the command exits 0, within 10 s.
@@ -270,6 +272,7 @@ def test_serve_on_three_ranks_leaves_nothing_running_on_a_stop_signal(models, tm
         assert time.monotonic() - start < GONE_SECONDS
 
 
+@RANKS
 @pytest.mark.parametrize("killed", ["owner", "owner-and-rank-0"])
 def test_serve_on_three_ranks_killed_owner_leaves_nothing_running(models, tmp_path, killed):
     """SIGKILL reaches no handler: the ranks notice their parent, the owner, is gone and
@@ -288,7 +291,9 @@ def test_serve_on_three_ranks_killed_owner_leaves_nothing_running(models, tmp_pa
         assert port_binds(port)
 
 
-@pytest.mark.parametrize("ranks", [None, "3"], ids=["one-process", "three-ranks"])
+@pytest.mark.parametrize(
+    "ranks", [None, pytest.param("3", marks=RANKS)], ids=["one-process", "three-ranks"]
+)
 def test_sigterm_during_four_streams_ends_each_clearly_and_exits_0(models, tmp_path, ranks):
     """Four clients stream long answers; SIGTERM with --shutdown-timeout 1: each stream
     ends with a final event that says the server is stopping (not a cut connection, not
@@ -336,6 +341,7 @@ def test_sigterm_during_four_streams_ends_each_clearly_and_exits_0(models, tmp_p
 # --- generate --ranks and chat --ranks ----------------------------------------------------------
 
 
+@RANKS
 def test_generate_on_two_ranks_mid_answer_leaves_nothing_running(models, tmp_path):
     """A stop signal while the ranks generate (SIGHUP: the terminal closed; SIGTERM takes
     the same handler, tested on serve --ranks 3): every process ends within 10 s, and the
@@ -362,6 +368,7 @@ def test_generate_on_two_ranks_mid_answer_leaves_nothing_running(models, tmp_pat
 
 
 @needs_tmux
+@RANKS
 def test_chat_on_two_ranks_in_a_terminal_leaves_nothing_running(models, tmp_path):
     """`chat --ranks 2` in a terminal (rank 0 is the process the user started) stopped
     by SIGHUP, as when the terminal closes: every rank ends. (SIGTERM and SIGINT reach the
@@ -384,6 +391,7 @@ def test_chat_on_two_ranks_in_a_terminal_leaves_nothing_running(models, tmp_path
 
 
 @needs_tmux
+@RANKS
 def test_chat_on_two_ranks_killed_owner_leaves_nothing_running(models, tmp_path):
     """The chat's process killed (SIGKILL): rank 1, its child, ends on its own."""
     args = ("--ranks", "2", "-p", "prompt-lookup", "--collective-timeout", "60")
