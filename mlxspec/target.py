@@ -120,6 +120,54 @@ def host_last(arrays: list[mx.array]) -> list[int]:
     return [int(t) for a in arrays for t in np.atleast_2d(np.asarray(a))[:, -1]]
 
 
+class LaunchedPass:
+    """A one-token-a-row pass started before its tokens reached the host (mlx-lm's
+    `generate_step` pipelines every step so): what the round chose, read in place of the
+    pass's own lazy input (`host_last`), and the pass's logits. While it is pending every
+    layer's cache holds its column; the next verify of exactly those tokens takes it, and
+    anything else takes it back first by a one-column trim, so a launch changes no
+    result. One for `Target` (a request alone) and one for a batch (`BatchCaches`)."""
+
+    def __init__(self) -> None:
+        self._launched: tuple[list[mx.array], mx.array] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._launched is not None
+
+    def start(self, model: nn.Module, cache: list, tokens: mx.array, chosen: list[mx.array]):
+        """Run `model` over one token a row, `tokens` (B,), scheduled now, read later.
+        `chosen`: arrays evaluated apart from the pass whose last columns are `tokens`,
+        which `take` reads instead: `tokens`, scheduled with the pass, wait for all of it,
+        and the next pass's graph would then be built only once this one is done."""
+        logits = model(tokens[:, None], cache=cache)
+        mx.async_eval(logits)
+        self._launched = chosen, logits
+
+    def take(self, cache: list, tokens: list[int]) -> mx.array | None:
+        """The launched logits (B, 1, V) if the pass ran over exactly `tokens` (one a
+        row); None (the pass taken back) otherwise, or if none was launched."""
+        if self._launched is None:
+            return None
+        chosen, logits = self._launched
+        if tokens != host_last(chosen):
+            self.drop(cache)
+            return None
+        self._launched = None
+        return logits
+
+    def drop(self, cache: list) -> None:
+        """Take the launched pass back: its column leaves every layer's cache."""
+        if self._launched is not None:
+            self._launched = None
+            for c in cache:
+                c.trim(1)
+
+    def forget(self) -> None:
+        """The cache it ran in is gone (a reset): nothing to take back."""
+        self._launched = None
+
+
 class Target:
     def __init__(self, model: nn.Module):
         self.model = model
@@ -130,9 +178,7 @@ class Target:
         ]
         self._decoder: Decoder | None = None
         self._snapshot: list[Any] | None = None
-        # A one-token pass started before its input token was known on the host
-        # (`launch`): (that token, its logits), both lazy; its KV is in the cache.
-        self._launched: tuple[mx.array, mx.array] | None = None
+        self.launched = LaunchedPass()  # the next verify's pass, started early (`launch`)
         self._tree_reason: str | None | bool = False  # False: not checked yet
 
     @property
@@ -160,7 +206,7 @@ class Target:
     def reset(self) -> None:
         self.cache = make_prompt_cache(self.model)
         self.cached_tokens = []
-        self._launched = None
+        self.launched.forget()
 
     @property
     def can_launch(self) -> bool:
@@ -176,30 +222,21 @@ class Target:
         drops it, so a launch changes no result, only when the work is done. `chosen`:
         arrays evaluated apart from the pass whose last column is `token` (`host_last`),
         read in its place: reading `token`, scheduled with the pass, waits for all of it."""
-        logits = self.model(token[None], cache=self.cache)
-        mx.async_eval(logits)
-        self._launched = [token] if chosen is None else chosen, logits
+        self.launched.start(self.model, self.cache, token, [token] if chosen is None else chosen)
 
     def take_launched(self, tokens: list[int]) -> mx.array | None:
         """The launched pass's logits (1, V) if it ran over exactly `tokens`; None (and
         the pass dropped) otherwise, or if none was launched."""
-        if self._launched is None:
+        logits = self.launched.take(self.cache, tokens)
+        if logits is None:
             return None
-        chosen, logits = self._launched
-        if tokens != host_last(chosen):
-            self.drop_launched()
-            return None
-        self._launched = None
         self.cached_tokens.extend(tokens)
         return logits[0]
 
     def drop_launched(self) -> None:
         """Take a launched pass back: its token's KV leaves the cache (the request ended,
         or the next round is not that one-token pass)."""
-        if self._launched is not None:
-            self._launched = None
-            for c in self.cache:
-                c.trim(1)
+        self.launched.drop(self.cache)
 
     def forward(
         self,

@@ -12,10 +12,10 @@ from test_lossless import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.batch.caches import BatchCaches
-from mlxspec.batch.launch import BatchLaunch
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Step
+from mlxspec.target import LaunchedPass
 
 PROMPTS = [
     list(b"Once upon a time, in a land far away, "),
@@ -37,20 +37,20 @@ def test_rows_joining_and_leaving_around_launched_passes_stay_plain_greedy(monke
     every request's tokens are its plain greedy ones, and the rows that left hand on
     prefixes the next request reuses as if no pass had been launched."""
     taken, taken_back = [], []  # took a launched pass; the calls that took one back
-    take, drop = BatchLaunch.take, BatchLaunch.drop
+    take, drop = LaunchedPass.take, LaunchedPass.drop
 
-    def counting_take(self, target, rows):
-        logits = take(self, target, rows)
+    def counting_take(self, cache, tokens):
+        logits = take(self, cache, tokens)
         taken.append(logits is not None)
         return logits
 
-    def counting_drop(self, target):
+    def counting_drop(self, cache):
         if self.pending:
             taken_back.append(sys._getframe(1).f_code.co_name)
-        drop(self, target)
+        drop(self, cache)
 
-    monkeypatch.setattr(BatchLaunch, "take", counting_take)
-    monkeypatch.setattr(BatchLaunch, "drop", counting_drop)
+    monkeypatch.setattr(LaunchedPass, "take", counting_take)
+    monkeypatch.setattr(LaunchedPass, "drop", counting_drop)
     model = tiny_model("llama", seed=7)
     tokenizer = byte_tokenizer()
     engine = Engine(model, tokenizer, "llama", verify_cost=CPU_LIKE_COST)

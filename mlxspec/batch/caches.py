@@ -18,9 +18,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxspec.batch.launch import BatchLaunch
 from mlxspec.batch.prefix import PrefixPool
 from mlxspec.batch.target import BatchTarget, Prefill
+from mlxspec.target import LaunchedPass
 from mlxspec.tree import DraftTree
 
 # The calls that run the model: on a sharded target each is a collective pass.
@@ -42,7 +42,7 @@ class BatchCaches:
         self.captures: list[tuple[int, ...] | None] = []
         self.hidden: list[mx.array | None] = []
         self._verified_hidden: tuple[mx.array, tuple[int, ...]] | None = None  # and its union
-        self.launched = BatchLaunch()  # the next round's pass, started early (`launch`)
+        self.launched = LaunchedPass()  # the next round's pass, started early (`launch`)
 
     @property
     def tree_unsupported(self) -> str | None:
@@ -72,7 +72,7 @@ class BatchCaches:
     def lengths(self) -> list[int]:
         """Tokens each row's cache holds (a launched pass taken back first: a leave or a
         layout reads them)."""
-        self.launched.drop(self.target)
+        self.launched.drop(self.target.cache)
         return self.target.lengths()
 
     def layout(self) -> dict[str, list]:
@@ -120,7 +120,7 @@ class BatchCaches:
         """A fully prefilled request becomes the last row. The merge is evaluated here:
         left lazy it ran inside the next verify, whose time then read as a slow plain
         pass (0.40 s against 0.18 s over 8 rows), and every wider pass as cheaper."""
-        self.launched.drop(self.target)
+        self.launched.drop(self.target.cache)
         prefill = self.prefills.pop(request_id)
         self.target.join(prefill)
         self.row_ids.append(request_id)
@@ -136,7 +136,7 @@ class BatchCaches:
         """Keep only `keep_rows`; first, each (row, tokens) of `kept` (leaving rows whose
         cache holds exactly `tokens`) goes to the prefix pool, unless its window layers
         no longer hold its oldest tokens."""
-        self.launched.drop(self.target)
+        self.launched.drop(self.target.cache)
         for row, tokens in kept:
             if self.target.whole[row]:
                 self.prefixes.add(tokens, self.target.extract(row))
@@ -158,18 +158,21 @@ class BatchCaches:
 
     def launch(self, tokens: mx.array, chosen: list[mx.array]) -> None:
         """Start the next round's one-token pass over `tokens` (B,), still lazy
-        (`BatchLaunch.start`)."""
-        self.launched.start(self.target, tokens, chosen)
+        (`LaunchedPass.start`)."""
+        self.launched.start(self.target.model, self.target.cache, tokens, chosen)
 
     def take_launched(self, rows: list[list[int]]) -> mx.array | None:
         """`verify`'s logits (B, 1, V) from the launched pass if it ran over exactly
         `rows`; None (the launched pass taken back) otherwise."""
-        return self.launched.take(self.target, rows)
+        if any(len(row) != 1 for row in rows):
+            self.launched.drop(self.target.cache)
+            return None
+        return self.launched.take(self.target.cache, [row[0] for row in rows])
 
     def verify(self, rows: list[list[int]]) -> mx.array:
         """One pass over every row's [pending] + drafts: logits (B, width, V); the
         hidden states of the union of the rows' captures too, where any row has one."""
-        self.launched.drop(self.target)
+        self.launched.drop(self.target.cache)
         union = self._capture_union()
         if union is None:
             return self.target.verify(rows)
@@ -181,7 +184,7 @@ class BatchCaches:
         """`verify` where a row's drafts form a tree (`BatchTarget.verify_tree`):
         logits (B, width, V), row i's column j predicting what follows node j's path.
         A tree may come as [tokens, parents] (a replayed plan hands JSON lists)."""
-        self.launched.drop(self.target)
+        self.launched.drop(self.target.cache)
         trees = [t if isinstance(t, DraftTree) else DraftTree(*t) for t in trees]
         union = self._capture_union()
         logits, hidden = self.target.verify_tree(rows, trees, union)

@@ -1,6 +1,6 @@
 """The next round's pass started before this round's tokens reach the host: when a round
-may launch it, which tokens it runs over, and a batch's launched pass kept until the next
-round takes it or something else takes it back.
+may launch it and which tokens it runs over (the pass itself, kept until the next round
+takes it or something else takes it back, is `target.LaunchedPass`).
 
 mlx-lm's `generate_step` and `batch_generate` pipeline every step so: the next pass is
 built on the lazy token and `mx.async_eval`ed before the host reads this one, so the
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxspec.batch.target import BatchTarget
 from mlxspec.request import RequestRun
-from mlxspec.target import host_last
 
 
 def launches_next(run: RequestRun, rows: list[list[int]]) -> bool:
@@ -58,43 +56,3 @@ def one_step(round_seconds: float) -> float:
     """The price of a plain round whose pass was launched the round before: one plain
     step (the wait for it is not what the pass cost)."""
     return 1.0
-
-
-class BatchLaunch:
-    """A batch's one-token pass launched for the next round (`BatchCaches.launch`): its
-    tokens (B,) and logits (B, 1, V), lazy; each row's cache holds its column."""
-
-    def __init__(self) -> None:
-        self._launched: tuple[list[mx.array], mx.array] | None = None
-
-    @property
-    def pending(self) -> bool:
-        return self._launched is not None
-
-    def start(self, target: BatchTarget, tokens: mx.array, chosen: list[mx.array]) -> None:
-        """Run `verify` of one token a row over `tokens`, scheduled now, read later.
-        `chosen`: the round's own reads whose last columns are `tokens` (`host_last`),
-        which `take` reads instead: `tokens`, scheduled with the pass, wait for all of
-        it, and the next pass's graph would then be built only once this one is done."""
-        logits = target.model(tokens[:, None], cache=target.cache)
-        mx.async_eval(logits)
-        self._launched = chosen, logits
-
-    def take(self, target: BatchTarget, rows: list[list[int]]) -> mx.array | None:
-        """The launched logits if the pass ran over exactly `rows` (one token each); None
-        (the pass taken back) otherwise, or if none was launched."""
-        if self._launched is None:
-            return None
-        chosen, logits = self._launched
-        if any(len(row) != 1 for row in rows) or host_last(chosen) != [row[0] for row in rows]:
-            self.drop(target)
-            return None
-        self._launched = None
-        return logits
-
-    def drop(self, target: BatchTarget) -> None:
-        """Take the launched pass back: its column leaves every row's cache."""
-        if self._launched is not None:
-            self._launched = None
-            for c in target.cache:
-                c.trim(1)
