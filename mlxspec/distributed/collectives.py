@@ -28,10 +28,7 @@ class Collectives:
     def _run(self, array: mx.array, what: str, op, idle: bool = False) -> np.ndarray:
         """`idle`: waiting here is legitimate however long (for the user's next request),
         so no deadline until the value arrives."""
-        if idle:
-            self.watchdog.disarm()
-        else:
-            self.watchdog.arm(what)
+        self._deadline(what, idle)
         start = time.perf_counter()
         result = op(array, group=self.group, stream=mx.cpu)
         mx.eval(result)
@@ -71,12 +68,16 @@ class Collectives:
         """A following rank: rank 0's next `announce`, waited for asleep where there is a
         bell. `idle`: however long (between requests), else within the watchdog's time."""
         if self.bell is not None:
-            if idle:
-                self.watchdog.disarm()
-            else:
-                self.watchdog.arm(what)
+            self._deadline(what, idle)
             self.bell.wait()
         return self.broadcast_json(None, what, idle)
+
+    def _deadline(self, what: str, idle: bool) -> None:
+        """The watchdog for a wait: none while `idle`, else the timeout from now."""
+        if idle:
+            self.watchdog.disarm()
+        else:
+            self.watchdog.arm(what)
 
     def allreduce_latency(self, width: int, repeats: int = 20) -> float:
         """Median seconds of one all_sum of a `width`-float vector: the model's own

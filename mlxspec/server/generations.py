@@ -69,9 +69,9 @@ def _settings(
         return GenerationSettings(
             max_tokens=max_tokens,
             sampling=SamplingSettings(
-                temperature=defaults.temperature if body.temperature is None else body.temperature,
-                top_p=defaults.top_p if body.top_p is None else body.top_p,
-                top_k=defaults.top_k if top_k is None else top_k,
+                temperature=_given(body.temperature, defaults.temperature),
+                top_p=_given(body.top_p, defaults.top_p),
+                top_k=_given(top_k, defaults.top_k),
                 presence_penalty=_given(body.presence_penalty, defaults.presence_penalty),
                 frequency_penalty=_given(body.frequency_penalty, defaults.frequency_penalty),
                 presence_context_size=body.presence_context_size,
@@ -91,6 +91,7 @@ def _settings(
 
 
 def _given(asked: float | None, default: float) -> float:
+    """What the request asked for, else the model's default (0 is an answer, not a gap)."""
     return default if asked is None else asked
 
 
