@@ -16,9 +16,12 @@ instead, and their one pass is priced per round rather than per token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from mlxspec.proposers.base import Situation
 from mlxspec.verify_cost import VerifyCost
+
+if TYPE_CHECKING:  # the proposers package imports every proposer, mlx-lm with them
+    from mlxspec.proposers.base import Situation
 
 # An observed verify whose extra tokens cost this many times what the policy expected
 # re-prices every width at once (Policy.observe_verify).

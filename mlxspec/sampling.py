@@ -16,7 +16,6 @@ from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 from mlxspec.device import tf32_matmuls
 
@@ -103,6 +102,10 @@ class TokenScorer:
 
     def __init__(self, settings: SamplingSettings):
         self.settings = settings
+        # mlx-lm's samplers load when one is built: importing mlx-lm loads transformers,
+        # which the command line's launcher and `--help` never need (tests/test_imports.py).
+        from mlx_lm.sample_utils import make_logits_processors
+
         self.tf32 = tf32_matmuls()  # a verify's GEMMs round coarser: a wider near tie
         self.processors = make_logits_processors(
             repetition_penalty=settings.repetition_penalty,
@@ -154,6 +157,8 @@ class TokenScorer:
         logprobs = processed.astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         vocab = logprobs.shape[-1]
+        from mlx_lm.sample_utils import apply_top_k, apply_top_p  # loaded by __init__
+
         if 0 < self.settings.top_p < 1:
             logprobs = apply_top_p(logprobs, self.settings.top_p)
         if 0 < self.settings.top_k < vocab:

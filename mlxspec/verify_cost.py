@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec import device
 from mlxspec.paths import cache_dir, file_lock
@@ -234,6 +233,8 @@ def measure_verify_cost(
     `calibrate`'s repeats, fit and budget. The context is short: its prefill is a wide
     pass of its own, outside the budget (seconds where wide passes are slow), and the
     attention over a few dozen more tokens is noise beside the weights' matmuls."""
+    from mlx_lm.models.cache import make_prompt_cache  # mlx-lm loads transformers: not at import
+
     cache = make_prompt_cache(model)
 
     def prefill() -> None:

@@ -6,6 +6,8 @@ TYPE_CHECKING ones too, and names each circle it finds."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,3 +114,18 @@ def test_no_module_grows_past_one_job():
         if (n := len(path.read_text().splitlines())) > MOST_LINES
     }
     assert not long, f"modules over {MOST_LINES} lines: {long}"
+
+
+def test_the_command_line_loads_without_mlx_lm():
+    """`mlxspec --help`, a usage error, and the launcher of `--ranks`, which only parses
+    its options and starts the ranks, never run a model: importing mlx-lm (it loads
+    transformers, about 2 s here) made each rank launch 2 s slower. Each command imports
+    what it runs when it runs it."""
+    heavy = ("mlx_lm", "transformers", "fastapi", "textual")
+    code = (
+        "import sys, mlxspec.cli; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"the command line imports {done.stdout.strip()}"

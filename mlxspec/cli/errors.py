@@ -13,20 +13,28 @@ import click
 from mlxspec.registry import RegistryError
 
 
-def fail_cleanly(func):
-    """Turn the errors users can cause into one clear line (no traceback)."""
+def user_errors() -> tuple[type[Exception], ...]:
+    """The errors a user can cause, imported when one is being matched: the modules that
+    raise them load mlx-lm (and transformers), which a command's launcher, `--help` and
+    a usage error never need."""
     from mlxspec.engine import GenerationError
     from mlxspec.loading import LoadError
     from mlxspec.pull import PullError
     from mlxspec.runtime import ProposerError
 
+    return RegistryError, LoadError, PullError, ProposerError, GenerationError
+
+
+def fail_cleanly(func):
+    """Turn the errors users can cause into one clear line (no traceback)."""
+
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
-        except (RegistryError, LoadError, PullError, ProposerError, GenerationError) as err:
-            raise click.ClickException(str(err)) from None
         except KeyboardInterrupt:
             raise click.ClickException("interrupted") from None
+        except user_errors() as err:  # evaluated only while an error is being matched
+            raise click.ClickException(str(err)) from None
 
     return wrapper
