@@ -83,7 +83,18 @@ def share_cores(processes: int) -> int | None:
     """
     if _openblas is None or processes <= 1 or "OPENBLAS_NUM_THREADS" in os.environ:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // processes)
+    return set_threads(max(1, cores() // processes))
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    found = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return found or 1
+
+
+def set_threads(threads: int) -> int | None:
+    """Have OpenBLAS use `threads` threads from now on; None where it is not what runs."""
+    if _openblas is None:
+        return None
     _openblas.openblas_set_num_threads(threads)
     return threads
