@@ -20,6 +20,7 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.batch import target as batch_target
 from mlxspec.batch import width
+from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import BatchTarget, Prefill
 from mlxspec.batch.width import (
@@ -30,6 +31,7 @@ from mlxspec.batch.width import (
     choose_width,
     measure_pass_grid,
     monotone_cells,
+    prefill_group,
 )
 from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
@@ -91,7 +93,7 @@ def joined(model, prompts: list[list[int]]) -> tuple[BatchTarget, dict]:
     target, rows = BatchTarget(model), {}
     for i, prompt in enumerate(prompts):
         prefill, rows[i] = new_row(model, prompt, plain_greedy(model, prompt, 40, set()))
-        target.join(prefill)
+        target.join([prefill])
     return target, rows
 
 
@@ -113,12 +115,12 @@ def test_ragged_rows_join_and_leave_match_solo_greedy(family, monkeypatch):
     target, rows = BatchTarget(model), {}
     for i in range(3):
         prefill, rows[i] = new_row(model, prompts[i], references[i])
-        target.join(prefill)
+        target.join([prefill])
     greedy_rounds(target, rows, rng, 6)
     target.leave([0, 2])  # row 1 leaves mid-way
     left = rows.pop(1)
     prefill, rows[3] = new_row(model, prompts[3], references[3])
-    target.join(prefill)  # a late joiner
+    target.join([prefill])  # a late joiner
     greedy_rounds(target, rows, rng, 12)
     for i, row in [*rows.items(), (1, left)]:
         got = row["tokens"][len(row["prompt"]) :]
@@ -177,6 +179,59 @@ def test_a_row_handed_on_after_ragged_rounds_holds_its_tokens_in_order():
                 assert mx.allclose(got, alone, atol=1e-4), f"row {i} layer {layer} {name}"
         got = row["tokens"][len(row["prompt"]) :][:40]
         assert_lossless(model, row["prompt"], row["reference"][: len(got)], got, f"row {i}")
+
+
+class CountedPasses:
+    """A model that counts its forward passes (everything else is the model's)."""
+
+    def __init__(self, model):
+        self.model, self.passes = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.passes += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_fresh_prompts_joining_together_are_fed_in_one_pass_as_each_alone():
+    """Prompts that join in the same round with nothing in their caches yet are fed in
+    one left-padded pass where the pass cost says it pays (where a pass costs its fixed
+    part, not where it costs its tokens), not one pass each; then each row holds, in
+    order, the keys and values its prompt fed alone leaves. One with a kept prefix goes
+    on alone."""
+    model = tiny_model("llama", seed=3)
+    counted = CountedPasses(model)
+    caches = BatchCaches(counted, prefix_capacity=2)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (9, 1, 14, 5)]
+    for request_id, prompt in enumerate(prompts):
+        caches.start(request_id, prompt, None)
+    ids = [0, 1, 2, 3]
+    per_token = PassCost(VerifyCost({1: 1.0, 64: 64.0}, 0.01))  # a pass costs its tokens
+    assert prefill_group(caches, ids, 64, per_token) == []
+    fixed = PassCost(VerifyCost({1: 1.0, 64: 1.5}, 0.01))  # a pass costs its weights
+    together = prefill_group(caches, ids, 64, fixed)
+    assert sorted(together) == ids
+    assert caches.advance(ids, 8, together) == [1, 3]  # a chunk of 8 a round, no more
+    assert [caches.unfed(i) for i in ids] == [1, 0, 6, 0]
+    assert counted.passes == 1, "the fresh prompts were fed one pass each"
+    assert caches.advance([0, 2], 8) == [0, 2]
+    caches.join([1, 3, 0, 2])
+    for row, prompt in enumerate([prompts[i] for i in (1, 3, 0, 2)]):
+        solo = fed_alone(model, prompt)
+        n = len(prompt)
+        for layer in caches.target.attention:
+            handed = caches.target.extract(row)[layer]
+            assert handed.offset == n
+            for name in ("keys", "values"):
+                got, alone = getattr(handed, name), getattr(solo[layer], name)[..., :n, :]
+                assert mx.allclose(got, alone, atol=1e-5), f"row {row} layer {layer} {name}"
+    caches.leave([0, 1, 3], [(2, prompts[0])])
+    assert caches.start(4, [*prompts[0], 7], None) == len(prompts[0])  # from the kept prefix
+    caches.start(5, [8, 9], None)
+    assert prefill_group(caches, [4, 5], 64, fixed) == []  # one fresh prompt: no group
 
 
 def test_a_family_that_cannot_batch_is_refused_in_one_line():
@@ -857,7 +912,7 @@ def test_a_row_that_joined_with_no_recurrent_state_is_replayed_from_none():
     refused draft must replay from that empty state, not from the verify's."""
     model = tiny_model("lfm2", seed=2)
     target = BatchTarget(model)
-    target.join(Prefill(model, []))
+    target.join([Prefill(model, [])])
     line = [65, 1, 2, 3]
     choice = mx.argmax(target.verify([line]), axis=-1).tolist()[0]
     n = 1 + int(line[1] == choice[0])

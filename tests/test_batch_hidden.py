@@ -60,9 +60,9 @@ def test_batch_caches_keep_each_row_the_hidden_states_of_the_tokens_it_kept(fami
     captures = [(), (1,), None]
     for request_id, (prompt, capture) in enumerate(zip(prompts, captures)):
         caches.start(request_id, prompt, capture)
-        while not caches.advance(request_id, 8):
+        while not caches.advance([request_id], 8):
             pass
-        caches.join(request_id)
+        caches.join([request_id])
     assert caches.hidden[2] is None
     for row in (0, 1):
         expected = fed_hidden(model, prompts[row], captures[row])
@@ -87,8 +87,8 @@ def test_batch_caches_keep_each_row_the_hidden_states_of_the_tokens_it_kept(fami
         return
     follow_up = [*sequences[0], 7, 8]
     assert caches.start(10, follow_up, ()) == 0
-    caches.advance(10, len(follow_up))
-    caches.join(10)
+    caches.advance([10], len(follow_up))
+    caches.join([10])
     assert mx.allclose(caches.hidden[-1], fed_hidden(model, follow_up, ()), atol=1e-4).item()
     assert caches.start(11, follow_up, None) == len(sequences[0])  # the pool still serves
 

@@ -82,9 +82,9 @@ def test_capturing_rows_keep_the_hidden_states_of_their_kept_path():
     captures = [(), (1,), None]
     for request_id, (prompt, capture) in enumerate(zip(prompts, captures)):
         caches.start(request_id, prompt[:-1], capture)
-        while not caches.advance(request_id, 4):
+        while not caches.advance([request_id], 4):
             pass
-        caches.join(request_id)
+        caches.join([request_id])
     trees, paths = [SHAPE, FAN, chain([5, 6])], [[2, 5], [3], [1]]
     rows = [[prompt[-1], *tree.tokens] for prompt, tree in zip(prompts, trees)]
     caches.verify_tree(rows, trees)

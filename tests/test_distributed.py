@@ -525,8 +525,8 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
     engine = scheduler_for(family, seed=2).engine
     model = engine.target.model
     follower = BatchFollower(model, 3, rank=1)
-    # announced[0]: the call that ends the last plan sent, if it is a forward no rank-0
-    # pass has used yet
+    # announced[0]: [the forward call that ends the last plan sent, the passes it may
+    # still run on rank 0], else None
     announced, rank_0_forwards, following = [None], [], [False]
 
     class Loopback:
@@ -535,7 +535,7 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
         def announce(self, plan, what: str) -> None:
             calls = plan["plan"]
             runs = bool(calls) and follower.caches.runs_model(calls[-1])
-            announced[0] = calls[-1][0] if runs else None
+            announced[0] = [calls[-1][0], passes(calls[-1])] if runs else None
             following[0] = True
             follower.replay(json.loads(json.dumps(plan)), lambda rows, round_: None)
             following[0] = False
@@ -549,10 +549,20 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
     assert batches(model, 3) == (family == "llama")
     forward = type(model).__call__
 
+    def passes(call: list) -> int:
+        """The most passes a call may run: a prefill call one a joining prompt, or one
+        for the prompts fed together."""
+        if call[0] != "advance":
+            return 1
+        _, request_ids, _, together = call
+        return len(request_ids) - len(together) + bool(together)
+
     def counted(self, *args, **kwargs):
         if not following[0]:
-            rank_0_forwards.append(announced[0])
-            announced[0] = None
+            rank_0_forwards.append(announced[0] and announced[0][0])
+            if announced[0]:
+                announced[0][1] -= 1
+                announced[0] = announced[0] if announced[0][1] else None
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "__call__", counted)

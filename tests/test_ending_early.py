@@ -40,9 +40,9 @@ class Passes:
         caches = scheduler.caches
         advance, verify = caches.advance, caches.verify
 
-        def advanced(request_id, chunk):
-            self.log.append(("advance", request_id))
-            return advance(request_id, chunk)
+        def advanced(request_ids, chunk, together=()):
+            self.log += [("advance", request_id) for request_id in request_ids]
+            return advance(request_ids, chunk, together)
 
         def verified(rows):
             self.log.append(("verify", [s.request_id for s in scheduler.active]))

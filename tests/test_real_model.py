@@ -157,7 +157,7 @@ def test_batched_tree_nodes_get_the_logits_of_their_own_path_on_smollm2(smollm2,
     for prompt in prompts:
         prefill = Prefill(model, prompt[:-1])
         prefill.advance(len(prompt))
-        target.join(prefill)
+        target.join([prefill])
     trees = [SHAPE, FAN]
     rows = [[prompt[-1], *tree.tokens] for prompt, tree in zip(prompts, trees)]
     logits, _ = target.verify_tree(rows, trees)

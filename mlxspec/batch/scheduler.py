@@ -23,8 +23,9 @@ the tokens its row's cache took in since the last round, each row its own.
 
 Continuous: `submit` queues a request; between rounds a queued request starts its
 prefill in a cache of its own, one chunk per round (so a long prompt never stalls the
-others for more than a chunk), and joins the batch when done. A finished or cancelled
-request leaves at the next round boundary and frees its slot.
+others for more than a chunk; prompts joining at once share a pass where it pays,
+`prefill_group`), and joins the batch when done. A finished or cancelled request leaves
+at the next round boundary and frees its slot.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from mlxspec.batch.rows import (
 from mlxspec.batch.single import SingleCaches
 from mlxspec.batch.slots import Round, Slot, grammar_ready
 from mlxspec.batch.target import cache_columns
-from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for
+from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for, prefill_group
 from mlxspec.conversation import Conversation
 from mlxspec.events import Event
 from mlxspec.logprobs import TokenLogprob
@@ -176,9 +177,8 @@ class Scheduler:
                 slot.cancelled = True
 
     def step(self) -> dict[int, list[Event]]:
-        """One round: admit and prefill (one chunk each), draft, verify all rows at once,
-        accept per row. Returns each request's events of this round (a request's last
-        list ends with its Done)."""
+        """One round: admit and prefill (a chunk each), draft, verify all rows at once,
+        accept per row; returns each request's events of this round (its last ends Done)."""
         self._drop_cancelled()
         while len(self.joining) + len(self.active) < self.max_batch:
             slot = self._next_waiting()
@@ -190,14 +190,17 @@ class Scheduler:
             reused = self.caches.start(slot.request_id, slot.run.sequence[:-1], capture)
             slot.run.record.reused_prompt_tokens = reused
             self.joining.append(slot)
-        for slot in list(self.joining):
-            if self.caches.advance(slot.request_id, self.prefill_chunk):
-                self.caches.join(slot.request_id)
-                if self.kv_budget is not None and not self.kv_layout:
-                    self.kv_layout = self.caches.kv_layout()
-                slot.run.record.prefill_seconds = time.perf_counter() - slot.admitted_at
-                self.joining.remove(slot)
-                self.active.append(slot)
+        joining, chunk = [s.request_id for s in self.joining], self.prefill_chunk
+        together = prefill_group(self.caches, joining, chunk, self.pass_cost)
+        fed = self.caches.advance(joining, chunk, together) if joining else []  # none: no pass
+        if fed:  # in the order given: the rows join in it, in one merge
+            self.caches.join(fed)
+            if self.kv_budget is not None and not self.kv_layout:
+                self.kv_layout = self.caches.kv_layout()
+        for slot in [s for s in self.joining if s.request_id in fed]:
+            slot.run.record.prefill_seconds = time.perf_counter() - slot.admitted_at
+            self.joining.remove(slot)
+            self.active.append(slot)
         if not self.active:
             return {}
         self._round()
@@ -222,8 +225,7 @@ class Scheduler:
 
     def kv_reserved(self, joining: Slot | None = None) -> float:
         """Bytes of KV the batch may come to hold (with `joining` admitted too): its rows'
-        (`_rows_kv`) and the kept prefixes'. 0 until a row's cache told the bytes a
-        token takes."""
+        (`_rows_kv`) and the kept prefixes' (0 until a row told the bytes of a token)."""
         return self._rows_kv(joining) + self.prefixes.tokens * self.kv_per_token
 
     def _rows_kv(self, joining: Slot | None = None) -> float:
@@ -232,9 +234,7 @@ class Scheduler:
         rows = [*self.joining, *self.active, *([joining] if joining else [])]
         span = max((len(s.run.sequence) + s.run.left for s in rows), default=0)
         columns = cache_columns(span)
-        per_row = sum(
-            b * (columns if cap is None else min(columns, cap)) for b, cap in self.kv_layout
-        )
+        per_row = sum(b * min(columns, cap or columns) for b, cap in self.kv_layout)
         return len(rows) * per_row
 
     def _fits(self, slot: Slot) -> bool:

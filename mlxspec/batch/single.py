@@ -63,10 +63,10 @@ class SingleCaches:
         reused, self.hidden = self.target.fill(tokens, capture=capture)
         return reused
 
-    def advance(self, request_id: int, chunk: int) -> bool:
-        return True  # `start` fed it all
+    def advance(self, request_ids: list[int], chunk: int, together=()) -> list[int]:
+        return request_ids  # `start` fed it all
 
-    def join(self, request_id: int) -> None:
+    def join(self, request_ids: list[int]) -> None:
         self._rows = 1
 
     def drop(self, request_id: int) -> None:

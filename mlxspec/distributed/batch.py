@@ -71,11 +71,11 @@ class PlannedCaches(BatchCaches):
     ) -> int:
         return self._call("start", request_id, tokens, capture)
 
-    def advance(self, request_id: int, chunk: int) -> bool:
-        return self._call("advance", request_id, chunk)
+    def advance(self, request_ids: list[int], chunk: int, together=()) -> list[int]:
+        return self._call("advance", request_ids, chunk, list(together))
 
-    def join(self, request_id: int) -> None:
-        self._call("join", request_id)
+    def join(self, request_ids: list[int]) -> None:
+        self._call("join", request_ids)
 
     def drop(self, request_id: int) -> None:
         self._call("drop", request_id)
