@@ -33,6 +33,11 @@ from mlxspec.verify_cost import VerifyCost
 NEWER = ["qwen3_5", "gpt_oss", "gemma4_text"]
 FAMILIES = ["llama", "qwen3", "gemma3_text", "lfm2", *NEWER]
 MAX_TOKENS = 40
+# The per-family test's answers, one seed a family: every break tried against it (a refused
+# draft kept in the cache, a recurrent replay one token short, the own token from the
+# parent's row, a second draft accepted unmatched, gemma3's window trimmed after it wrapped)
+# failed it at 24 tokens and one seed as at 40 tokens and two (docs/design/test-suite.md).
+ANSWER = 24
 # A cost curve like the one measured on this CPU, so the adaptive policy drafts.
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
 
@@ -88,8 +93,8 @@ def prompts_for(seed: int) -> list[list[int]]:
     ]
 
 
-def run(engine, prompt, proposer, k):
-    events = list(engine.stream(prompt, GenerationSettings(max_tokens=MAX_TOKENS, k=k), proposer))
+def run(engine, prompt, proposer, k, tokens: int = MAX_TOKENS):
+    events = list(engine.stream(prompt, GenerationSettings(max_tokens=tokens, k=k), proposer))
     done = events[-1]
     assert isinstance(done, Done)
     return done
@@ -105,9 +110,7 @@ def proposers_for(family, model, target, tokenizer):
     return found
 
 
-@pytest.mark.parametrize(
-    "family, seed", [(f, s) for f in FAMILIES for s in ([0] if f in NEWER else [0, 1])]
-)
+@pytest.mark.parametrize("family, seed", [(f, 0) for f in FAMILIES])
 def test_greedy_speculation_matches_plain_greedy(family, seed):
     tokenizer = byte_tokenizer()
     model = tiny_model(family, seed=seed)
@@ -118,11 +121,11 @@ def test_greedy_speculation_matches_plain_greedy(family, seed):
     compared = 0
     ks = [3, None] if family in NEWER else [1, 3, None]  # k=1's one-draft rounds: once is enough
     for prompt in prompts_for(seed):
-        reference = plain_greedy(model, prompt, MAX_TOKENS, eos)
+        reference = plain_greedy(model, prompt, ANSWER, eos)
         engine.add_proposer(Oracle(len(prompt), reference))
         for name in ["none", *engine.proposers]:
             for k in [None] if name == "none" else ks:
-                done = run(engine, prompt, name, k)
+                done = run(engine, prompt, name, k, ANSWER)
                 label = f"{family} seed={seed} proposer={name} k={k} prompt={prompt[:5]}..."
                 assert_lossless(model, prompt, reference, list(done.token_ids), label, done.record)
                 compared += 1
