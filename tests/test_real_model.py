@@ -27,7 +27,9 @@ PROMPTS = [
     "def add(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total\n",
     "What is the capital of France? Answer in one sentence.",
 ]
-MAX_TOKENS = 40
+# A refused draft kept in the cache and a batched tree's nodes at their index, not their
+# depth, each fail this file at 24 tokens as at 40 (docs/design/test-suite.md).
+MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,7 @@ def test_copying_prompt_accepts_most_lookup_drafts(runtime):
     done = list(
         engine.stream(
             [{"role": "user", "content": PROMPTS[0]}],
-            GenerationSettings(max_tokens=MAX_TOKENS),
+            GenerationSettings(max_tokens=40),  # the whole list
             name,
         )
     )[-1]
