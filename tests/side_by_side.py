@@ -28,7 +28,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -83,6 +83,34 @@ def turn(folder: Path, alone: bool):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+class Turns:
+    """One worker's turns. Consecutive `alone` tests keep the machine between them: let
+    in between, the other worker started a test that the next `alone` one then waited
+    for, a core idle meanwhile (111 s of waits over the suite's 66 `alone` tests)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self._kept = folder, None
+
+    @contextmanager
+    def test(self, alone: bool, next_alone: bool):
+        if not alone:
+            with turn(self.folder, False):
+                yield
+            return
+        if self._kept is None:
+            self._kept = ExitStack()
+            self._kept.enter_context(turn(self.folder, True))
+        try:
+            yield
+        finally:
+            if not next_alone:
+                self._kept.close()
+                self._kept = None
+
+
+_TURNS: dict[Path, Turns] = {}
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Setup, call and teardown inside the turn: a module's server or model starts in its
@@ -91,8 +119,10 @@ def pytest_runtest_protocol(item, nextitem):
     if folder is None:
         yield
         return
+    turns = _TURNS.setdefault(folder, Turns(folder))
     alone = item.get_closest_marker(ALONE) is not None
-    with turn(folder, alone), blas_share(alone):
+    next_alone = nextitem is not None and nextitem.get_closest_marker(ALONE) is not None
+    with turns.test(alone, next_alone), blas_share(alone):
         yield
 
 

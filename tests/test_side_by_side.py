@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from side_by_side import turn
+from side_by_side import Turns, turn
 
 
 def enter(folder, alone: bool, log: list, name: str, hold: float) -> threading.Thread:
@@ -43,3 +43,27 @@ def test_tests_that_are_not_alone_run_side_by_side(tmp_path):
     for thread in (first, second):
         thread.join(5)
     assert log == ["a in", "b in", "b out", "a out"]
+
+
+def test_consecutive_alone_tests_keep_the_machine_between_them(tmp_path):
+    """A worker with two `alone` tests in a row holds the machine from the first to the
+    end of the second: the other worker's test, arriving during the first, runs after
+    both (let in between, it would have made the second wait for it)."""
+    log: list[str] = []
+    turns = Turns(tmp_path)
+
+    def two_alone():
+        for name, next_alone in (("first", True), ("second", False)):
+            with turns.test(True, next_alone):
+                log.append(f"{name} in")
+                time.sleep(0.3)
+                log.append(f"{name} out")
+            time.sleep(0.1)  # the worker between tests: reports, the next setup
+
+    worker = threading.Thread(target=two_alone)
+    worker.start()
+    time.sleep(0.1)
+    other = enter(tmp_path, False, log, "other", 0.0)
+    for thread in (worker, other):
+        thread.join(5)
+    assert log == ["first in", "first out", "second in", "second out", "other in", "other out"]
