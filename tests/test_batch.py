@@ -231,7 +231,8 @@ def test_fresh_prompts_joining_together_are_fed_in_one_pass_as_each_alone():
     caches.leave([0, 1, 3], [(2, prompts[0])])
     assert caches.start(4, [*prompts[0], 7], None) == len(prompts[0])  # from the kept prefix
     caches.start(5, [8, 9], None)
-    assert prefill_group(caches, [4, 5], 64, fixed) == []  # one fresh prompt: no group
+    caches.start(6, [], None)  # a one-token prompt: nothing to feed
+    assert prefill_group(caches, [4, 5, 6], 64, fixed) == []  # one fresh prompt: no group
 
 
 def test_a_family_that_cannot_batch_is_refused_in_one_line():

@@ -213,10 +213,10 @@ class Prefill:
 def feed_together(model: nn.Module, prefills: list[Prefill], chunk: int) -> None:
     """Feed the next `chunk` tokens of several fresh prefills in one pass, left-padded in
     a `BatchKVCache` as mlx-lm's `batch_generate` prefills its prompts: one pass where each
-    prompt alone ran its own (8 rows joining at once on a tiny model ran 8 short passes).
-    Each row's entries then go to its own cache (`extract`), which joins as before. Only
-    for attention-only models (`BatchTarget.feeds_together`)."""
-    if not all(prefill.fresh for prefill in prefills):
+    prompt alone runs its own (whether that pays is `width.prefill_group`'s call). Each
+    row's entries then go to its own cache (`extract`), which joins as before. Only for
+    attention-only models (`BatchTarget.feeds_together`)."""
+    if not all(prefill.fresh and prefill.todo for prefill in prefills):
         raise ValueError("only prompts with nothing in their caches can be fed together")
     pieces = [prefill.todo[:chunk] for prefill in prefills]
     width = max(len(piece) for piece in pieces)

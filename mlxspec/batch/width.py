@@ -39,6 +39,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,6 +49,10 @@ from mlxspec.batch.target import BatchTarget, Prefill
 from mlxspec.events import ProgressNote
 from mlxspec.policy import expected_tokens
 from mlxspec.verify_cost import VerifyCost, cached_verify_cost, calibration_key
+
+if TYPE_CHECKING:
+    from mlxspec.batch.caches import BatchCaches
+    from mlxspec.batch.single import SingleCaches
 
 GRID_ROWS = (1, 2, 4, 8)
 GRID_COLUMNS = (1, 2, 4, 8, 16)
@@ -310,20 +315,22 @@ class PassCost:
 
 
 def prefill_group(
-    caches, request_ids: list[int], chunk: int, cost: Callable[[int, int], float] | None
+    caches: BatchCaches | SingleCaches,
+    request_ids: list[int],
+    chunk: int,
+    cost: Callable[[int, int], float] | None,
 ) -> list[int]:
     """Which joining prompts to feed in one left-padded pass this round (`feed_together`):
     of the fresh ones, the shortest that save the most by the pass cost the batch prices
-    its rounds with (`PassCost`), against one pass each; none alone, or where
-    the caches cannot. A padded pass computes every row to the longest, so where a pass
+    its rounds with (`PassCost`), against one pass each; none alone (`cost` None), or
+    where the caches cannot. A padded pass computes every row to the longest, so where a pass
     costs its tokens (this CPU) only short, alike prompts gain (random groups of chat
     prompts ran 0.44-0.71x one by one, 2-4 short alike ones 1.35-1.48x:
     benchmarks/prefill_batching.py); where it costs its weights, all of them do."""
     if cost is None or len(request_ids) < 2 or not caches.target.feeds_together:
         return []
-    pieces = sorted(
-        (min(chunk, caches.unfed(i)), i) for i in request_ids if caches.prefills[i].fresh
-    )
+    fresh = [i for i in request_ids if caches.prefills[i].fresh and caches.unfed(i)]
+    pieces = sorted((min(chunk, caches.unfed(i)), i) for i in fresh)
     best, saved, apart = [], 0.0, 0.0
     for n, (tokens, _) in enumerate(pieces, start=1):
         apart += cost(1, tokens)
