@@ -334,6 +334,7 @@ def prefill_group(
     best, saved, apart = [], 0.0, 0.0
     for n, (tokens, _) in enumerate(pieces, start=1):
         apart += cost(1, tokens)
-        if n > 1 and apart - cost(n, tokens) > saved:
-            best, saved = [i for _, i in pieces[:n]], apart - cost(n, tokens)
+        saving = apart - cost(n, tokens) if n > 1 else 0.0
+        if saving > saved:
+            best, saved = [i for _, i in pieces[:n]], saving
     return best
