@@ -112,6 +112,11 @@ class ShardedWorker(Worker):
         timer.daemon = True
         timer.start()
 
+    def why_stopping(self) -> ApiError:
+        """A request that arrives after a rank was lost hears which rank, as those
+        that were running did: "shutting down" alone would not tell it why."""
+        return self.failure or super().why_stopping()
+
     def fail(self, reason: str) -> ApiError:
         """A rank is lost: every running and queued request ends with a 503 naming it,
         new ones are refused, and the process ends non-zero once the answers are out."""

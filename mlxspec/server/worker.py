@@ -178,12 +178,16 @@ class Worker:
     def _cut(self) -> None:
         """The server stops now: every running request ends, told why."""
         for job in self.in_flight():
-            job.post(shutting_down())
+            job.post(self.why_stopping())
             job.cancel()
 
     def _refuse(self, job: Job) -> None:
-        job.post(shutting_down())
+        job.post(self.why_stopping())
         job.end()
+
+    def why_stopping(self) -> ApiError:
+        """What a request refused or cut by the stop hears."""
+        return shutting_down()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Shut down and wait for the thread to end."""
@@ -198,7 +202,7 @@ class Worker:
     def submit(self, generation: Generation) -> Job:
         """Queue a request (called on the event loop only, so the check cannot race)."""
         if self._stopping.is_set():
-            raise shutting_down()
+            raise self.why_stopping()
         if self._waiting.qsize() >= self.queue_room:
             raise ApiError(
                 429,
