@@ -86,9 +86,12 @@ def test_estimated_speedup_agrees_with_the_bench(smollm2):
     runtime = Runtime(entry, smollm2, notify=lambda _: None)
     plain, spec = Method("mlxspec", "none"), Method("mlxspec", "prompt-lookup")
     prompt = BenchPrompt("copy", "copy", COPY_PROMPT)
-    # plain-mlx-lm leads every bench (each row is checked against its tokens).
+    # plain-mlx-lm leads every bench, but nothing here reads its rows: they are left out
+    # of the timed plan (a third of the test's time). Each spec row is still checked
+    # against the first row run, mlxspec's own plain decoding.
     methods = [Method(PLAIN), plain, spec]
     bench = Bench(runtime, [prompt], methods, max_tokens=64, repeats=3)
+    bench.plan = [(p, repeat, method) for p, repeat, method in bench.plan if method != methods[0]]
     bench.prepare()
     seen = []
     # The measured side is a timing on a shared machine: a burst of other work during one
