@@ -1111,29 +1111,40 @@ def test_serve_a_killed_rank_ends_every_request_with_a_503(tiny, max_batch):
         assert time.monotonic() - start < 25
 
 
-def test_chat_sharded_answers_every_turn_as_one_process(tiny):
+def test_chat_sharded_answers_every_turn_as_one_process(tiny, tmp_path):
     """`chat --ranks 2` on pipes (the line chat; rank 0 is the process started) over two
     turns, then /quit ends every rank with exit 0. The model (24 layers, which outweigh the
     embeddings) is split before its weights are read: each rank's peak memory while
-    loading is about half of them."""
+    loading is about half of them. Loaded, the ranks wait for the user's first turn
+    however long it takes: the watchdog that the loading collectives armed must not call
+    that wait a stuck rank. And the ring's address file is gone by then (a rank 0 killed
+    while it waits, as a closed terminal does, cannot leave it in the temporary folder)."""
     seed_flat_calibration(tiny, "deep", 2)
     turns = "one two one two\nxy xy xy\n/quit\n"
     env = {**os.environ, "MLXSPEC_MODELS": str(tiny / "models.toml")}
-    env |= {"MLXSPEC_CACHE": str(tiny / "cache")}
+    env |= {"MLXSPEC_CACHE": str(tiny / "cache"), "TMPDIR": str(tmp_path)}
     env.pop("MLXSPEC_FAULT", None)
     env.pop("OPENBLAS_NUM_THREADS", None)  # the ranks share the cores by themselves
     run = [sys.executable, "-m", "mlxspec", "chat", "--model", "deep", "--plain", "--no-color"]
-    answers = [
-        subprocess.run(
-            [*run, *args], input=turns, capture_output=True, text=True, env=env, timeout=120
-        )
-        for args in ([], ["--ranks", "2"])
-    ]
-    assert all(done.returncode == 0 for done in answers), answers[1].stderr
-    assert answers[1].stdout.count("\n") == 2 and len(answers[1].stdout) > 40  # 2 answers
-    assert answers[1].stdout == answers[0].stdout
+    one = subprocess.run(run, input=turns, capture_output=True, text=True, env=env, timeout=120)
+    assert one.returncode == 0, one.stderr
+    sharded = [*run, "--ranks", "2", "--collective-timeout", "2"]
+    pipes = dict(stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
+    chat = subprocess.Popen(sharded, **pipes, text=True, env=env)
+    said = []
+    for line in chat.stderr:  # up to the line chat's greeting: every rank has loaded
+        said.append(line)
+        if "chatting with" in line:
+            break
+    time.sleep(3.5)  # the user thinks, longer than the collective timeout
+    assert not list(tmp_path.glob("mlxspec-ring-*"))
+    out, rest = chat.communicate(turns, timeout=120)
+    stderr = "".join(said) + rest
+    assert chat.returncode == 0, stderr
+    assert out.count("\n") == 2 and len(out) > 40  # 2 answers
+    assert out == one.stdout
     full_mib = (tiny / "deep" / "model.safetensors").stat().st_size / 2**20
-    said = re.search(r"peak MiB while loading, per rank: ([\d.]+), ([\d.]+)\)", answers[1].stderr)
+    said = re.search(r"peak MiB while loading, per rank: ([\d.]+), ([\d.]+)\)", stderr)
     peaks = [float(mib) for mib in said.groups()]
     assert all(0.3 * full_mib < mib < 0.7 * full_mib for mib in peaks), (peaks, full_mib)
 
@@ -1280,37 +1291,3 @@ def test_chat_tui_sharded_a_killed_rank_ends_the_chat_with_one_line(tiny, tmp_pa
         assert time.monotonic() - start < 15
     errors = [line for line in screen.splitlines() if line.startswith("Error: ")]
     assert errors == ["Error: rank 1 was killed before the answer was complete; every rank stopped"]
-
-
-def test_chat_sharded_waits_for_its_first_turn_past_the_collective_timeout(tiny, tmp_path):
-    """Loaded, the ranks wait for the user's first turn however long it takes: the
-    watchdog that the loading collectives armed must not call that wait a stuck rank.
-    And the ring's address file is gone by then (a rank 0 killed while it waits, as a
-    closed terminal does, cannot leave it in the temporary folder)."""
-    seed_flat_calibration(tiny, "tiny", 2)
-    env = {
-        **os.environ,
-        "MLXSPEC_MODELS": str(tiny / "models.toml"),
-        "MLXSPEC_CACHE": str(tiny / "cache"),
-        "TMPDIR": str(tmp_path),
-    }
-    env.pop("MLXSPEC_FAULT", None)
-    env.pop("OPENBLAS_NUM_THREADS", None)  # the ranks share the cores by themselves
-    args = ["chat", "--ranks", "2", "--plain", "--collective-timeout", "2"]
-    chat = subprocess.Popen(
-        [sys.executable, "-m", "mlxspec", *args],
-        stdin=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    said = []
-    for line in chat.stderr:  # up to the line chat's greeting: every rank has loaded
-        said.append(line)
-        if "chatting with" in line:
-            break
-    time.sleep(5)  # the user thinks, longer than the collective timeout
-    assert not list(tmp_path.glob("mlxspec-ring-*"))
-    _, rest = chat.communicate("/quit\n", timeout=60)
-    assert chat.returncode == 0, "".join(said) + rest
