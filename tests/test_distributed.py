@@ -924,6 +924,11 @@ def serving_ranks(
                 launcher.kill()
 
 
+def rank_environ(pid: int) -> bytes:
+    """A process's environment, NUL-separated with a leading NUL (to match whole names)."""
+    return b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+
+
 def rank_processes(port: int) -> list[str]:
     """Command lines of the processes still serving on `port` (ranks included)."""
     pattern = f"serve.*--port {port}"
@@ -950,7 +955,10 @@ def one_process_answers(root: Path) -> dict[str, str]:
 
 def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
     """Four concurrent openai clients, streaming and not, a client that leaves mid-stream,
-    and Ctrl-C: through `serve --ranks 2` as in one process."""
+    and Ctrl-C: through `serve --ranks 2` as in one process; logprobs too
+    (`test_logprobs.assert_one_process_logprobs`)."""
+    from test_logprobs import assert_one_process_logprobs
+
     expected = one_process_answers(tiny)
     seed_flat_calibration(tiny, "tiny", 2)
 
@@ -965,6 +973,7 @@ def test_serve_sharded_answers_as_one_process_and_follows_disconnects(tiny):
             together = list(pool.map(complete, SERVE_PROMPTS))
         assert together == list(expected.values())
         assert complete(SERVE_PROMPTS[0], stream=True) == expected[SERVE_PROMPTS[0]]
+        assert_one_process_logprobs(tiny, client)
 
         # A client that leaves: every rank stops after the same round, then serves on.
         long = client.completions.create(model="tiny", prompt="ab ab", max_tokens=2000, stream=True)
@@ -990,7 +999,14 @@ def test_serve_sharded_batch_gives_each_client_its_one_process_answer(tiny):
     """`serve --ranks 2 --max-batch 4`: three staggered openai clients join a running
     batch (one sharded pass a round for all rows) and each gets its one-process answer;
     a client that leaves mid-stream frees its row on every rank at once (the others
-    finish in step, and the batch serves on)."""
+    finish in step, and the batch serves on); logprobs come from rank 0's batch rows
+    (`test_logprobs.assert_one_process_logprobs`). Idle, the rank that follows rank 0
+    waits on its doorbell, not in a collective: MLX's ring polls its socket without
+    sleeping, so before the bell a follower of an idle server took a whole core (seen
+    failing: 100 % of a core with the follower's `wait` skipped)."""
+    from test_logprobs import assert_one_process_logprobs
+    from test_rank_relay import children_of, cpu_seconds, is_rank
+
     expected = one_process_answers(tiny)
     seed_flat_calibration(tiny, "tiny", 2)
 
@@ -1023,6 +1039,17 @@ def test_serve_sharded_batch_gives_each_client_its_one_process_answer(tiny):
             time.sleep(0.1)
         last = complete(0, SERVE_PROMPTS[3])  # every rank still holds the same rows
         assert last.choices[0].text == expected[SERVE_PROMPTS[3]]
+        assert_one_process_logprobs(tiny, client)
+
+        ranks = [pid for pid in children_of(launcher.pid) if is_rank(pid)]
+        (follower,) = [pid for pid in ranks if b"\0MLX_RANK=0\0" not in rank_environ(pid)]
+        time.sleep(0.5)
+        start, before = time.monotonic(), cpu_seconds(follower)
+        time.sleep(1.5)  # 10 % of it is 15 clock ticks of /proc's CPU time
+        share = (cpu_seconds(follower) - before) / (time.monotonic() - start)
+        assert share < 0.10, f"an idle follower took {share:.0%} of a core"
+        again = complete(0, SERVE_PROMPTS[3])  # and it still answers after the idle spell
+        assert again.choices[0].text == expected[SERVE_PROMPTS[3]]
 
 
 @pytest.mark.parametrize("max_batch", ["1", "4"])

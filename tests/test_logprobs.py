@@ -14,11 +14,11 @@ import openai
 import pytest
 from lossless import plain_greedy
 from mlx_lm.models.cache import make_prompt_cache
-from test_distributed import SERVE_PROMPTS, save_model, seed_flat_calibration, serving_ranks
+from test_distributed import SERVE_PROMPTS
 from test_lossless import CPU_LIKE_COST, Oracle
 from test_server import CHAT, HELLO, TEXT, TinyProvider, serving
 from test_server import tiny_engine as server_engine
-from tiny_models import FAMILIES, VOCAB, byte_tokenizer, tiny_model
+from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec import request
 from mlxspec.batch.scheduler import Scheduler
@@ -292,33 +292,19 @@ def test_bad_logprobs_get_a_400_in_openais_shape(base_url, path, body, param):
     assert error["type"] == "invalid_request_error" and param in error["message"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """A models.toml with a tiny llama that two ranks split, drafting by prompt lookup."""
-    root = tmp_path_factory.mktemp("sharded-logprobs")
-    save_model(tiny_model("llama", seed=3), FAMILIES["llama"], root / "llama")
-    (root / "models.toml").write_text(
-        'default = "tiny"\n[models.tiny]\ntarget = "./llama"\n'
-        "[models.tiny.proposers.prompt-lookup]\nk_max = 8\n"
-    )
-    return root
-
-
-@pytest.mark.alone  # two ranks fill both cores (tests/side_by_side.py)
-@pytest.mark.parametrize("max_batch", ["1", "2"])
-def test_a_sharded_server_reports_the_one_process_logprobs(tiny, max_batch):
-    """`serve --ranks 2`: rank 0 reads the logprobs of its verify rows (the other ranks
-    none), alone and in its batch, and they are one process's plain decoding's."""
-    loaded = load_model(str(tiny / "llama"), progress=False)
+def assert_one_process_logprobs(root: Path, client: openai.OpenAI) -> None:
+    """`serve --ranks 2` on `root`'s tiny llama: rank 0 reads the logprobs of its verify
+    rows (the other ranks none), alone or in its batch, and they are one process's plain
+    decoding's. Asked of the sharded servers of test_distributed.py (one at a time and
+    batched): a server of its own cost two rank launches more."""
+    loaded = load_model(str(root / "llama"), progress=False)
     plain = Engine(loaded.model, loaded.tokenizer, "tiny")
     prompt = SERVE_PROMPTS[0]
     settings = GenerationSettings(max_tokens=24, logprobs=2)
     expected = list(plain.stream(prompt, settings))[-1].logprobs
-    seed_flat_calibration(tiny, "tiny", 2)
-    with serving_ranks(tiny, "--max-batch", max_batch) as (_, client, _):
-        answer = client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=24, temperature=0, logprobs=2
-        )
+    answer = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, logprobs=2
+    )
     logprobs = answer.choices[0].logprobs
     assert answer.model_extra["x_mlxspec"]["ranks"] == 2
     assert answer.model_extra["x_mlxspec"]["accepted"] > 0  # drafts were kept and reported
