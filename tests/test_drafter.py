@@ -603,7 +603,7 @@ def test_train_drafter_command_trains_registers_and_generates(tmp_path, monkeypa
     models.write_text(f'[models.tiny]\ntarget = "{tmp_path / "tiny"}"\n')
     monkeypatch.setenv("MLXSPEC_MODELS", str(models))
     out = tmp_path / "head"
-    args = ["--model", "tiny", "--out", str(out), "--budget", "0.1", "--prompts", "8"]
+    args = ["--model", "tiny", "--out", str(out), "--budget", "0.05", "--prompts", "8"]
     mine = tmp_path / "mine.jsonl"
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     mine.write_text(

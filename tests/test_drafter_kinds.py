@@ -105,7 +105,7 @@ def train_and_compare(kind: str, out, proposer: str) -> None:
     output identical to plain decoding."""
     size = ["--heads", "2"] if kind == "medusa" else ["--layers", "1"]
     args = ["--model", "tiny", "--kind", kind, *size, "--out", str(out)]
-    args += ["--budget", "0.1", "--prompts", "8", "--text-tokens", "600"]
+    args += ["--budget", "0.05", "--prompts", "8", "--text-tokens", "600"]
     result = CliRunner().invoke(main, ["train-drafter", *args])
     assert result.exit_code == 0, result.output
     assert f"registered as proposer '{proposer}'" in result.output
