@@ -1154,8 +1154,6 @@ def test_chat_sharded_answers_every_turn_as_one_process(tiny, tmp_path):
     env.pop("MLXSPEC_FAULT", None)
     env.pop("OPENBLAS_NUM_THREADS", None)  # the ranks share the cores by themselves
     run = [sys.executable, "-m", "mlxspec", "chat", "--model", "deep", "--plain", "--no-color"]
-    one = subprocess.run(run, input=turns, capture_output=True, text=True, env=env, timeout=120)
-    assert one.returncode == 0, one.stderr
     sharded = [*run, "--ranks", "2", "--collective-timeout", "2"]
     pipes = dict(stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.PIPE)
     chat = subprocess.Popen(sharded, **pipes, text=True, env=env)
@@ -1164,7 +1162,11 @@ def test_chat_sharded_answers_every_turn_as_one_process(tiny, tmp_path):
         said.append(line)
         if "chatting with" in line:
             break
-    time.sleep(3.5)  # the user thinks, longer than the collective timeout
+    thinking = time.monotonic() + 3.5  # the user thinks, longer than the collective timeout
+    # Meanwhile (the ranks idle), the same turns in one process: the answers to match.
+    one = subprocess.run(run, input=turns, capture_output=True, text=True, env=env, timeout=120)
+    assert one.returncode == 0, one.stderr
+    time.sleep(max(0.0, thinking - time.monotonic()))
     assert not list(tmp_path.glob("mlxspec-ring-*"))
     out, rest = chat.communicate(turns, timeout=120)
     stderr = "".join(said) + rest
@@ -1205,12 +1207,15 @@ def test_chat_over_a_hostfile_starts_the_other_hosts_over_ssh_and_answers_as_one
     env.pop("OPENBLAS_NUM_THREADS", None)  # the ranks share the cores by themselves
     run = [sys.executable, "-m", "mlxspec", "chat", "--plain", "--no-color"]
     turns = "one two one two\n/quit\n"
-    answers = [
-        subprocess.run(
-            [*run, *args], input=turns, capture_output=True, text=True, env=env, timeout=120
+    with ThreadPoolExecutor(2) as pool:  # one process beside the hosts: its answer to match
+        answers = list(
+            pool.map(
+                lambda args: subprocess.run(
+                    [*run, *args], input=turns, capture_output=True, text=True, env=env, timeout=120
+                ),
+                ([], ["--hostfile", str(hosts)]),
+            )
         )
-        for args in ([], ["--hostfile", str(hosts)])
-    ]
     assert all(done.returncode == 0 for done in answers), answers[1].stderr
     assert answers[1].stdout == answers[0].stdout and len(answers[1].stdout) > 20
     assert called.read_text().split() == ["mac2"]  # rank 1's host; rank 0 is this process
