@@ -924,11 +924,6 @@ def serving_ranks(
                 launcher.kill()
 
 
-def rank_environ(pid: int) -> bytes:
-    """A process's environment, NUL-separated with a leading NUL (to match whole names)."""
-    return b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
-
-
 def rank_processes(port: int) -> list[str]:
     """Command lines of the processes still serving on `port` (ranks included)."""
     pattern = f"serve.*--port {port}"
@@ -1005,7 +1000,7 @@ def test_serve_sharded_batch_gives_each_client_its_one_process_answer(tiny):
     sleeping, so before the bell a follower of an idle server took a whole core (seen
     failing: 100 % of a core with the follower's `wait` skipped)."""
     from test_logprobs import assert_one_process_logprobs
-    from test_rank_relay import children_of, cpu_seconds, is_rank
+    from test_rank_relay import children_of, cpu_seconds, environ, is_rank
 
     expected = one_process_answers(tiny)
     seed_flat_calibration(tiny, "tiny", 2)
@@ -1042,7 +1037,7 @@ def test_serve_sharded_batch_gives_each_client_its_one_process_answer(tiny):
         assert_one_process_logprobs(tiny, client)
 
         ranks = [pid for pid in children_of(launcher.pid) if is_rank(pid)]
-        (follower,) = [pid for pid in ranks if b"\0MLX_RANK=0\0" not in rank_environ(pid)]
+        (follower,) = [pid for pid in ranks if b"\0MLX_RANK=0\0" not in environ(pid)]
         time.sleep(0.5)
         start, before = time.monotonic(), cpu_seconds(follower)
         time.sleep(1.5)  # 10 % of it is 15 clock ticks of /proc's CPU time

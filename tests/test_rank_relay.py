@@ -60,12 +60,18 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def environ(pid: int) -> bytes:
+    """A process's environment, NUL-separated with a leading NUL (so that a whole name
+    matches: b"\0MLX_RANK=0\0"); empty once the process is gone."""
+    try:
+        return b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
 def is_rank(pid: int) -> bool:
     """A rank is started with MLX_RANK in its environment; a launcher or relay is not."""
-    try:
-        return b"\0MLX_RANK=" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
+    return b"\0MLX_RANK=" in environ(pid)
 
 
 @pytest.fixture(scope="module")
