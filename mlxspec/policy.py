@@ -180,8 +180,16 @@ class Policy:
         tokens = self._expected_by_position(situation, key, limit) or self._expected_from_evidence(
             situation, rate, limit
         )
+        # A round's tokens never fall as k grows; where its cost never falls either (a
+        # monotone curve, as every measured one is), a k whose cost alone leaves the most
+        # tokens no faster than the best ends the search: no longer k can beat it. (A
+        # batch asks every row's plan each round: up to `limit` widths each.)
+        most = tokens[limit] if tokens else expected_tokens(rate, limit)
+        rising = self.cost.monotone and per_draft >= 0
         for k in range(1, limit + 1):
             cost = self.verify_cost(nodes(k) + 1) + (1 if per_round else k) * per_draft
+            if rising and most <= best_speed * cost:
+                break
             speed = (tokens[k] if tokens else expected_tokens(rate, k)) / cost
             if speed > best_speed:
                 best_k, best_speed = k, speed

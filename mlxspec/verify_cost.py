@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ class VerifyCost:
     measurements: int = 1  # calibrations merged into it (a partial one is measured again)
 
     def __call__(self, m: int) -> float:
-        sizes = sorted(self.points)
+        sizes = self.sizes
         if m >= sizes[-1] and self.partial:
             return self.points[sizes[-1]] * m / sizes[-1]
         if m <= sizes[0] or len(sizes) == 1:  # one point: no slope, a flat cost
@@ -61,6 +62,19 @@ class VerifyCost:
         i = bisect.bisect_left(sizes, m)
         a, b = sizes[i - 1], sizes[i]
         return self.points[a] + (self.points[b] - self.points[a]) * (m - a) / (b - a)
+
+    @cached_property
+    def sizes(self) -> list[int]:
+        """The measured sizes in order, sorted once: a batch's width choice prices
+        hundreds of widths a round (a curve's points are never changed in place)."""
+        return sorted(self.points)
+
+    @cached_property
+    def monotone(self) -> bool:
+        """Whether no verify costs less than a shorter one (every measured curve: they are
+        fitted so), which lets a search over k stop early (`Policy._plan`)."""
+        prices = [self.points[m] for m in self.sizes]
+        return all(a <= b for a, b in zip(prices, prices[1:]))
 
     def to_json(self) -> str:
         return json.dumps(

@@ -122,6 +122,50 @@ def test_policy_counts_draft_cost_and_keeps_probing():
     assert acceptance.rate > 0.5
 
 
+def full_scan_plan(policy: Policy, situation: Situation, limit: int) -> tuple[int, float]:
+    """`Policy._plan` as it was before it stopped early: every k from 1 to `limit`."""
+    key = policy._key(situation)
+    rate = policy.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
+    per_draft = policy.draft_cost.get(situation.source.name, situation.source.cost_hint)
+    tokens = policy._expected_by_position(situation, key, limit) or policy._expected_from_evidence(
+        situation, rate, limit
+    )
+    best_k, best_speed = 0, 1.0
+    for k in range(1, limit + 1):
+        cost = policy.verify_cost(k + 1) + k * per_draft
+        speed = (tokens[k] if tokens else expected_tokens(rate, k)) / cost
+        if speed > best_speed:
+            best_k, best_speed = k, speed
+    return best_k, best_speed
+
+
+def test_the_policy_stops_its_search_over_k_early_only_where_no_longer_k_could_win():
+    """The search over k ends once a k's cost alone leaves the most tokens a round can
+    bring no faster than the best so far: the same choice as trying every k, on
+    monotone curves (measured ones) and on a made-up curve that dips (searched whole)."""
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        sizes = sorted({1, *rng.choice(np.arange(2, 65), size=5, replace=False).tolist()})
+        steps = rng.uniform(0.0, 0.8, size=len(sizes) - 1)
+        points = dict(zip(sizes, np.concatenate([[1.0], 1.0 + np.cumsum(steps)]).tolist()))
+        if trial % 10 == 0:  # a curve that dips: no early end may be taken on it
+            last = sizes[-1]
+            points[last] = 0.5 * points[sizes[-2]]
+        curve = VerifyCost(points, 0.01, partial=bool(trial % 3 == 0))
+        policy = Policy(curve)
+        policy.extra_cost_scale = float(rng.uniform(0.25, 4.0))
+        cost_hint = float(rng.choice([0.0, 0.0, 0.02, 0.3]))
+        evidence = ()
+        if trial % 4 == 1:
+            evidence = tuple((int(rng.integers(1, 5)), 5) for _ in range(int(rng.integers(1, 12))))
+        situation = Situation(Named("lookup", cost_hint), "match", float(rng.uniform()), evidence)
+        for _ in range(int(rng.integers(0, 6))):
+            drafted = int(rng.integers(1, 9))
+            policy.update(situation, drafted, int(rng.integers(0, drafted + 1)), 0.0)
+        limit = int(rng.integers(1, 65))
+        assert policy._plan(situation, limit) == full_scan_plan(policy, situation, limit), trial
+
+
 def test_text_stream_never_shows_a_stop_string_split_across_tokens():
     tokenizer = byte_tokenizer()
     stream = TextStream(tokenizer, stop=["END"])

@@ -100,16 +100,22 @@ class PassGrid:
     # Per row count, its cost over columns: built once, since every round's width choice
     # asks for a cost per candidate width.
     _lines: dict[int, VerifyCost] = field(init=False, repr=False, compare=False)
+    # Each (rows, columns) asked, interpolated once: the cells never change.
+    _asked: dict[tuple[int, int], float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._lines = {
             r: VerifyCost({c: cost for (r2, c), cost in self.cells.items() if r2 == r}, 1.0)
             for r in sorted({r for r, _ in self.cells})
         }
+        self._asked = {}
 
     def __call__(self, rows: int, columns: int) -> float:
-        by_rows = {r: line(columns) for r, line in self._lines.items()}
-        return VerifyCost(by_rows, 1.0)(rows)
+        cost = self._asked.get((rows, columns))
+        if cost is None:
+            by_rows = {r: line(columns) for r, line in self._lines.items()}
+            cost = self._asked[(rows, columns)] = VerifyCost(by_rows, 1.0)(rows)
+        return cost
 
     def to_json(self) -> str:
         return json.dumps({f"{r}x{c}": cost for (r, c), cost in self.cells.items()})
