@@ -20,8 +20,11 @@ llama (mlx-lm's classes, the tests' byte tokenizer), greedy, no drafts but in `l
 Every row runs in this one process on a shared machine: the sides take turns `--repeats`
 times (their order rotating) and each keeps its fastest turn; the median turn is printed
 beside it. Every side generates every token asked for (EOS off); a line says so where
-their tokens differ (on a GPU, a batch may round apart at near ties). `--profile` runs
-mlxspec's side of each part once more under cProfile and prints where its host time went.
+their tokens differ (on a GPU, a batch may round apart at near ties). A last line per
+part gives each side's host work: its main thread's CPU time a token (Python, graph
+building, MLX's dispatch), which the CPU backend's pass, computed on other threads, hides
+here and a GPU's cheap pass would not. `--profile` runs mlxspec's side of each part once
+more under cProfile and prints where its host time went.
 """
 
 from __future__ import annotations
@@ -132,10 +135,11 @@ def bare_passes(model, prompts: list[list[int]], tokens: int, clients: int) -> t
 
 def take_turns(*sides: Callable[[], tuple[float, object]], repeats: int) -> list[list[float]]:
     """Seconds of each side's turns, the order rotating; where their outputs differ,
-    a line says so."""
+    a line says so. Each side's main-thread CPU seconds a turn go to `HOST`."""
     for run in sides:  # warm-up: kernels, buffers
         run()
     seconds: list[list[float]] = [[] for _ in sides]
+    HOST[:] = [[] for _ in sides]
     differed = False
     for turn in range(repeats):
         order = list(range(len(sides)))
@@ -144,7 +148,9 @@ def take_turns(*sides: Callable[[], tuple[float, object]], repeats: int) -> list
             order.reverse()
         outputs = {}
         for side in order:
+            host = time.thread_time()
             wall, outputs[side] = sides[side]()
+            HOST[side].append(time.thread_time() - host)
             seconds[side].append(wall)
         if len({repr(outputs[side]) for side in outputs}) > 1 and not differed:
             # Same work either way (EOS off); on a GPU a batch's rows may round apart at a
@@ -152,6 +158,20 @@ def take_turns(*sides: Callable[[], tuple[float, object]], repeats: int) -> list
             differed = True
             print("note: the sides' tokens differ (rounding at a near tie?)", flush=True)
     return seconds
+
+
+# The last `take_turns`' main-thread CPU seconds, per side and turn: the host's own work
+# (Python, building graphs, MLX's dispatch; the CPU backend computes on other threads),
+# what a GPU's cheap pass would leave exposed where on this CPU the pass hides it.
+HOST: list[list[float]] = []
+
+
+def report_host(tokens: int, names: list[str]) -> None:
+    """Each side's main-thread CPU a token, median turn (`HOST`)."""
+    shares = ", ".join(
+        f"{name} {1000 * statistics.median(cpu) / tokens:.3f}" for name, cpu in zip(names, HOST)
+    )
+    print(f"  host work (main-thread CPU, median turn), ms/token: {shares}", flush=True)
 
 
 def report(
@@ -181,6 +201,7 @@ def single(shapes: list[tuple[int, int]], tokens: int, repeats: int, profile: bo
             repeats=repeats,
         )
         report(f"single, hidden {hidden} x {layers} layers, {tokens} tokens", tokens, mine, other)
+        report_host(tokens, ["mlxspec", "mlx-lm"])
         if profile:
             print_profile(partial(mlxspec_single, engine, prompt, tokens))
 
@@ -201,6 +222,7 @@ def batch(
     report(f"{label} x {tokens} tokens", prompts * tokens, mine, other)
     report("  against the bare passes", prompts * tokens, mine, bare, ("mlxspec", "bare"))
     report("  against the bare passes", prompts * tokens, other, bare, ("mlx-lm", "bare"))
+    report_host(prompts * tokens, ["mlxspec", "mlx-lm", "bare"])
     if profile:
         print_profile(ours)
 
@@ -224,6 +246,7 @@ def lookup(
     names = ("batched", "one at a time")
     report(f"{label} x {tokens} tokens", clients * tokens, together, alone, names)
     report("  against batched plain", clients * tokens, together, plain, ("batched", "plain"))
+    report_host(clients * tokens, ["batched", "one at a time", "plain"])
     if profile:
         print_profile(ours)
 
