@@ -838,23 +838,33 @@ def test_smollm2_served_on_three_ranks_answers_four_clients_as_one_process(smoll
         chunks = client.chat.completions.create(**asked, stream=True, extra_body=lookup)
         return "".join(chunk.choices[0].delta.content or "" for chunk in chunks), None
 
+    tokenizer, eos = smollm2.tokenizer, set(smollm2.tokenizer.eos_token_ids)
+    chats = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True
+            )
+        )
+        for p in prompts
+    ]
+
+    def one_process() -> list[list[int]]:
+        return [plain_greedy(smollm2.model, tokens, tokens_asked, eos) for tokens in chats]
+
     cache = seeded_shipped_cache(tmp_path, "smollm2-135m", 3)
-    with serving_ranks(None, "--max-batch", "4", ranks=3, model="smollm2-135m", cache=cache) as (
-        launcher,
-        client,
-        url,
-    ):
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(ask, prompts))
+    with ThreadPoolExecutor(1) as beside:  # the one-process answers, while the ranks load
+        references = beside.submit(one_process)
+        with serving_ranks(
+            None, "--max-batch", "4", ranks=3, model="smollm2-135m", cache=cache
+        ) as (launcher, client, url):
+            references.result()  # done before the clients ask: they are timed apart
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(ask, prompts))
     records = [record for _, record in answers if record is not None]
     assert all(record["ranks"] == 3 for record in records)
     assert any(sum(record["batch_sizes"][2:]) for record in records)  # rows shared passes
     assert sum(record["accepted"] for record in records) > 0  # speculation inside it
-    tokenizer, eos = smollm2.tokenizer, set(smollm2.tokenizer.eos_token_ids)
-    for prompt, (text, _) in zip(prompts, answers):
-        messages = [{"role": "user", "content": prompt}]
-        tokens = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        reference = plain_greedy(smollm2.model, tokens, tokens_asked, eos)
+    for prompt, tokens, reference, (text, _) in zip(prompts, chats, references.result(), answers):
         if text != tokenizer.decode(reference):  # the first difference must be a near tie
             got = tokenizer.encode(text, add_special_tokens=False)
             assert_lossless(smollm2.model, tokens, reference, got, f"3 ranks: {prompt}")
