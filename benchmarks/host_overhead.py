@@ -93,10 +93,15 @@ def batch_prompts(count: int) -> list[list[int]]:
     return [list((PROMPT * 4)[: 20 + (37 * i) % 100].encode()) for i in range(count)]
 
 
-def mlxspec_batched(engine: Engine, prompts, tokens: int, clients: int) -> tuple[float, list]:
+def mlxspec_batched(
+    engine: Engine, prompts, tokens: int, clients: int, proposer: str | None = None
+) -> tuple[float, list]:
+    """The scheduler's batch, plain (k = 0) or drafting with `proposer` (adaptive k),
+    from a cold engine: no prompt reuse, nothing its policies learned in earlier turns
+    (as `one_at_a_time` starts each request)."""
     engine.reset()
-    settings = GenerationSettings(max_tokens=tokens, k=0)
-    return batched(engine, prompts, settings, None, clients)
+    settings = GenerationSettings(max_tokens=tokens, k=None if proposer else 0)
+    return batched(engine, prompts, settings, proposer, clients)
 
 
 def mlx_lm_batched(model, tokenizer, prompts, tokens: int, clients: int) -> tuple[float, list]:
@@ -133,13 +138,17 @@ def bare_passes(model, prompts: list[list[int]], tokens: int, clients: int) -> t
     return time.perf_counter() - start, answers
 
 
-def take_turns(*sides: Callable[[], tuple[float, object]], repeats: int) -> list[list[float]]:
-    """Seconds of each side's turns, the order rotating; where their outputs differ,
-    a line says so. Each side's main-thread CPU seconds a turn go to `HOST`."""
+def take_turns(
+    *sides: Callable[[], tuple[float, object]], repeats: int
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Each side's turns: wall seconds, and main-thread CPU seconds (the host's own work:
+    Python, building graphs, MLX's dispatch; the CPU backend computes on other threads,
+    so this is what a GPU's cheap pass would leave exposed where here the pass hides it).
+    The order rotates; where the sides' outputs differ, a line says so."""
     for run in sides:  # warm-up: kernels, buffers
         run()
     seconds: list[list[float]] = [[] for _ in sides]
-    HOST[:] = [[] for _ in sides]
+    host: list[list[float]] = [[] for _ in sides]
     differed = False
     for turn in range(repeats):
         order = list(range(len(sides)))
@@ -148,28 +157,22 @@ def take_turns(*sides: Callable[[], tuple[float, object]], repeats: int) -> list
             order.reverse()
         outputs = {}
         for side in order:
-            host = time.thread_time()
+            cpu = time.thread_time()
             wall, outputs[side] = sides[side]()
-            HOST[side].append(time.thread_time() - host)
+            host[side].append(time.thread_time() - cpu)
             seconds[side].append(wall)
         if len({repr(outputs[side]) for side in outputs}) > 1 and not differed:
             # Same work either way (EOS off); on a GPU a batch's rows may round apart at a
             # random tiny model's near ties, so say it once and go on timing.
             differed = True
             print("note: the sides' tokens differ (rounding at a near tie?)", flush=True)
-    return seconds
+    return seconds, host
 
 
-# The last `take_turns`' main-thread CPU seconds, per side and turn: the host's own work
-# (Python, building graphs, MLX's dispatch; the CPU backend computes on other threads),
-# what a GPU's cheap pass would leave exposed where on this CPU the pass hides it.
-HOST: list[list[float]] = []
-
-
-def report_host(tokens: int, names: list[str]) -> None:
-    """Each side's main-thread CPU a token, median turn (`HOST`)."""
+def report_host(tokens: int, names: list[str], host: list[list[float]]) -> None:
+    """Each side's main-thread CPU a token, median turn (`take_turns`' second list)."""
     shares = ", ".join(
-        f"{name} {1000 * statistics.median(cpu) / tokens:.3f}" for name, cpu in zip(names, HOST)
+        f"{name} {1000 * statistics.median(cpu) / tokens:.3f}" for name, cpu in zip(names, host)
     )
     print(f"  host work (main-thread CPU, median turn), ms/token: {shares}", flush=True)
 
@@ -195,13 +198,13 @@ def single(shapes: list[tuple[int, int]], tokens: int, repeats: int, profile: bo
     prompt = list(PROMPT.encode())
     for hidden, layers in shapes:
         model, _, engine = tiny_llama(hidden, layers)
-        mine, other = take_turns(
+        (mine, other), host = take_turns(
             partial(mlxspec_single, engine, prompt, tokens),
             partial(mlx_lm_single, model, prompt, tokens),
             repeats=repeats,
         )
         report(f"single, hidden {hidden} x {layers} layers, {tokens} tokens", tokens, mine, other)
-        report_host(tokens, ["mlxspec", "mlx-lm"])
+        report_host(tokens, ["mlxspec", "mlx-lm"], host)
         if profile:
             print_profile(partial(mlxspec_single, engine, prompt, tokens))
 
@@ -212,7 +215,7 @@ def batch(
     model, tokenizer, engine = tiny_llama(hidden, layers)
     asked = batch_prompts(prompts)
     ours = partial(mlxspec_batched, engine, asked, tokens, clients)
-    mine, other, bare = take_turns(
+    (mine, other, bare), host = take_turns(
         ours,
         partial(mlx_lm_batched, model, tokenizer, asked, tokens, clients),
         partial(bare_passes, model, asked, tokens, clients),
@@ -222,7 +225,7 @@ def batch(
     report(f"{label} x {tokens} tokens", prompts * tokens, mine, other)
     report("  against the bare passes", prompts * tokens, mine, bare, ("mlxspec", "bare"))
     report("  against the bare passes", prompts * tokens, other, bare, ("mlx-lm", "bare"))
-    report_host(prompts * tokens, ["mlxspec", "mlx-lm", "bare"])
+    report_host(prompts * tokens, ["mlxspec", "mlx-lm", "bare"], host)
     if profile:
         print_profile(ours)
 
@@ -234,19 +237,20 @@ def lookup(
     and against batched plain. The engine measures its curve and pass grid first."""
     _, _, engine = tiny_llama(hidden, layers, measured=True)
     asked = batch_prompts(clients)
-    drafting = GenerationSettings(max_tokens=tokens)
-    ours = partial(batched, engine, asked, drafting, "prompt-lookup", clients)
-    together, alone, plain = take_turns(
+    ours = partial(mlxspec_batched, engine, asked, tokens, clients, "prompt-lookup")
+    (together, alone, plain), host = take_turns(
         ours,
-        partial(one_at_a_time, engine, asked, drafting, "prompt-lookup"),
-        partial(batched, engine, asked, GenerationSettings(max_tokens=tokens, k=0), None, clients),
+        partial(
+            one_at_a_time, engine, asked, GenerationSettings(max_tokens=tokens), "prompt-lookup"
+        ),
+        partial(mlxspec_batched, engine, asked, tokens, clients),
         repeats=repeats,
     )
     label = f"{clients} requests with prompt lookup, hidden {hidden} x {layers} layers"
     names = ("batched", "one at a time")
     report(f"{label} x {tokens} tokens", clients * tokens, together, alone, names)
     report("  against batched plain", clients * tokens, together, plain, ("batched", "plain"))
-    report_host(clients * tokens, ["batched", "one at a time", "plain"])
+    report_host(clients * tokens, ["batched", "one at a time", "plain"], host)
     if profile:
         print_profile(ours)
 
