@@ -2,7 +2,8 @@
 
 The shipped registry is `models.toml` at the repository root (one file, next to
 pyproject.toml). An installed package has no repository root, so the build copies it into
-the package, where `mlxspec.registry` looks first. An editable install reads the root file.
+the package, where `mlxspec.registry.models_toml` looks first. An editable install reads
+the root file.
 """
 
 from pathlib import Path

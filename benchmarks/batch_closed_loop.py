@@ -41,10 +41,10 @@ import mlxspec  # noqa: F401  (OpenBLAS before mlx.core)
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.bench.suites import load_suite
-from mlxspec.engine import GenerationSettings
+from mlxspec.decoding.engine import GenerationSettings
 from mlxspec.events import Accepted, Bonus, Corrected, Done
-from mlxspec.registry import NONE, load_registry
-from mlxspec.runtime import Runtime, open_runtime
+from mlxspec.registry.models_toml import NONE, load_registry
+from mlxspec.registry.runtime import Runtime, open_runtime
 from mlxspec.suffix.store import HistoryStore
 
 TREE = "@tree"  # a method NAME@tree drafts a tree a round (`--tree` of generate)

@@ -17,9 +17,9 @@ import time
 
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.bench.suites import load_suite
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.events import Done
-from mlxspec.loading import load_model
+from mlxspec.models.loading import load_model
 from mlxspec.proposers import PromptLookup
 
 

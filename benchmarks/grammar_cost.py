@@ -19,8 +19,8 @@ import llguidance.hf
 from llguidance import LLMatcher
 from transformers import PreTrainedTokenizerFast
 
-from mlxspec.grammar import Grammar
-from mlxspec.loading import load_model
+from mlxspec.models.loading import load_model
+from mlxspec.structured.grammar import Grammar
 
 WEATHER = {
     "type": "object",

@@ -46,11 +46,11 @@ import mlx.core as mx
 from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import BatchKVCache
 
-from mlxspec.engine import Engine
+from mlxspec.decoding.engine import Engine
+from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.events import Done
 from mlxspec.proposers import PromptLookup
 from mlxspec.settings import GenerationSettings
-from mlxspec.verify_cost import VerifyCost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from batch_throughput import batched, one_at_a_time  # noqa: E402  (the scheduler drains)

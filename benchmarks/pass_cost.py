@@ -22,7 +22,7 @@ import mlxspec  # noqa: F401  (preloads OpenBLAS before mlx.core on Linux)
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from mlxspec.loading import load_model
+from mlxspec.models.loading import load_model
 
 SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (16, 1), (1, 8))
 

@@ -29,8 +29,8 @@ from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.bench.suites import load_suite
-from mlxspec.registry import load_registry
-from mlxspec.runtime import open_runtime
+from mlxspec.registry.models_toml import load_registry
+from mlxspec.registry.runtime import open_runtime
 
 
 def one_by_one(model, group: list[list[int]]) -> None:

@@ -19,10 +19,10 @@ import jsonschema_rs
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.bench.suites import load_suite
 from mlxspec.events import Done
-from mlxspec.grammar import Grammar
-from mlxspec.registry import load_registry
-from mlxspec.runtime import open_runtime
+from mlxspec.registry.models_toml import load_registry
+from mlxspec.registry.runtime import open_runtime
 from mlxspec.settings import GenerationSettings
+from mlxspec.structured.grammar import Grammar
 
 
 def requests() -> list[tuple[str, dict]]:

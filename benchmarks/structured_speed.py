@@ -19,8 +19,8 @@ import statistics
 
 from mlxspec.bench.suites import load_suite
 from mlxspec.events import Done
-from mlxspec.registry import load_registry
-from mlxspec.runtime import open_runtime
+from mlxspec.registry.models_toml import load_registry
+from mlxspec.registry.runtime import open_runtime
 from mlxspec.settings import GenerationSettings
 
 

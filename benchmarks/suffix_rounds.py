@@ -32,14 +32,14 @@ from pathlib import Path
 
 from mlxspec.bench.runners import run_plain_mlx_lm
 from mlxspec.bench.suites import REPLAYED, BenchPrompt, load_suite, read_prompts
+from mlxspec.decoding.policy import Policy
+from mlxspec.decoding.verify_cost import cached_verify_cost, calibration_key
 from mlxspec.paths import cache_dir
-from mlxspec.policy import Policy
 from mlxspec.proposers import PromptLookup, ProposalContext
 from mlxspec.proposers.base import candidates
 from mlxspec.proposers.suffix import SuffixProposer
-from mlxspec.registry import load_registry
+from mlxspec.registry.models_toml import load_registry
 from mlxspec.suffix.store import HistoryStore
-from mlxspec.verify_cost import cached_verify_cost, calibration_key
 
 MODEL = "smollm2-135m"
 
@@ -49,7 +49,7 @@ def record_answers(name: str, prompts: list[BenchPrompt], max_tokens: int) -> di
     path = cache_dir() / f"suffix-rounds-{MODEL}-{name}-{max_tokens}.json"
     if path.exists():
         return json.loads(path.read_text())
-    from mlxspec.runtime import open_runtime
+    from mlxspec.registry.runtime import open_runtime
 
     runtime = open_runtime(load_registry().get(MODEL))
     engine, answers = runtime.engine, {}
@@ -224,7 +224,7 @@ def main() -> None:
     answers = record_answers(name, prompts, args.max_tokens)
     seed = None
     if args.seed:
-        from mlxspec.loading import load_model
+        from mlxspec.models.loading import load_model
         from mlxspec.suffix.seed import seed_index
 
         target = load_registry().get(MODEL).target

@@ -16,7 +16,7 @@ from mlxspec import blas
 from mlxspec.events import Accepted, Bonus, Corrected, ProgressNote
 
 if TYPE_CHECKING:  # the parser's imports (transformers) wait for a command that answers
-    from mlxspec.answer_pieces import Piece
+    from mlxspec.markup.display import Piece
 
 # Text events and the colour each is shown in (None: the terminal's own).
 COLOURS = {Accepted: "green", Corrected: None, Bonus: None}

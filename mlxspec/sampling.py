@@ -86,7 +86,7 @@ class SamplingSettings:
 
 
 class TreePaths(Protocol):
-    """What scoring a tree verify needs of a draft tree (mlxspec.tree.DraftTree): the tokens
+    """What scoring a tree verify needs of a draft tree (mlxspec.models.tree.DraftTree): the tokens
     from the root to each node. A protocol, so this module stays below the tree that samples
     through it."""
 

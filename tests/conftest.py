@@ -53,7 +53,7 @@ def smollm2():
 
     Tests that use it are marked @pytest.mark.slow.
     """
-    from mlxspec.loading import load_model
+    from mlxspec.models.loading import load_model
 
     return load_model("smollm2-135m", progress=False)
 

@@ -18,12 +18,12 @@ from test_units import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 from tool_examples import ASK, TEMPLATES, WEATHER
 
-from mlxspec.chat_template import encode_chat, render_chat
-from mlxspec.conversation import Conversation
-from mlxspec.engine import Engine
+from mlxspec.decoding.engine import Engine
 from mlxspec.events import Done
+from mlxspec.markup.chat_template import encode_chat, render_chat
+from mlxspec.markup.conversation import Conversation
 from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
-from mlxspec.registry import Defaults
+from mlxspec.registry.models_toml import Defaults
 from mlxspec.server import ModelInfo
 
 PARIS = [("get_weather", {"city": "Paris"})]

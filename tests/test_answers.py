@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from tiny_models import byte_tokenizer, tiny_model
 
-from mlxspec.anatomy import split_decoder
 from mlxspec.drafter.answers import (
     AnswerSetError,
     add_answers,
@@ -19,6 +18,7 @@ from mlxspec.drafter.answers import (
     shipped_answers,
 )
 from mlxspec.drafter.data import DataStore, self_distill
+from mlxspec.models.anatomy import split_decoder
 
 PROMPTS = ["Explain tides.", "Why is soil brown?", "List three birds.", "Say hi.", "Count."]
 

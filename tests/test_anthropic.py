@@ -15,7 +15,9 @@ from fastapi import FastAPI, Response
 from test_server import TinyProvider, serving, tiny_engine
 from test_tool_calls import ScriptedProvider, plain_answer
 
-from mlxspec.conversation import (
+from mlxspec.decoding.engine import GenerationSettings
+from mlxspec.events import Bonus, Done, RunRecord
+from mlxspec.markup.conversation import (
     AnswerText,
     ParsedAnswer,
     ReasoningText,
@@ -23,11 +25,10 @@ from mlxspec.conversation import (
     ToolCallArguments,
     ToolCallStarted,
 )
-from mlxspec.engine import GenerationSettings
-from mlxspec.events import Bonus, Done, RunRecord
-from mlxspec.output_parser import Answered, PartsOf
+from mlxspec.markup.output_parser import Answered, PartsOf
 from mlxspec.server import ServerLimits
-from mlxspec.server.anthropic import (
+from mlxspec.server.anthropic.routes import _events
+from mlxspec.server.anthropic.translate import (
     CountTokensRequest,
     MessageStream,
     answer_constraint,
@@ -35,7 +36,6 @@ from mlxspec.server.anthropic import (
     error_event,
     message,
 )
-from mlxspec.server.anthropic_routes import _events
 from mlxspec.server.background import serving_in_thread
 from mlxspec.server.errors import ApiError
 

@@ -21,11 +21,12 @@ from test_weight_form import (
 )
 from tiny_gguf import write_tiny_gguf
 
-from mlxspec import device, weight_form
+from mlxspec import device
 from mlxspec.cli import main
-from mlxspec.registry import load_registry
-from mlxspec.runtime import open_runtime
-from mlxspec.weights import resolve_weights
+from mlxspec.decoding import weight_form
+from mlxspec.decoding.weights import resolve_weights
+from mlxspec.registry.models_toml import load_registry
+from mlxspec.registry.runtime import open_runtime
 
 
 @pytest.fixture
@@ -131,7 +132,7 @@ def test_a_decision_on_a_partial_curve_is_made_again_by_the_next_runs(tiny_entry
     curves, and the last decision is kept."""
     from dataclasses import replace
 
-    from mlxspec.verify_cost import PARTIAL_REMEASURES
+    from mlxspec.decoding.verify_cost import PARTIAL_REMEASURES
 
     cold = replace(H100_DEQUANTIZED, points={1: 1.0, 2: 1.02}, partial=True)
     measured = on_a_gpu_measuring(monkeypatch, METAL_QUANTIZED, cold)

@@ -33,7 +33,8 @@ from mlxspec.batch.width import (
     monotone_cells,
     prefill_group,
 )
-from mlxspec.engine import Engine, GenerationError, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationError, GenerationSettings
+from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.events import OUTPUT_EVENTS, Done, Step
 from mlxspec.proposers import (
     Draft,
@@ -44,7 +45,6 @@ from mlxspec.proposers import (
     truncated_model,
 )
 from mlxspec.sampling import SamplingSettings
-from mlxspec.verify_cost import VerifyCost
 
 # lfm2: recurrent conv layers; gemma3: windows; NEWER: gated delta, windows with sinks, ...
 BATCHED = ["llama", "qwen3", "lfm2", "gemma3_text", *NEWER, "qwen3_5_moe"]

@@ -28,15 +28,15 @@ from mlxspec.batch.rows import private_copy
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import RECURRENT_CAPTURE, capture_unsupported
 from mlxspec.bench.concurrency import batchable
+from mlxspec.decoding.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.distributed.batch import PlannedCaches
 from mlxspec.drafter.head import HeadSpec, build_head
 from mlxspec.drafter.medusa import MedusaHeads
-from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import Done
+from mlxspec.models.target import Target
 from mlxspec.proposers import ProposalContext, SelfSpeculation
 from mlxspec.proposers.head import HeadProposer
 from mlxspec.proposers.medusa import MedusaProposer
-from mlxspec.target import Target
 
 MAX_TOKENS = 20
 

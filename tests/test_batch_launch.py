@@ -13,9 +13,9 @@ from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.scheduler import Scheduler
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Step
-from mlxspec.target import LaunchedPass
+from mlxspec.models.target import LaunchedPass
 
 PROMPTS = [
     list(b"Once upon a time, in a land far away, "),

@@ -19,7 +19,7 @@ from tiny_models import VOCAB
 from mlxspec.batch import target as batch_target
 from mlxspec.batch.memory import GB, kv_budget
 from mlxspec.batch.target import cache_columns
-from mlxspec.engine import GenerationSettings
+from mlxspec.decoding.engine import GenerationSettings
 from mlxspec.events import Done
 from mlxspec.server import ServerLimits
 

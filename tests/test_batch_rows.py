@@ -19,7 +19,7 @@ from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.batch.rows import batch_greedy_reads, greedy_reads, private_copy, split_reads
 from mlxspec.batch.scheduler import Scheduler
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
 from mlxspec.proposers.suffix import SuffixProposer

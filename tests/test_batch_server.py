@@ -24,8 +24,8 @@ from test_server import (
 from test_units import CPU_LIKE_COST
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter.head import HeadSpec, build_head
-from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.proposers import PromptLookup
 from mlxspec.proposers.head import HeadProposer

@@ -23,10 +23,10 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.rows import cut_tree, first_guess
 from mlxspec.batch.scheduler import Scheduler
-from mlxspec.engine import Engine, GenerationError, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import Done
+from mlxspec.models.tree import DraftTree, chain
 from mlxspec.proposers import Lookahead, PromptLookup
-from mlxspec.tree import DraftTree, chain
 
 # A second shape: three children of the root, the middle one with two of its own.
 FAN = DraftTree([20, 21, 22, 23, 24], [0, 0, 0, 2, 2])

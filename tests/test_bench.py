@@ -14,8 +14,8 @@ from test_units import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
 import mlxspec.bench.run
-import mlxspec.engine
-import mlxspec.runtime
+import mlxspec.decoding.engine
+import mlxspec.registry.runtime
 from mlxspec.bench import BenchError, machine
 from mlxspec.bench.lossless import first_divergence
 from mlxspec.bench.methods import PLAIN, Method, all_methods, core_methods, parse_methods
@@ -27,10 +27,10 @@ from mlxspec.bench.runners import Measurement
 from mlxspec.bench.session import execute, plan
 from mlxspec.bench.suites import SUITES, BenchPrompt, load_suite, parse_prompts
 from mlxspec.cli import main
-from mlxspec.engine import Engine
-from mlxspec.loading import LoadedModel
-from mlxspec.registry import load_registry, parse_registry_text
-from mlxspec.runtime import Runtime
+from mlxspec.decoding.engine import Engine
+from mlxspec.models.loading import LoadedModel
+from mlxspec.registry.models_toml import load_registry, parse_registry_text
+from mlxspec.registry.runtime import Runtime
 
 TINY_MODELS = """
 default = "tiny"
@@ -96,7 +96,7 @@ def record_calibrations(patch: pytest.MonkeyPatch) -> list:
         events.append("calibrate")
         return CPU_LIKE_COST
 
-    patch.setattr(mlxspec.engine, "measure_verify_cost", calibrate)
+    patch.setattr(mlxspec.decoding.engine, "measure_verify_cost", calibrate)
     return events
 
 
@@ -399,7 +399,9 @@ def tiny_cli(tiny_runtime, tmp_path, monkeypatch, log):
     models = tmp_path / "models.toml"
     models.write_text(TINY_MODELS)
     monkeypatch.setenv("MLXSPEC_MODELS", str(models))
-    monkeypatch.setattr(mlxspec.runtime, "open_runtime", lambda entry, notify: tiny_runtime)
+    monkeypatch.setattr(
+        mlxspec.registry.runtime, "open_runtime", lambda entry, notify: tiny_runtime
+    )
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": p.text, "class": p.kind}) + "\n" for p in PROMPTS)
@@ -459,8 +461,8 @@ def test_from_history_replays_saved_answers_teacher_forced(tmp_path):
     """A saved answer that copies its prompt: lookup is credited, and the estimate is
     derived from the drafts that matched the saved answer."""
     from mlxspec.bench.history import answer_turns, read_history, replay
+    from mlxspec.decoding.verify_cost import VerifyCost
     from mlxspec.proposers import PromptLookup
-    from mlxspec.verify_cost import VerifyCost
 
     text = "alpha beta gamma delta epsilon zeta eta theta iota kappa"
     chat = {

@@ -21,7 +21,7 @@ from test_bench import (
     record_calibrations,
 )
 
-import mlxspec.runtime
+import mlxspec.registry.runtime
 from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.bench.client import Answer
 from mlxspec.bench.concurrency import (
@@ -48,7 +48,7 @@ def four_prompts(tmp_path, monkeypatch):
     models = tmp_path / "models.toml"
     models.write_text(TINY_MODELS)
     monkeypatch.setenv("MLXSPEC_MODELS", str(models))
-    monkeypatch.setattr(mlxspec.runtime, "open_runtime", lambda entry, notify: runtime)
+    monkeypatch.setattr(mlxspec.registry.runtime, "open_runtime", lambda entry, notify: runtime)
     path = tmp_path / "four.jsonl"
     path.write_text("".join(json.dumps({"prompt": p.text, "class": p.kind}) + "\n" for p in FOUR))
     return ["bench", "--model", "tiny", "--prompts", str(path), "--max-tokens", "10"]
@@ -90,7 +90,7 @@ def test_an_unknown_proposer_is_one_line_before_the_weights_load(four_prompts, m
     def no_loading(entry, notify):
         raise AssertionError("the weights loaded before the names were checked")
 
-    monkeypatch.setattr(mlxspec.runtime, "open_runtime", no_loading)
+    monkeypatch.setattr(mlxspec.registry.runtime, "open_runtime", no_loading)
     result = CliRunner().invoke(main, [*four_prompts, "-c", "2", "--proposers", "prompt-lookp"])
     assert result.exit_code == 1
     assert "unknown proposer 'prompt-lookp'" in one_error_line(result)

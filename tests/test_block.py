@@ -32,15 +32,15 @@ from test_sampling_settings import (
 )
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
-from mlxspec.anatomy import split_decoder
+from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.decoding.policy import Policy
+from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.drafter.block import BlockDrafterError, load_block_drafter
-from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Bonus, Rejected, TokenEvent
-from mlxspec.policy import Policy
+from mlxspec.models.anatomy import split_decoder
 from mlxspec.proposers.base import ProposalContext, Situation
 from mlxspec.proposers.block import BlockProposer
 from mlxspec.sampling import SamplingSettings, TokenScorer
-from mlxspec.verify_cost import VerifyCost
 
 D, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 96, 2
 EOS = VOCAB - 1

@@ -13,10 +13,10 @@ from test_drafter import tiny_teacher
 from test_drafter_kinds import fit
 from tiny_models import VOCAB, byte_tokenizer
 
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter.block import load_block_drafter
 from mlxspec.drafter.block_train import BlockStudent, anchored_hidden, build_block, save_block
 from mlxspec.drafter.train import Batch, sparse_kl
-from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.proposers.block import BlockProposer
 
 EOS = VOCAB - 1

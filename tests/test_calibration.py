@@ -9,12 +9,9 @@ import pytest
 from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.batch.single import SingleCaches
-from mlxspec.engine import Engine, GenerationSettings
-from mlxspec.events import Done, Step
-from mlxspec.policy import Policy
-from mlxspec.proposers import Situation
-from mlxspec.proposers.synthetic import SyntheticAcceptance
-from mlxspec.verify_cost import (
+from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.decoding.policy import Policy
+from mlxspec.decoding.verify_cost import (
     CALIBRATION_BUDGET_S,
     MEASURE_ORDER,
     PARTIAL_REMEASURES,
@@ -22,6 +19,9 @@ from mlxspec.verify_cost import (
     cached_verify_cost,
     calibrate,
 )
+from mlxspec.events import Done, Step
+from mlxspec.proposers import Situation
+from mlxspec.proposers.synthetic import SyntheticAcceptance
 
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
 

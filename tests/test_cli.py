@@ -94,12 +94,12 @@ def test_serve_on_a_busy_port_fails_before_loading(monkeypatch):
     "serving" is printed (it used to load the model, say "serving", then die)."""
     import socket
 
-    import mlxspec.runtime
+    import mlxspec.registry.runtime
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded although the port is busy")
 
-    monkeypatch.setattr(mlxspec.runtime, "open_runtime", no_loading)
+    monkeypatch.setattr(mlxspec.registry.runtime, "open_runtime", no_loading)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -202,9 +202,9 @@ def test_sharded_calibration_averages_a_slow_size_away_so_long_drafts_pay():
     here every timing of 3 tokens is 2.6x slow (a busy neighbour). Carried forward as
     a running max, that made every draft past 1 token look dear; the pooled fit keeps
     the curve low, so at 90 % acceptance the policy drafts long."""
+    from mlxspec.decoding.policy import expected_tokens
+    from mlxspec.decoding.verify_cost import calibrate
     from mlxspec.distributed.rank import SHARDED_CALIBRATION
-    from mlxspec.policy import expected_tokens
-    from mlxspec.verify_cost import calibrate
 
     now = [0.0]
 
@@ -223,8 +223,8 @@ def test_a_stuck_rank_while_serving_answers_every_request_with_a_503(monkeypatch
     request and the queued one first get a 503 that says why, new ones are refused."""
     import asyncio
 
+    from mlxspec.decoding.engine import GenerationSettings
     from mlxspec.distributed.watchdog import Watchdog
-    from mlxspec.engine import GenerationSettings
     from mlxspec.server import sharded
     from mlxspec.server.errors import ApiError
     from mlxspec.server.worker import Generation, Job
@@ -274,9 +274,9 @@ def test_a_sharded_request_whose_client_left_ends_with_the_round_under_way(monke
     from test_batch import scheduler_for
 
     from mlxspec.batch.single import SingleCaches
+    from mlxspec.decoding.engine import GenerationSettings
     from mlxspec.distributed.rank import RankSession
     from mlxspec.distributed.watchdog import Watchdog
-    from mlxspec.engine import GenerationSettings
     from mlxspec.events import Step
     from mlxspec.server import sharded
     from mlxspec.server.worker import Generation, Job
@@ -331,8 +331,8 @@ def test_a_rank_replaying_rank_0s_batch_plans_holds_its_caches_at_every_pass(tre
     from test_trees import TreeOracle
 
     from mlxspec.batch.scheduler import Scheduler
+    from mlxspec.decoding.engine import GenerationSettings
     from mlxspec.distributed.batch import BatchFollower, PlannedCaches
-    from mlxspec.engine import GenerationSettings
     from mlxspec.events import Done
 
     engine = scheduler_for("llama", seed=2).engine
@@ -478,9 +478,9 @@ def test_a_follower_whose_caches_drift_stops_with_one_line_naming_it(drift, what
     from test_batch import collect, sample_prompts, scheduler_for
 
     from mlxspec.batch.scheduler import Scheduler
+    from mlxspec.decoding.engine import GenerationSettings
     from mlxspec.distributed.batch import BatchFollower, PlannedCaches
     from mlxspec.distributed.errors import DistributedError
-    from mlxspec.engine import GenerationSettings
 
     engine = scheduler_for("llama", seed=2).engine
     model = engine.target.model
@@ -521,8 +521,8 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
     from test_batch import StepCost, collect, sample_prompts, scheduler_for
 
     from mlxspec.batch.scheduler import Scheduler
+    from mlxspec.decoding.engine import GenerationSettings
     from mlxspec.distributed.batch import BatchFollower, PlannedCaches, batches
-    from mlxspec.engine import GenerationSettings
 
     engine = scheduler_for(family, seed=2).engine
     model = engine.target.model
@@ -581,7 +581,7 @@ def test_every_forward_of_rank_0s_batch_is_announced_to_the_other_ranks(family, 
 
 
 def reference(folder: Path) -> tuple:
-    from mlxspec.loading import load_model
+    from mlxspec.models.loading import load_model
 
     loaded = load_model(str(folder), progress=False)
     prompt = loaded.tokenizer.encode(PROMPT)
@@ -604,8 +604,8 @@ def seed_flat_calibration(root: Path, model: str, ranks: int) -> None:
     The adaptive policy prices drafts by a timed calibration; on a busy machine noise can
     price every draft out and leave nothing to check. With this curve its choice depends
     only on acceptance, so the test is deterministic."""
+    from mlxspec.decoding.verify_cost import VerifyCost, calibration_key
     from mlxspec.distributed.rank import rank_setup
-    from mlxspec.verify_cost import VerifyCost, calibration_key
 
     # The tiny targets are float32 folders, loaded as float32 on the CPU.
     key = calibration_key(model, "float32", rank_setup("tensor", ranks, "ring"))
@@ -645,7 +645,7 @@ def test_tensor_parallel_output_equals_one_process_greedy(tiny):
 def test_a_json_schema_answer_on_two_ranks_is_the_one_process_answer(tiny):
     """`generate --json-schema`: the settings' grammar crosses to the other rank as plain
     strings, each rank compiles it and masks the same verify rows."""
-    from mlxspec.verify_cost import VerifyCost, calibration_key
+    from mlxspec.decoding.verify_cost import VerifyCost, calibration_key
 
     seed_flat_calibration(tiny, "tiny", 2)  # and one process's, as flat: neither measures
     curves = json.loads((tiny / "cache" / "calibration.json").read_text())
@@ -943,8 +943,8 @@ def rank_processes(port: int) -> list[str]:
 
 def one_process_answers(root: Path) -> dict[str, str]:
     """Each of SERVE_PROMPTS answered by plain greedy decoding in one process (24 tokens)."""
-    from mlxspec.engine import Engine, GenerationSettings
-    from mlxspec.loading import load_model
+    from mlxspec.decoding.engine import Engine, GenerationSettings
+    from mlxspec.models.loading import load_model
 
     loaded = load_model(str(root / "llama"), progress=False)
     one_process = Engine(loaded.model, loaded.tokenizer, "tiny")
@@ -1280,9 +1280,9 @@ def alive(pid: int) -> bool:
 def test_chat_tui_sharded_answers_as_one_process_and_quits_every_rank(tiny, tmp_path, monkeypatch):
     """`chat --ranks 3` on a terminal: rank 0 runs the Textual chat there (not the line
     chat), its answer equals one process's, and ctrl+q ends every rank with exit 0."""
-    from mlxspec.engine import Engine
-    from mlxspec.loading import load_model
-    from mlxspec.registry import load_registry
+    from mlxspec.decoding.engine import Engine
+    from mlxspec.models.loading import load_model
+    from mlxspec.registry.models_toml import load_registry
     from tui.worker import generation_settings
 
     monkeypatch.setenv("MLXSPEC_MODELS", str(tiny / "models.toml"))

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
-from mlxspec.anatomy import split_decoder
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter.data import DataStore, Shard, teacher_hidden
 from mlxspec.drafter.formats import convert_published, load_head
 from mlxspec.drafter.head import (
@@ -41,7 +41,7 @@ from mlxspec.drafter.train import (
     teacher_top,
     train,
 )
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.models.anatomy import split_decoder
 from mlxspec.proposers import Chain, PromptLookup
 from mlxspec.proposers.base import ProposalContext
 from mlxspec.proposers.head import HeadProposer
@@ -721,13 +721,13 @@ def test_a_chat_the_template_refuses_is_named_with_its_line(tmp_path):
 def test_a_bad_data_file_fails_before_the_model_loads(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    import mlxspec.loading
+    import mlxspec.models.loading
     from mlxspec.cli import main
 
     def never(*args, **kwargs):
         raise AssertionError("the model loaded before the data file was checked")
 
-    monkeypatch.setattr(mlxspec.loading, "load_model", never)
+    monkeypatch.setattr(mlxspec.models.loading, "load_model", never)
     mine = tmp_path / "mine.jsonl"
     mine.write_text('{"text": "ok"}\n{"txt": "typo"}\n')
     args = ["train-drafter", "--out", str(tmp_path / "h"), "--data", str(mine)]

@@ -15,10 +15,10 @@ from test_loading import save_tiny_llama
 from tiny_models import VOCAB, byte_tokenizer
 
 from mlxspec.cli import main
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter.distill import ModelStudent
 from mlxspec.drafter.exit import ExitError, ExitStudent, build_exit, load_exit, save_exit
 from mlxspec.drafter.train import Batches, TrainSettings, train
-from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.proposers import SelfSpeculation
 
 EOS = VOCAB - 1

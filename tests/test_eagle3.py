@@ -16,10 +16,10 @@ from lossless import assert_lossless, plain_greedy
 from test_drafter import rms
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
-from mlxspec.anatomy import split_decoder
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter.formats import convert_published
 from mlxspec.drafter.head import HeadError, HeadSpec, build_head
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.models.anatomy import split_decoder
 from mlxspec.proposers import Chain, PromptLookup
 from mlxspec.proposers.base import ProposalContext
 from mlxspec.proposers.head import HeadProposer

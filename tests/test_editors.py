@@ -15,9 +15,9 @@ import llm
 import pytest
 from test_server import ECHO, TinyProvider, serving, tiny_engine
 
-from mlxspec.engine import GenerationSettings
+from mlxspec.decoding.engine import GenerationSettings
 from mlxspec.events import Done
-from mlxspec.server.anthropic import MessagesRequest, generation_request
+from mlxspec.server.anthropic.translate import MessagesRequest, generation_request
 
 # Room for a prompt with Claude Code's tools in the fallback format (the tiny llamas have
 # no chat template).

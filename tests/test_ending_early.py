@@ -22,8 +22,8 @@ from test_lossless import Oracle
 from tiny_models import VOCAB
 
 from mlxspec.batch.scheduler import Scheduler
+from mlxspec.decoding.engine import GenerationSettings
 from mlxspec.distributed.batch import BatchFollower, PlannedCaches
-from mlxspec.engine import GenerationSettings
 from mlxspec.events import Done
 
 MAX_TOKENS = 24

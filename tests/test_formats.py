@@ -10,14 +10,14 @@ from test_output_parser import calls_of, form_of, joined, tokenizer_with
 from test_tool_grammar import forced, matched
 from tool_examples import ASK, WEATHER
 
-from mlxspec.answer_grammar import AnswerConstraint, answer_grammar
-from mlxspec.answer_pieces import PieceReader
-from mlxspec.chat_template import render_chat
-from mlxspec.conversation import AnswerText, Conversation, ParsedAnswer, ReasoningText
 from mlxspec.events import Accepted, Bonus
-from mlxspec.grammar import Grammar
-from mlxspec.output_parser import answer_format, answer_parser, reasoning_tokens
-from mlxspec.tool_grammar import ForcedTools
+from mlxspec.markup.chat_template import render_chat
+from mlxspec.markup.conversation import AnswerText, Conversation, ParsedAnswer, ReasoningText
+from mlxspec.markup.display import PieceReader
+from mlxspec.markup.output_parser import answer_format, answer_parser, reasoning_tokens
+from mlxspec.structured.answer import AnswerConstraint, answer_grammar
+from mlxspec.structured.forced_tools import ForcedTools
+from mlxspec.structured.grammar import Grammar
 
 PARIS = [("get_weather", {"city": "Paris"})]
 HARMONY_CALL = (

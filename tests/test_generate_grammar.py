@@ -33,7 +33,7 @@ REGEX = r"(yes|no), because [a-z ]{1,20}\."
 def tiny(tmp_path_factory):
     """A random tiny llama saved as an mlx-lm folder (byte tokenizer, no chat template),
     its verify cost seeded flat so no run calibrates and speculation is always chosen."""
-    from mlxspec.verify_cost import VerifyCost, calibration_key
+    from mlxspec.decoding.verify_cost import VerifyCost, calibration_key
 
     root = tmp_path_factory.mktemp("generate-grammar")
     save_tiny_llama(root / "model")

@@ -25,16 +25,16 @@ from test_lossless import CPU_LIKE_COST, Oracle
 from test_sampling import Flattened, one_sample_chi_square
 from tiny_models import byte_tokenizer, tiny_model
 
-import mlxspec.grammar
+import mlxspec.structured.grammar
 from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
-from mlxspec.engine import Engine, GenerationError, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationError, GenerationSettings
+from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.events import Done
-from mlxspec.grammar import Grammar
 from mlxspec.proposers import DraftModel, PromptLookup, SelfSpeculation, truncated_model
 from mlxspec.sampling import SamplingSettings
-from mlxspec.verify_cost import VerifyCost
+from mlxspec.structured.grammar import Grammar
 
 WEATHER = {
     "type": "object",
@@ -360,15 +360,15 @@ def test_batch_caches_verify_no_forbidden_draft_either(setup, monkeypatch):
 def slow_compiles(monkeypatch):
     """Compiling a regex grammar that starts with "slow" takes 0.6 s; the bound is 2 s,
     or 0.3 s where a test lowers it."""
-    compile_quickly = mlxspec.grammar.compile_grammar
+    compile_quickly = mlxspec.structured.grammar.compile_grammar
 
     def compile_slowly(grammar, *rest):
         if grammar.kind == "regex" and grammar.source.startswith("slow"):
             time.sleep(0.6)
         return compile_quickly(grammar, *rest)
 
-    monkeypatch.setattr(mlxspec.grammar, "compile_grammar", compile_slowly)
-    monkeypatch.setattr(mlxspec.grammar, "COMPILE_SECONDS", 2.0)
+    monkeypatch.setattr(mlxspec.structured.grammar, "compile_grammar", compile_slowly)
+    monkeypatch.setattr(mlxspec.structured.grammar, "COMPILE_SECONDS", 2.0)
     return monkeypatch
 
 
@@ -400,7 +400,7 @@ def test_a_grammar_still_compiling_does_not_stall_the_batch(setup, slow_compiles
 
 def test_a_grammar_over_the_compile_bound_fails_its_request_alone(setup, slow_compiles):
     tokenizer, model, engine, prompt, references = setup
-    slow_compiles.setattr(mlxspec.grammar, "COMPILE_SECONDS", 0.3)
+    slow_compiles.setattr(mlxspec.structured.grammar, "COMPILE_SECONDS", 0.3)
     scheduler = Scheduler(engine, max_batch=2)
     slow = Grammar("regex", "slow [a-z]{1,8}")
     failing = scheduler.submit(prompt, GenerationSettings(max_tokens=12, grammar=slow), "none")

@@ -17,9 +17,9 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
 from mlx_lm.utils import save_config, save_model
 from tiny_models import byte_tokenizer
 
-from mlxspec.gguf import load_gguf
-from mlxspec.loading import LoadError, load_model, weights_location
-from mlxspec.pull import PullError, ensure_packaged_model, packaged_model_path
+from mlxspec.models.gguf import load_gguf
+from mlxspec.models.loading import LoadError, load_model, weights_location
+from mlxspec.models.packaged import PullError, ensure_packaged_model, packaged_model_path
 
 TOKENIZER_TEXTS = [
     "Hello, world! How's it going? It's we're they'll I'd",

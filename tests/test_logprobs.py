@@ -20,11 +20,11 @@ from test_server import CHAT, HELLO, TEXT, TinyProvider, serving
 from test_server import tiny_engine as server_engine
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
-from mlxspec import request
 from mlxspec.batch.scheduler import Scheduler
-from mlxspec.engine import Engine, GenerationError, GenerationSettings
+from mlxspec.decoding import request
+from mlxspec.decoding.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done
-from mlxspec.loading import load_model
+from mlxspec.models.loading import load_model
 from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
 from mlxspec.sampling import SamplingSettings
 from mlxspec.server import ServerLimits

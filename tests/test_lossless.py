@@ -14,9 +14,10 @@ from tf32 import emulate_tf32
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec import device, sampling
-from mlxspec.anatomy import UnsupportedModel
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.events import OUTPUT_EVENTS, Corrected, Done, Rejected, RunRecord, Step
+from mlxspec.models.anatomy import UnsupportedModel
 from mlxspec.proposers import (
     Draft,
     DraftModel,
@@ -26,7 +27,6 @@ from mlxspec.proposers import (
     truncated_model,
 )
 from mlxspec.sampling import SamplingSettings, TokenScorer, near_tie_bound
-from mlxspec.verify_cost import VerifyCost
 
 # Qwen3.5: Gated DeltaNet + attention; gpt-oss: sliding windows with sinks, MoE; Gemma 4:
 # per-layer inputs, KV-sharing layers. One seed each, to keep the suite fast.

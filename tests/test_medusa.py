@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from test_drafter import EOS, tiny_teacher
 from tiny_models import VOCAB, byte_tokenizer
 
-from mlxspec.anatomy import split_decoder
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter.head import HeadError, lm_rows
 from mlxspec.drafter.medusa import (
     PUBLISHED,
@@ -23,7 +23,7 @@ from mlxspec.drafter.medusa import (
     save_medusa,
 )
 from mlxspec.drafter.train import Batches, TrainSettings, train
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.models.anatomy import split_decoder
 from mlxspec.proposers.medusa import MedusaProposer
 
 

@@ -27,12 +27,12 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import save_config, save_model
 from tiny_models import VOCAB, byte_tokenizer
 
-from mlxspec.anatomy import is_recurrent, last_attention_layer, split_decoder
 from mlxspec.cli import main
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter.formats import convert_published
 from mlxspec.drafter.head import HeadError, family_block, lm_rows
 from mlxspec.drafter.mtp_pull import pull_mtp
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.models.anatomy import is_recurrent, last_attention_layer, split_decoder
 from mlxspec.proposers.head import HeadProposer
 from mlxspec.sampling import SamplingSettings
 
@@ -780,7 +780,7 @@ def test_pull_fetches_every_drafter_of_an_entry_so_it_drafts_offline(hub, monkey
     """`pull NAME` fetches the target, draft models and the drafters' weights (a block
     drafter, a head, Medusa heads, an exit head), each with its own files: a user who
     pulls once and goes offline can still use `--proposer dflash`."""
-    import mlxspec.loading as loading
+    import mlxspec.models.loading as loading
     from mlxspec.drafter.block import BLOCK_PATTERNS
     from mlxspec.drafter.medusa import MEDUSA_PATTERNS
 

@@ -11,11 +11,11 @@ from mlxspec.bench.methods import PLAIN, Method
 from mlxspec.bench.rows import build_rows
 from mlxspec.bench.session import Bench
 from mlxspec.bench.suites import BenchPrompt
+from mlxspec.decoding.verify_cost import CALIBRATION_SIZES, calibrate
 from mlxspec.events import ProgressNote
-from mlxspec.registry import load_registry
-from mlxspec.runtime import Runtime
+from mlxspec.registry.models_toml import load_registry
+from mlxspec.registry.runtime import Runtime
 from mlxspec.speedup import SpeedupEstimate, round_steps
-from mlxspec.verify_cost import CALIBRATION_SIZES, calibrate
 
 COPY_PROMPT = (
     "Copy this text exactly, word for word:\n\nThe quick brown fox jumps over the lazy dog. "

@@ -14,12 +14,12 @@ from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.batch.rows import as_list
 from mlxspec.batch.scheduler import Scheduler
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter.head import HeadSpec, build_head
-from mlxspec.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Step
+from mlxspec.models.target import Target
 from mlxspec.proposers import PromptLookup
 from mlxspec.proposers.head import HeadProposer
-from mlxspec.target import Target
 
 EOS = set(byte_tokenizer().eos_token_ids)
 

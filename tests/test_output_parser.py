@@ -11,7 +11,7 @@ import pytest
 from tiny_models import byte_tokenizer
 from tool_examples import ASK, CALLED, TEMPLATES, WEATHER
 
-from mlxspec.conversation import (
+from mlxspec.markup.conversation import (
     AnswerText,
     Conversation,
     ParsedAnswer,
@@ -19,7 +19,7 @@ from mlxspec.conversation import (
     ToolCallArguments,
     ToolCallStarted,
 )
-from mlxspec.output_parser import AnswerFormat, OutputParser, answer_format, reasoning_tokens
+from mlxspec.markup.output_parser import AnswerFormat, OutputParser, answer_format, reasoning_tokens
 
 # Qwen3's answer: reasoning, a sentence, two calls made at once.
 QWEN3_ANSWER = (

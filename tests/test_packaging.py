@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import mlxspec
-from mlxspec.registry import SHIPPED_FILE
+from mlxspec.registry.models_toml import SHIPPED_FILE
 
 ROOT = Path(mlxspec.__file__).parent.parent
 # What a wheel is built from (setup.py's build step reads the root models.toml).
@@ -45,7 +45,7 @@ def test_an_installed_wheel_carries_the_registry_and_resolves_its_heads(tmp_path
         assert shipped.read_bytes() == path.read_bytes(), shipped
 
     probe = (
-        "import json; from mlxspec.registry import SHIPPED_FILE, load_registry; "
+        "import json; from mlxspec.registry.models_toml import SHIPPED_FILE, load_registry; "
         "entry = load_registry().get(None); "
         "print(json.dumps([str(SHIPPED_FILE), entry.proposer('head').options['path']]))"
     )

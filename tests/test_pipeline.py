@@ -13,11 +13,11 @@ from tiny_models import byte_tokenizer, tiny_model
 
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Step
+from mlxspec.models.target import Target
 from mlxspec.proposers import PromptLookup
 from mlxspec.sampling import SamplingSettings
-from mlxspec.target import Target
 
 PROMPT = list(b"Once upon a time, in a land far away, ")
 

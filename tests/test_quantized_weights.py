@@ -24,16 +24,16 @@ from test_mtp import layout_tensors
 from tiny_gguf import write_tiny_gguf
 from tiny_models import FAMILIES, byte_tokenizer, tiny_model
 
-from mlxspec.anatomy import split_decoder
 from mlxspec.cli import main
+from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.decoding.verify_cost import calibration_key
+from mlxspec.decoding.weights import held_weights
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
 from mlxspec.drafter.medusa import MedusaHeads, save_medusa
-from mlxspec.engine import Engine, GenerationSettings
-from mlxspec.loading import load_model
-from mlxspec.registry import load_registry
-from mlxspec.runtime import ProposerError, Runtime, open_runtime, target_weights
-from mlxspec.verify_cost import calibration_key
-from mlxspec.weights import held_weights
+from mlxspec.models.anatomy import split_decoder
+from mlxspec.models.loading import load_model
+from mlxspec.registry.models_toml import load_registry
+from mlxspec.registry.runtime import ProposerError, Runtime, open_runtime, target_weights
 
 MAX_TOKENS = 20
 

@@ -11,9 +11,9 @@ from test_trees import SHAPE
 
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import BatchTarget, Prefill
-from mlxspec.engine import GenerationSettings
-from mlxspec.registry import load_registry
-from mlxspec.runtime import Runtime
+from mlxspec.decoding.engine import GenerationSettings
+from mlxspec.registry.models_toml import load_registry
+from mlxspec.registry.runtime import Runtime
 
 pytestmark = pytest.mark.slow
 # Alone (tests/side_by_side.py): an adaptive row must draft, and beside the other worker the

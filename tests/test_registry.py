@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 import mlxspec
-from mlxspec.register import register_proposer
-from mlxspec.registry import (
+from mlxspec.registry.models_toml import (
     SHIPPED_FILE,
     Defaults,
     Registry,
@@ -17,6 +16,7 @@ from mlxspec.registry import (
     load_registry,
     parse_registry_text,
 )
+from mlxspec.registry.register import register_proposer
 
 ENTRY = '[models.foo]\ntarget = "owner/name"\n'
 PACKAGE = Path(mlxspec.__file__).parent

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from tiny_models import byte_tokenizer, tiny_model
 
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.proposers import DraftModel, truncated_model
 from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample, sample_from, top_two
-from mlxspec.verify_cost import VerifyCost
 
 # Target rows p0, p1, p2 and an adversarial draft q: heavy where p is light.
 P = np.array(

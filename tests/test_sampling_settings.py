@@ -26,8 +26,9 @@ from test_sampling import Flattened, broken_rule, significant, two_sample_chi_sq
 from test_trees import resample_from_p
 from tiny_models import byte_tokenizer, tiny_model
 
-import mlxspec.request
-from mlxspec.engine import Engine, GenerationSettings
+import mlxspec.decoding.request
+from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.events import Bonus, Rejected, TokenEvent
 from mlxspec.proposers import (
     Draft,
@@ -38,7 +39,6 @@ from mlxspec.proposers import (
     truncated_model,
 )
 from mlxspec.sampling import NEAR_TIE, SamplingSettings, TokenScorer, rejection_sample, sample_from
-from mlxspec.verify_cost import VerifyCost
 
 EOS = set(byte_tokenizer().eos_token_ids)
 
@@ -361,7 +361,7 @@ def bonus_from_the_last_draft_row(draft_tokens, draft_probs, target_probs, rng):
     ids=["line-resamples-from-p", "line-bonus-from-the-wrong-row", "tree", "one-hot-line"],
 )
 def test_the_end_to_end_check_catches_a_wrong_acceptance_rule(monkeypatch, name, broken, drafting):
-    monkeypatch.setattr(mlxspec.request, name, broken)
+    monkeypatch.setattr(mlxspec.decoding.request, name, broken)
     assert departures_from_the_target(engine_runs("temperature", drafting))
 
 

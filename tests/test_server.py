@@ -16,10 +16,10 @@ import pytest
 from test_units import CPU_LIKE_COST
 from tiny_models import byte_tokenizer, tiny_model
 
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Accepted, Done
 from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
-from mlxspec.registry import Defaults, Registry, parse_registry_text
+from mlxspec.registry.models_toml import Defaults, Registry, parse_registry_text
 from mlxspec.server import ModelInfo, RegistryProvider, ServerLimits, create_app
 from mlxspec.server.background import serving_in_thread
 from mlxspec.server.providers import NotDownloaded

@@ -72,7 +72,7 @@ import json, sys
 from pathlib import Path
 import mlxspec
 from mlxspec.distributed.rank import rank_setup
-from mlxspec.verify_cost import VerifyCost, calibration_key
+from mlxspec.decoding.verify_cost import VerifyCost, calibration_key
 
 flat = VerifyCost({1: 1.0, 64: 1.0}, step_seconds=0.01).to_json()
 tiny, trio = ("tiny", "float32"), ("trio", "float32")  # float32 folders, kept as float32

@@ -30,10 +30,10 @@ from test_eagle3 import (
 )
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
-from mlxspec.anatomy import split_decoder
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter.formats import convert_published
 from mlxspec.drafter.head import HeadError
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.models.anatomy import split_decoder
 from mlxspec.proposers.head import HeadProposer
 
 

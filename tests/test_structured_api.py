@@ -17,10 +17,10 @@ import pytest
 from test_server import CHAT, HELLO, TinyProvider, serving, tiny_engine
 
 import mlxspec.server.generations
-import mlxspec.server.schemas
-from mlxspec.engine import GenerationSettings
+import mlxspec.server.openai.schemas
+from mlxspec.decoding.engine import GenerationSettings
 from mlxspec.events import Done
-from mlxspec.grammar import Grammar
+from mlxspec.structured.grammar import Grammar
 
 # Bounded strings and numbers: a random model's answer ends within a few dozen tokens.
 PERSON = {
@@ -229,7 +229,7 @@ def test_a_slow_schema_check_holds_up_no_other_client(base_url, monkeypatch):
         finished.set()
         return None
 
-    monkeypatch.setattr(mlxspec.server.schemas, "grammar_problem", slow_problem)
+    monkeypatch.setattr(mlxspec.server.openai.schemas, "grammar_problem", slow_problem)
     monkeypatch.setattr(mlxspec.server.generations, "COMPILE_SECONDS", 0.5)
     format_ = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
     body = {"model": "tiny", "messages": HELLO, "response_format": format_}

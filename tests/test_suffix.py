@@ -18,11 +18,11 @@ from lossless import assert_follows_law, assert_lossless, plain_greedy
 from test_lossless import CPU_LIKE_COST, FAMILIES
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.events import Done
 from mlxspec.proposers.base import ProposalContext
 from mlxspec.proposers.suffix import SuffixProposer
-from mlxspec.registry import load_registry
+from mlxspec.registry.models_toml import load_registry
 from mlxspec.sampling import SamplingSettings
 from mlxspec.suffix.index import MAX_MATCH, SENTINEL, PrefixIndex
 from mlxspec.suffix.store import HistoryStore, HistoryWarning
@@ -269,7 +269,7 @@ def test_every_entry_offers_suffix():
 
 
 def test_history_can_be_turned_off_per_model(tmp_path):
-    from mlxspec.registry import RegistryError, parse_registry_text
+    from mlxspec.registry.models_toml import RegistryError, parse_registry_text
 
     text = '[models.m]\ntarget = "smollm2-135m"\n[models.m.defaults]\nhistory = {}\n'
     entries, _ = parse_registry_text(text.format("false"), tmp_path / "models.toml")
@@ -477,7 +477,7 @@ def test_the_shipped_seed_matches_the_real_tokenizer(smollm2):
 
 def test_the_seed_is_off_unless_an_entry_turns_it_on(tmp_path):
     """Measured not faster on the chat suite (docs/suffix.md), so opt-in."""
-    from mlxspec.registry import parse_registry_text
+    from mlxspec.registry.models_toml import parse_registry_text
 
     text = '[models.m]\ntarget = "smollm2-135m"\n[models.m.proposers.seeded]\nkind = "suffix"\n'
     entries, _ = parse_registry_text(text + "seed = true\n", tmp_path / "models.toml")

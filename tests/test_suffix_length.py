@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from test_lossless import CPU_LIKE_COST
 
-from mlxspec.policy import Policy
+from mlxspec.decoding.policy import Policy
 from mlxspec.proposers.base import ProposalContext
 from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.suffix.store import HistoryStore

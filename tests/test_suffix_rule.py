@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from test_suffix import generate, history_engine
 
-from mlxspec.engine import GenerationSettings
+from mlxspec.decoding.engine import GenerationSettings
 from mlxspec.proposers.base import ProposalContext
 from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.suffix.store import HistoryStore
@@ -105,7 +105,7 @@ def test_the_loops_tell_proposers_where_the_prompt_ends(batched, tmp_path):
 def test_every_shipped_entry_lets_suffix_draft_as_deep_as_prompt_lookup(monkeypatch, tmp_path):
     """A long verbatim copy (code edited in place) is drafted from the request as prompt
     lookup drafts it; a shallower cap alone cost suffix 3 % on the code-edit prompts."""
-    from mlxspec.registry import load_registry
+    from mlxspec.registry.models_toml import load_registry
 
     monkeypatch.delenv("MLXSPEC_MODELS", raising=False)  # the shipped file only
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))

@@ -19,11 +19,11 @@ from mlxspec.bench.synthetic import (
     synthetic_transcript,
 )
 from mlxspec.cli import main
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.decoding.policy import expected_tokens
+from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.events import Done, Step
-from mlxspec.policy import expected_tokens
 from mlxspec.proposers.synthetic import SyntheticAcceptance
-from mlxspec.verify_cost import VerifyCost
 
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
 PROMPT = [72, 101, 108, 108, 111]

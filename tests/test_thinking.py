@@ -18,13 +18,13 @@ from scripted import scripted_model, scripted_tokenizer
 from test_tui import MODELS_TOML, TinyModels, ask, run_app, style_per_char, until
 from textual.widgets import Switch
 
-from mlxspec import runtime as runtime_module
-from mlxspec.answer_pieces import Piece, PieceReader
-from mlxspec.chat_template import encode_chat
+from mlxspec.registry import runtime as runtime_module
+from mlxspec.markup.display import Piece, PieceReader
+from mlxspec.markup.chat_template import encode_chat
 from mlxspec.cli import main
-from mlxspec.conversation import Conversation
+from mlxspec.markup.conversation import Conversation
 from mlxspec.events import Accepted, Bonus, Corrected
-from mlxspec.loading import LoadedModel
+from mlxspec.models.loading import LoadedModel
 from mlxspec.proposers import DraftModel
 from mlxspec.settings import GenerationSettings
 from tui.answer import ACCEPTED, OWN, Answer

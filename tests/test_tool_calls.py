@@ -20,13 +20,13 @@ from test_server import CHAT, HELLO, TinyProvider, serving, tiny_engine
 from test_units import CPU_LIKE_COST
 from tool_examples import ASK, CALLED, TEMPLATES, WEATHER
 
-from mlxspec.chat_template import encode_chat
-from mlxspec.conversation import Conversation, ParsedAnswer
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.events import Done
-from mlxspec.output_parser import OutputParser, answer_format
+from mlxspec.markup.chat_template import encode_chat
+from mlxspec.markup.conversation import Conversation, ParsedAnswer
+from mlxspec.markup.output_parser import OutputParser, answer_format
 from mlxspec.proposers import PromptLookup
-from mlxspec.registry import Defaults
+from mlxspec.registry.models_toml import Defaults
 from mlxspec.server import ModelInfo, ServerLimits
 
 HISTORY = [

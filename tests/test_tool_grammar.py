@@ -13,12 +13,12 @@ from mlx_lm.tool_parsers import glm47
 from tiny_models import EOS, byte_tokenizer
 from tool_examples import ASK, TEMPLATES
 
-from mlxspec.answer_grammar import AnswerConstraint, answer_grammar, grammar_problem
-from mlxspec.chat_template import render_chat
-from mlxspec.conversation import Conversation
-from mlxspec.grammar import Grammar, GrammarError, compile_grammar
-from mlxspec.output_parser import AnswerFormat, OutputParser, answer_format
-from mlxspec.tool_grammar import ForcedTools, tool_calls_rules
+from mlxspec.markup.chat_template import render_chat
+from mlxspec.markup.conversation import Conversation
+from mlxspec.markup.output_parser import AnswerFormat, OutputParser, answer_format
+from mlxspec.structured.answer import AnswerConstraint, answer_grammar, grammar_problem
+from mlxspec.structured.forced_tools import ForcedTools, tool_calls_rules
+from mlxspec.structured.grammar import Grammar, GrammarError, compile_grammar
 
 VOCAB = 257
 WEATHER = {

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from tiny_models import byte_tokenizer
 
-from mlxspec.chat_template import encode_chat, render_chat
-from mlxspec.conversation import Conversation
+from mlxspec.markup.chat_template import encode_chat, render_chat
+from mlxspec.markup.conversation import Conversation
 from mlxspec.settings import GenerationError
 
 TEMPLATES = Path(__file__).parent / "templates"

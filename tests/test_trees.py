@@ -13,11 +13,9 @@ from test_lossless import CPU_LIKE_COST, MAX_TOKENS, prompts_for, proposers_for
 from test_sampling import CRITICAL_DF5, P, chi_square
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
-from mlxspec.engine import Engine, GenerationSettings
-from mlxspec.proposers import Draft, Lookahead, PromptLookup, ProposalContext, Situation
-from mlxspec.sampling import SamplingSettings, sample_from
-from mlxspec.target import Target
-from mlxspec.tree import (
+from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.models.target import Target
+from mlxspec.models.tree import (
     DraftTree,
     best_size,
     chain,
@@ -27,6 +25,8 @@ from mlxspec.tree import (
     keep_best,
     sample_walk,
 )
+from mlxspec.proposers import Draft, Lookahead, PromptLookup, ProposalContext, Situation
+from mlxspec.sampling import SamplingSettings, sample_from
 
 # A tree with branching at the root and below, nodes in breadth-first order.
 SHAPE = DraftTree([10, 11, 12, 13, 14, 15, 16], [0, 0, 1, 1, 2, 3, 3])

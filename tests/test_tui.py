@@ -21,15 +21,15 @@ from textual.command import CommandList
 from textual.widgets import Input, LoadingIndicator, Markdown, Select
 from tiny_models import byte_tokenizer, tiny_model
 
-from mlxspec import runtime as runtime_module
-from mlxspec.answer_pieces import PieceReader
+from mlxspec.registry import runtime as runtime_module
+from mlxspec.markup.display import PieceReader
 from mlxspec.cli import main
-from mlxspec.engine import Engine
+from mlxspec.decoding.engine import Engine
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Rejected, Step
-from mlxspec.loading import LoadedModel, LoadError
-from mlxspec.verify_cost import VerifyCost
-from mlxspec.registry import load_registry
-from mlxspec.runtime import Runtime
+from mlxspec.models.loading import LoadedModel, LoadError
+from mlxspec.decoding.verify_cost import VerifyCost
+from mlxspec.registry.models_toml import load_registry
+from mlxspec.registry.runtime import Runtime
 from tui import answer as answer_module
 from tui.answer import ACCEPTED, OWN, REJECTED, Answer
 from tui.app import ChatApp
@@ -465,7 +465,7 @@ def test_escape_computes_no_round_after_it(after, monkeypatch):
     from types import SimpleNamespace
 
     from mlxspec.batch.single import SingleCaches
-    from mlxspec.engine import GenerationSettings
+    from mlxspec.decoding.engine import GenerationSettings
     from tui.worker import local_stream
 
     engine = Engine(tiny_model("llama", seed=1), byte_tokenizer(), "llama")

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from tiny_models import byte_tokenizer, tiny_model
 
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.decoding.policy import Acceptance, Policy, expected_tokens
+from mlxspec.decoding.text import TextStream
+from mlxspec.decoding.verify_cost import CALIBRATION_SIZES, VerifyCost, calibrate
 from mlxspec.events import OUTPUT_EVENTS, Done, Rejected, Step
-from mlxspec.policy import Acceptance, Policy, expected_tokens
 from mlxspec.proposers import Draft, PromptLookup, ProposalContext, Situation
 from mlxspec.sampling import SamplingSettings, TokenScorer
-from mlxspec.text import TextStream
-from mlxspec.verify_cost import CALIBRATION_SIZES, VerifyCost, calibrate
 
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
 
@@ -356,7 +356,7 @@ def test_a_calibration_kept_by_another_process_meanwhile_is_not_written_over(tmp
     its entry; neither loses the other's (the file is re-read under a lock)."""
     import json
 
-    from mlxspec.verify_cost import VerifyCost, cached_verify_cost
+    from mlxspec.decoding.verify_cost import VerifyCost, cached_verify_cost
 
     monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
     other = VerifyCost({1: 1.0, 8: 2.0}, 0.1)

@@ -8,8 +8,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import dequantize_model
 from tiny_models import tiny_model
 
-from mlxspec.verify_cost import VerifyCost
-from mlxspec.weight_form import (
+from mlxspec.decoding.verify_cost import VerifyCost
+from mlxspec.decoding.weight_form import (
     DEQUANTIZED,
     QUANTIZED,
     choose_weight_form,

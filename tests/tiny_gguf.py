@@ -11,13 +11,13 @@ from gguf.quants import quantize
 from mlx.utils import tree_flatten
 from tiny_models import EOS, FAMILIES, byte_tokenizer, tiny_model
 
-from mlxspec.gguf import BLOCK_TENSORS, TOKEN_TYPE_CONTROL, TOP_TENSORS
+from mlxspec.models.gguf import BLOCK_TENSORS, TOKEN_TYPE_CONTROL, TOP_TENSORS
 
 GGUF_TYPES = {"Q4_0", "Q4_1", "Q8_0"}
 
 
 def _gguf_names() -> dict[str, str]:
-    """mlx-lm parameter name -> GGUF tensor name (the inverse of mlxspec.gguf's map)."""
+    """mlx-lm parameter name -> GGUF tensor name (the inverse of mlxspec.models.gguf's map)."""
     names = {f"{mlx}.weight": f"{gguf}.weight" for gguf, mlx in TOP_TENSORS.items()}
     for layer in range(3):
         for gguf, mlx in BLOCK_TENSORS.items():

@@ -2,7 +2,7 @@
 
 Built from the engine's events alone (front ends never re-decode), their text read into
 reasoning and answer by the shared output parser on the engine thread
-(`mlxspec.answer_pieces`). The text is a list of segments, each of the reasoning or of
+(`mlxspec.markup.display`). The text is a list of segments, each of the reasoning or of
 the answer, and each `accepted` (draft tokens the target agreed with), `own` (the target's
 own tokens: corrections and bonus tokens) or `rejected` (drafts the target refused).
 Rejected drafts are ghosts: never part of the answer, shown where they were tried (after
@@ -19,8 +19,8 @@ from typing import Any
 from rich.style import Style
 from rich.text import Text
 
-from mlxspec.answer_pieces import Finished, Piece, Written
 from mlxspec.events import Accepted, Bonus, Corrected, Event, Rejected, Step
+from mlxspec.markup.display import Finished, Piece, Written
 from mlxspec.speedup import SpeedupEstimate
 
 ACCEPTED, OWN, REJECTED = "accepted", "own", "rejected"

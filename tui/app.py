@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 from mlxspec import blas, device
 from mlxspec.events import Rejected
-from mlxspec.registry import ModelEntry, Registry
-from mlxspec.runtime import open_runtime as default_open_runtime
+from mlxspec.registry.models_toml import ModelEntry, Registry
+from mlxspec.registry.runtime import open_runtime as default_open_runtime
 from tui import store
 from tui.answer import Answer
 from tui.screens import Choices, OpenScreen, SettingsScreen

@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterable, Iterator
 
 import click
 
-from mlxspec.answer_pieces import PieceReader
 from mlxspec.console import COLOURS, AnswerEcho, say
-from mlxspec.conversation import Conversation
 from mlxspec.events import Done, Event
+from mlxspec.markup.conversation import Conversation
+from mlxspec.markup.display import PieceReader
 from tui.worker import generation_settings
 
 QUIT = "/quit"

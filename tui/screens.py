@@ -12,7 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Select, Switch
 from textual.widgets.option_list import Option
 
-from mlxspec.registry import Registry
+from mlxspec.registry.models_toml import Registry
 from tui.store import Conversation
 
 

@@ -6,7 +6,7 @@ thread rather than a fresh thread per job. The thread owns the runtime and only 
 messages; the app owns everything the screen shows. On a sharded target (`chat --ranks`)
 this thread is rank 0's: it announces every answer to the other ranks (`stream`) and,
 when it stops, tells them there will be no more (`on_stop`). It also reads each answer's
-text into reasoning and answer (`mlxspec.answer_pieces`), so the screen only shows parts.
+text into reasoning and answer (`mlxspec.markup.display`), so the screen only shows parts.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from textual.message import Message
 
-from mlxspec.answer_pieces import Finished, PieceReader, Written
-from mlxspec.conversation import Conversation
-from mlxspec.engine import GenerationSettings
+from mlxspec.decoding.engine import GenerationSettings
 from mlxspec.events import Done, Event
-from mlxspec.pull import ensure_packaged_model, is_packaged, is_present
-from mlxspec.registry import ModelEntry
+from mlxspec.markup.conversation import Conversation
+from mlxspec.markup.display import Finished, PieceReader, Written
+from mlxspec.models.packaged import ensure_packaged_model, is_packaged, is_present
+from mlxspec.registry.models_toml import ModelEntry
 from mlxspec.sampling import SamplingSettings
 from tui.answer import KIND_OF_EVENT
 

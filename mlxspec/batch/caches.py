@@ -20,8 +20,8 @@ import mlx.nn as nn
 
 from mlxspec.batch.prefix import PrefixPool
 from mlxspec.batch.target import BatchTarget, Prefill, feed_together
-from mlxspec.target import LaunchedPass
-from mlxspec.tree import DraftTree
+from mlxspec.models.target import LaunchedPass
+from mlxspec.models.tree import DraftTree
 
 # The calls that run the model: on a sharded target each is a collective pass.
 FORWARDS = ("advance", "verify", "verify_tree")

@@ -14,6 +14,7 @@ import dataclasses
 
 import mlx.core as mx
 
+from mlxspec.decoding.request import RequestRun
 from mlxspec.proposers.base import (
     Draft,
     ProposalContext,
@@ -22,7 +23,6 @@ from mlxspec.proposers.base import (
     candidates,
     hidden_capture,
 )
-from mlxspec.request import RequestRun
 
 
 def forced_tokens(run: RequestRun, proposer: Proposer | None) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxspec.request import RequestRun
+from mlxspec.decoding.request import RequestRun
 
 
 def launches_next(run: RequestRun, rows: list[list[int]]) -> bool:

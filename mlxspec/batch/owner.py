@@ -11,19 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from mlxspec.conversation import Conversation
+from mlxspec.decoding.policy import Policy
+from mlxspec.decoding.request import RequestRun
+from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.events import Done
-from mlxspec.policy import Policy
+from mlxspec.markup.conversation import Conversation
+from mlxspec.models.target import Target
+from mlxspec.models.tree import DraftTree
 from mlxspec.proposers.base import ProposalContext, Proposer
-from mlxspec.request import RequestRun
 from mlxspec.settings import GenerationSettings
-from mlxspec.target import Target
-from mlxspec.tree import DraftTree
-from mlxspec.verify_cost import VerifyCost
 
 
 class RoundOwner(Protocol):
-    """The engine, as a round sees it (mlxspec.engine.Engine implements it)."""
+    """The engine, as a round sees it (mlxspec.decoding.engine.Engine implements it)."""
 
     name: str
     target: Target

@@ -11,11 +11,11 @@ import copy
 
 import mlx.core as mx
 
+from mlxspec.decoding.request import RequestRun
 from mlxspec.logprobs import PendingLogprobs, TokenLogprob
+from mlxspec.models.tree import DraftTree, keep_best
 from mlxspec.proposers.base import Proposer
 from mlxspec.proposers.self_spec import SelfSpeculation
-from mlxspec.request import RequestRun
-from mlxspec.tree import DraftTree, keep_best
 
 
 def unbatchable_reason(proposer: Proposer, capture_unsupported: str | None) -> str | None:

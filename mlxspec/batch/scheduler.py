@@ -58,9 +58,12 @@ from mlxspec.batch.single import SingleCaches
 from mlxspec.batch.slots import Round, Slot, grammar_ready
 from mlxspec.batch.target import cache_columns
 from mlxspec.batch.width import ROW_FLOOR, PassCost, choose_width, pass_grid_for, prefill_group
-from mlxspec.conversation import Conversation
+from mlxspec.decoding.request import RequestRun
 from mlxspec.events import Event
 from mlxspec.logprobs import TokenLogprob
+from mlxspec.markup.conversation import Conversation
+from mlxspec.models.target import PREFILL_CHUNK
+from mlxspec.models.tree import DraftTree, chain
 from mlxspec.proposers.base import (
     ProposalContext,
     Proposer,
@@ -68,11 +71,8 @@ from mlxspec.proposers.base import (
     candidates,
     hidden_capture,
 )
-from mlxspec.request import RequestRun
 from mlxspec.settings import GenerationError, GenerationSettings
 from mlxspec.speedup import round_steps
-from mlxspec.target import PREFILL_CHUNK
-from mlxspec.tree import DraftTree, chain
 
 
 class Scheduler:

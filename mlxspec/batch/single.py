@@ -16,8 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxspec.batch.prefix import PrefixPool
-from mlxspec.target import Target
-from mlxspec.tree import DraftTree
+from mlxspec.models.target import Target
+from mlxspec.models.tree import DraftTree
 
 
 class SingleCaches:

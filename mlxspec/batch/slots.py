@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mlxspec.decoding.request import RequestRun
 from mlxspec.events import Event
+from mlxspec.models.tree import DraftTree
 from mlxspec.proposers.base import Draft, Proposer, Situation
-from mlxspec.request import RequestRun
-from mlxspec.tree import DraftTree
 
 
 @dataclass

@@ -25,7 +25,7 @@ refused part of its drafts gets its copied state back and replays the tokens it 
 all such rows in one pass, right-padded, with `ArraysCache.prepare(lengths=...)`
 masking each row's padding out of its state (mlx-lm's own ragged-batch mechanism).
 
-Invariant between rounds, as in `mlxspec.target`: each row's cache holds every token
+Invariant between rounds, as in `mlxspec.models.target`: each row's cache holds every token
 of its sequence but the last (pending) one.
 """
 
@@ -45,10 +45,10 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from mlxspec import tree_attention
-from mlxspec.anatomy import Decoder, is_recurrent, split_decoder
-from mlxspec.target import feed_cache
-from mlxspec.tree import DraftTree, batch_attention_mask, node_depths
+from mlxspec.models import tree_attention
+from mlxspec.models.anatomy import Decoder, is_recurrent, split_decoder
+from mlxspec.models.target import feed_cache
+from mlxspec.models.tree import DraftTree, batch_attention_mask, node_depths
 
 # Left padding a batch may carry before it is cut (a copy of every layer's cache).
 COMPACT_AT = 64

@@ -46,9 +46,9 @@ import mlx.nn as nn
 
 from mlxspec.batch.owner import RoundOwner
 from mlxspec.batch.target import BatchTarget, Prefill
+from mlxspec.decoding.policy import expected_tokens
+from mlxspec.decoding.verify_cost import VerifyCost, cached_verify_cost, calibration_key
 from mlxspec.events import ProgressNote
-from mlxspec.policy import expected_tokens
-from mlxspec.verify_cost import VerifyCost, cached_verify_cost, calibration_key
 
 if TYPE_CHECKING:
     from mlxspec.batch.caches import BatchCaches

@@ -36,9 +36,9 @@ from mlxspec.bench import BenchError
 from mlxspec.bench.client import Answer, RequestFailed, stream_chat
 from mlxspec.bench.report import markdown_table, number_cell
 from mlxspec.bench.suites import BenchPrompt
-from mlxspec.chat_template import encode_chat
-from mlxspec.registry import NONE
-from mlxspec.runtime import Runtime
+from mlxspec.markup.chat_template import encode_chat
+from mlxspec.registry.models_toml import NONE
+from mlxspec.registry.runtime import Runtime
 from mlxspec.server import ServerLimits, create_app
 from mlxspec.server.background import serving_in_thread
 from mlxspec.server.providers import OpenedProvider

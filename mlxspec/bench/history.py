@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from mlxspec.bench import BenchError
-from mlxspec.policy import Policy
+from mlxspec.decoding.policy import Policy
 from mlxspec.proposers import ProposalContext
 from mlxspec.proposers.base import candidates
-from mlxspec.runtime import Runtime
+from mlxspec.registry.runtime import Runtime
 from mlxspec.sampling import SamplingSettings, TokenScorer
 
 REPLAYABLE_KINDS = ("prompt-lookup", "draft-model", "chain")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mlxspec.bench import BenchError
-from mlxspec.registry import NONE, ModelEntry, ProposerConfig
+from mlxspec.registry.models_toml import NONE, ModelEntry, ProposerConfig
 
 PLAIN = "plain-mlx-lm"
 MLX_LM_SPECULATIVE = "mlx-lm-speculative"

@@ -17,7 +17,6 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from mlxspec.answer_grammar import AnswerConstraint, answer_grammar
 from mlxspec.bench import BenchError
 from mlxspec.bench.lossless import Divergence, first_divergence, plain_top2_gap
 from mlxspec.bench.methods import MLX_LM_SPECULATIVE, PLAIN, Method, draft_proposer
@@ -29,9 +28,10 @@ from mlxspec.bench.runners import (
     run_plain_mlx_lm,
 )
 from mlxspec.bench.suites import BenchPrompt
-from mlxspec.grammar import Grammar
-from mlxspec.registry import NONE
-from mlxspec.runtime import Runtime
+from mlxspec.registry.models_toml import NONE
+from mlxspec.registry.runtime import Runtime
+from mlxspec.structured.answer import AnswerConstraint, answer_grammar
+from mlxspec.structured.grammar import Grammar
 from mlxspec.suffix.store import HistoryStore
 
 WARM_UP = [{"role": "user", "content": "Say hello, then count to five."}]

@@ -21,9 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step, speculative_generate_step
 
-from mlxspec.engine import Engine, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.events import Done, Event, Step
-from mlxspec.grammar import Constraint, Grammar, mask_processor
+from mlxspec.structured.grammar import Constraint, Grammar, mask_processor
 
 # How an mlxspec row runs a request: the engine's own stream, or (sharded) a rank
 # session's, which keeps the ranks in step and times its collectives.

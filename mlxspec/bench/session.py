@@ -18,8 +18,8 @@ from mlxspec.bench.report import document, markdown
 from mlxspec.bench.run import Bench, Progress, Run
 from mlxspec.bench.runners import Stream
 from mlxspec.bench.suites import REPLAYED, BenchPrompt, load_suite, read_prompts
-from mlxspec.registry import ModelEntry
-from mlxspec.runtime import Runtime, parameter_count
+from mlxspec.registry.models_toml import ModelEntry
+from mlxspec.registry.runtime import Runtime, parameter_count
 
 QUICK_REPEATS, REPEATS = 1, 3
 REPLAY_METHODS = "prompt-lookup,suffix"  # what a replayed suite compares with plain

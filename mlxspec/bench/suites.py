@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 from mlxspec.bench import BenchError
-from mlxspec.grammar import Grammar
+from mlxspec.structured.grammar import Grammar
 
 SUITE_FILES = {
     "code": "code.jsonl",

@@ -31,11 +31,11 @@ from typing import Any
 
 from mlxspec.bench.runners import run_mlxspec
 from mlxspec.bench.suites import BenchPrompt
-from mlxspec.policy import expected_tokens
+from mlxspec.decoding.policy import expected_tokens
+from mlxspec.decoding.verify_cost import VerifyCost, measure_verify_cost
 from mlxspec.proposers.synthetic import SyntheticAcceptance
-from mlxspec.registry import NONE
-from mlxspec.runtime import Runtime
-from mlxspec.verify_cost import VerifyCost, measure_verify_cost
+from mlxspec.registry.models_toml import NONE
+from mlxspec.registry.runtime import Runtime
 
 ACCEPTANCES = (0.5, 0.7, 0.9)
 DRAFT_LENGTHS: tuple[int | None, ...] = (4, 8, None)  # None: adaptive

@@ -16,7 +16,7 @@ from mlxspec.cli.errors import fail_cleanly
 from mlxspec.cli.options import WEIGHTS_OPTION, model_option
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
-from mlxspec.registry import load_registry
+from mlxspec.registry.models_toml import load_registry
 
 
 class DraftLength(click.ParamType):
@@ -183,7 +183,7 @@ def bench(
     from mlxspec.bench.report import markdown
     from mlxspec.bench.session import Interrupted, execute, plan, write_outputs
     from mlxspec.distributed.rank import current_rank
-    from mlxspec.runtime import open_runtime
+    from mlxspec.registry.runtime import open_runtime
 
     rank = current_rank()  # None unless launched with --ranks/--hostfile
     if rank is not None and (concurrency or history):
@@ -292,7 +292,7 @@ def _bench_synthetic(
     from mlxspec.bench import BenchError
     from mlxspec.bench.suites import load_suite, read_prompts
     from mlxspec.bench.synthetic import DRAFT_LENGTHS, run_synthetic, synthetic_markdown
-    from mlxspec.runtime import open_runtime
+    from mlxspec.registry.runtime import open_runtime
 
     try:
         prompts = read_prompts(Path(prompts_file)) if prompts_file else load_suite(suite or "quick")
@@ -315,7 +315,7 @@ def _bench_concurrency(
     from mlxspec.bench import BenchError
     from mlxspec.bench.concurrency import concurrency_markdown, run_concurrency
     from mlxspec.bench.suites import load_suite, read_prompts
-    from mlxspec.runtime import ProposerError, open_runtime
+    from mlxspec.registry.runtime import ProposerError, open_runtime
 
     try:
         prompts = read_prompts(Path(prompts_file)) if prompts_file else load_suite(suite or "all")

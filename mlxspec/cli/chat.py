@@ -20,7 +20,7 @@ from mlxspec.cli.options import (
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.options import distributed_options
-from mlxspec.registry import load_registry
+from mlxspec.registry.models_toml import load_registry
 
 
 @click.command()
@@ -90,7 +90,7 @@ def chat(
         return
     # (With the jaccl or mpi backend, mlx.launch gives rank 0 pipes: the line chat.)
     if plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
-        from mlxspec.runtime import open_runtime
+        from mlxspec.registry.runtime import open_runtime
         from tui.plain import run_plain
 
         if rank is None:

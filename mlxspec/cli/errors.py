@@ -10,17 +10,17 @@ import functools
 
 import click
 
-from mlxspec.registry import RegistryError
+from mlxspec.registry.models_toml import RegistryError
 
 
 def user_errors() -> tuple[type[Exception], ...]:
     """The errors a user can cause, imported when one is being matched: the modules that
     raise them load mlx-lm (and transformers), which a command's launcher, `--help` and
     a usage error never need."""
-    from mlxspec.engine import GenerationError
-    from mlxspec.loading import LoadError
-    from mlxspec.pull import PullError
-    from mlxspec.runtime import ProposerError
+    from mlxspec.decoding.engine import GenerationError
+    from mlxspec.models.loading import LoadError
+    from mlxspec.models.packaged import PullError
+    from mlxspec.registry.runtime import ProposerError
 
     return RegistryError, LoadError, PullError, ProposerError, GenerationError
 

@@ -23,7 +23,7 @@ from mlxspec.cli.options import (
 from mlxspec.console import COLOURS, AnswerEcho, say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
 from mlxspec.events import Done
-from mlxspec.registry import load_registry
+from mlxspec.registry.models_toml import load_registry
 
 
 @click.command()
@@ -92,13 +92,13 @@ def generate(
       mlxspec generate "Hi" -m qwen3-8b --chat-template-args '{"enable_thinking": false}'
       mlxspec generate "Invent a city" --json-schema city.schema.json
     """
-    from mlxspec.answer_grammar import answer_grammar
-    from mlxspec.answer_pieces import PieceReader
-    from mlxspec.conversation import Conversation
+    from mlxspec.decoding.engine import GenerationSettings
     from mlxspec.distributed.rank import current_rank
-    from mlxspec.engine import GenerationSettings
-    from mlxspec.runtime import open_runtime
+    from mlxspec.markup.conversation import Conversation
+    from mlxspec.markup.display import PieceReader
+    from mlxspec.registry.runtime import open_runtime
     from mlxspec.sampling import SamplingSettings
+    from mlxspec.structured.answer import answer_grammar
 
     if prompt == "-":
         prompt = sys.stdin.read()

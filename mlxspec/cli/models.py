@@ -11,7 +11,7 @@ from mlxspec import device
 from mlxspec.cli.errors import fail_cleanly
 from mlxspec.cli.options import JSON_OPTION, model_option
 from mlxspec.console import say
-from mlxspec.registry import load_registry
+from mlxspec.registry.models_toml import load_registry
 
 
 @click.command()
@@ -24,8 +24,8 @@ def models(as_json):
     Example:
       mlxspec models --json
     """
-    from mlxspec.loading import weights_location
-    from mlxspec.weights import resolve_weights
+    from mlxspec.decoding.weights import resolve_weights
+    from mlxspec.models.loading import weights_location
 
     registry = load_registry()
     rows = []
@@ -152,9 +152,9 @@ def pull(name, mtp, mtp_source):
       mlxspec pull mlx-community/Qwen3-0.6B-4bit
       mlxspec pull mlx-community/Qwen3.5-27B-4bit --mtp --from Qwen/Qwen3.5-27B
     """
-    from mlxspec.loading import HUB_REPO_ID, fetch_weights
-    from mlxspec.pull import is_packaged
-    from mlxspec.runtime import proposer_downloads
+    from mlxspec.models.loading import HUB_REPO_ID, fetch_weights
+    from mlxspec.models.packaged import is_packaged
+    from mlxspec.registry.runtime import proposer_downloads
 
     registry = load_registry()
     entry = None

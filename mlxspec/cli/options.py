@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from mlxspec.grammar import Grammar
-from mlxspec.weights import CHOICES as WEIGHT_CHOICES
-from mlxspec.weights import ENV_VAR as WEIGHTS_ENV
+from mlxspec.decoding.weights import CHOICES as WEIGHT_CHOICES
+from mlxspec.decoding.weights import ENV_VAR as WEIGHTS_ENV
+from mlxspec.structured.grammar import Grammar
 
 MODEL_HELP = (
     "A models.toml entry (`mlxspec models`), a hub repo id (owner/name) or a local "
@@ -143,7 +143,7 @@ def _regex(ctx: click.Context, param: click.Parameter, pattern: str | None) -> G
 
 def _checked(said: str, grammar: Grammar) -> Grammar:
     """`grammar`, once llguidance can compile it (no tokenizer needed: no model loads)."""
-    from mlxspec.answer_grammar import grammar_problem
+    from mlxspec.structured.answer import grammar_problem
 
     problem = grammar_problem(grammar)
     if problem is not None:
@@ -171,7 +171,7 @@ grammar_options = bundle(
 
 def answer_constraint(json_schema: Grammar | None, regex: Grammar | None):
     """The AnswerConstraint of --json-schema / --regex (None: free text)."""
-    from mlxspec.answer_grammar import AnswerConstraint
+    from mlxspec.structured.answer import AnswerConstraint
 
     if json_schema is not None and regex is not None:
         raise click.ClickException("--json-schema and --regex cannot be used together")

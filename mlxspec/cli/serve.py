@@ -15,7 +15,7 @@ from mlxspec.cli.options import (
 )
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
-from mlxspec.registry import load_registry
+from mlxspec.registry.models_toml import load_registry
 
 # `serve`: requests that share a target pass by default (docs/batching.md, measured).
 # Measured: docs/batching.md (8 clients: 1.74x one at a time plain, 1.91x with prompt

@@ -10,7 +10,7 @@ from mlxspec.cli.errors import fail_cleanly
 from mlxspec.cli.options import model_option
 from mlxspec.console import say
 from mlxspec.drafter.prompts import DEFAULT_PROMPTS, TRAINING_PROMPTS
-from mlxspec.registry import load_registry
+from mlxspec.registry.models_toml import load_registry
 
 
 @click.command("train-drafter")
@@ -144,7 +144,7 @@ def train_drafter(
     from mlxspec.drafter.command import train_drafter as run_job
     from mlxspec.drafter.data import DataFileError, read_data_file
     from mlxspec.drafter.head import HeadError
-    from mlxspec.loading import load_model
+    from mlxspec.models.loading import load_model
 
     entry = load_registry().get(model)
     if extra_text is not None:  # a bad file fails now, not after the model loads

@@ -29,7 +29,7 @@ from mlxspec.batch.caches import BatchCaches
 from mlxspec.batch.target import BatchTarget, has_recurrent_layers, unsupported_reason
 from mlxspec.distributed.collectives import Collectives
 from mlxspec.distributed.errors import DistributedError
-from mlxspec.tree import DraftTree
+from mlxspec.models.tree import DraftTree
 
 PLAN = "plan"  # the key that tells a plan from a request announcement
 # The parts of `BatchCaches.layout` a follower checks, and how its error line names them.

@@ -28,7 +28,15 @@ from functools import partial
 import mlx.core as mx
 
 from mlxspec import blas
-from mlxspec.conversation import Conversation
+from mlxspec.decoding.engine import Engine, GenerationError, GenerationSettings
+from mlxspec.decoding.policy import Policy
+from mlxspec.decoding.verify_cost import (
+    VerifyCost,
+    cached_verify_cost,
+    calibration_key,
+    measure_verify_cost,
+    pooled_monotone,
+)
 from mlxspec.distributed import bell
 from mlxspec.distributed.batch import PLAN, BatchFollower, batches
 from mlxspec.distributed.collectives import Collectives
@@ -37,18 +45,10 @@ from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.ring import ranks_on_my_host
 from mlxspec.distributed.sharding import allreduces_per_forward, fingerprint, shard
 from mlxspec.distributed.watchdog import Watchdog
-from mlxspec.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import Done, Event, Step
-from mlxspec.grammar import Grammar
-from mlxspec.policy import Policy
+from mlxspec.markup.conversation import Conversation
 from mlxspec.sampling import SamplingSettings
-from mlxspec.verify_cost import (
-    VerifyCost,
-    cached_verify_cost,
-    calibration_key,
-    measure_verify_cost,
-    pooled_monotone,
-)
+from mlxspec.structured.grammar import Grammar
 
 # Every rank runs the calibration's passes (rank 0's timings are kept): more of them, and
 # a fit that averages a slow timing away instead of carrying it to every larger size. No
@@ -186,8 +186,8 @@ class RankSession:
         Runtime whose engine keeps every rank in step. `calibrate`: agree on the verify
         cost now, on every rank (the chat does it while "loading" shows). `follows`: the
         other ranks will `follow` rank 0 (serve, chat): give them a bell to wait on."""
-        from mlxspec.loading import load_model
-        from mlxspec.runtime import Runtime, target_weights
+        from mlxspec.models.loading import load_model
+        from mlxspec.registry.runtime import Runtime, target_weights
 
         notify = self.notify(say)
         threads = f", OpenBLAS {self.blas_threads} thread(s) a rank" if self.blas_threads else ""

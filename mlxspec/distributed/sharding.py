@@ -10,9 +10,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxspec.anatomy import text_settings
 from mlxspec.distributed.config import PARALLEL_MODES
 from mlxspec.distributed.errors import DistributedError
+from mlxspec.models.anatomy import text_settings
 
 
 def _args(model: nn.Module) -> dict:

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxspec.chat_template import encode_chat
 from mlxspec.drafter.prompts import chat_prompts
+from mlxspec.markup.chat_template import encode_chat
 
 SHIPPED = Path(__file__).parent / "answers"
 SPLITS = ("train", "held-out")
@@ -253,8 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     from mlxspec.drafter.progress import progress_bar
-    from mlxspec.loading import load_model
-    from mlxspec.registry import load_registry
+    from mlxspec.models.loading import load_model
+    from mlxspec.registry.models_toml import load_registry
 
     parser = argparse.ArgumentParser(prog="python -m mlxspec.drafter.answers")
     parser.add_argument("--model", default="smollm2-135m", help="a models.toml entry")

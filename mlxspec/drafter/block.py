@@ -29,8 +29,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from mlxspec.anatomy import Decoder
 from mlxspec.drafter.strict import unknown_fields, unread_tensors
+from mlxspec.models.anatomy import Decoder
 
 CONFIG = "config.json"
 BLOCK_PATTERNS = ["*.json", "*.safetensors"]  # hub files of a published block drafter

@@ -26,11 +26,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from mlxspec.anatomy import Decoder
 from mlxspec.drafter.block import CONFIG, DFLASH, BlockDrafter, BlockSpec
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import lm_rows
 from mlxspec.drafter.train import Batch, HeldOutChoices, held_out, sparse_kl
+from mlxspec.models.anatomy import Decoder
 
 BLOCK_SIZE = 8  # 7 drafts a pass: the head's useful depth on SmolLM2 is 3-4
 ANCHORS = 8  # blocks trained per window row

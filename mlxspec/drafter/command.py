@@ -20,7 +20,6 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from mlxspec import device
-from mlxspec.anatomy import Decoder, split_decoder
 from mlxspec.drafter import distill
 from mlxspec.drafter.answers import shipped_answers
 from mlxspec.drafter.block_train import BlockStudent, build_block, save_block
@@ -41,9 +40,10 @@ from mlxspec.drafter.train import (
     coverage,
     train,
 )
-from mlxspec.loading import LoadedModel
-from mlxspec.register import register_proposer
-from mlxspec.registry import ModelEntry
+from mlxspec.models.anatomy import Decoder, split_decoder
+from mlxspec.models.loading import LoadedModel
+from mlxspec.registry.models_toml import ModelEntry
+from mlxspec.registry.register import register_proposer
 
 HELD_OUT = "held-out"
 HELD_OUT_PROMPTS = 80  # ~10k answer tokens: enough for the agreement measure (EVAL_POSITIONS)

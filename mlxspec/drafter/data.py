@@ -26,9 +26,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlxspec.anatomy import Decoder
-from mlxspec.chat_template import encode_chat
 from mlxspec.drafter.answers import AnswerSet, encode_prompt
+from mlxspec.markup.chat_template import encode_chat
+from mlxspec.models.anatomy import Decoder
 
 MANIFEST = "manifest.json"
 

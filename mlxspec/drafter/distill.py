@@ -22,11 +22,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.utils import dequantize_model, load_tokenizer, save_config, save_model
 
-from mlxspec.anatomy import Decoder, split_decoder
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import lm_rows
 from mlxspec.drafter.train import Batch, HeldOutChoices, check_layers, held_out
-from mlxspec.loading import LoadedModel
+from mlxspec.models.anatomy import Decoder, split_decoder
+from mlxspec.models.loading import LoadedModel
 from mlxspec.proposers.draft_model import check_same_vocabulary, truncated_model
 
 RECORD_FILE = "training.json"

@@ -40,9 +40,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 
-from mlxspec.anatomy import Decoder
 from mlxspec.drafter.head import HeadError, HeadSpec
 from mlxspec.drafter.strict import unknown_fields, unread_tensors
+from mlxspec.models.anatomy import Decoder
 
 FORMAT = "eagle-3"
 CONFIG = "config.json"

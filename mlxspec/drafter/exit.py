@@ -22,10 +22,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlxspec.anatomy import Decoder
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import lm_rows
 from mlxspec.drafter.train import Batch, check_layers, held_out
+from mlxspec.models.anatomy import Decoder
 
 EXIT_FILE, EXIT_WEIGHTS = "exit.json", "exit.safetensors"
 EXIT_PATTERNS = [EXIT_FILE, EXIT_WEIGHTS]

@@ -37,7 +37,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxspec.anatomy import Decoder, last_attention_layer
 from mlxspec.device import prefers_dequantized_weights
 from mlxspec.drafter.eagle3 import load_eagle3
 from mlxspec.drafter.head import (
@@ -59,6 +58,7 @@ from mlxspec.drafter.stored_quantized import (
 )
 from mlxspec.drafter.strict import unknown_fields, unread_tensors
 from mlxspec.drafter.torch_bin import TorchCheckpointError, read_torch_bin
+from mlxspec.models.anatomy import Decoder, last_attention_layer
 
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 # Copies of the target's embedding that the layouts ship (EAGLE-1's; DeepSeek-V3's MTP

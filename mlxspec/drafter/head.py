@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from mlxspec.anatomy import Decoder, last_attention_layer
+from mlxspec.models.anatomy import Decoder, last_attention_layer
 
 HEAD_FILE, WEIGHTS_FILE = "head.json", "head.safetensors"
 # Hub files of our heads and of published ones (EAGLE ships PyTorch .bin files).

@@ -24,10 +24,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlxspec.anatomy import Decoder
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import HeadError, lm_rows
 from mlxspec.drafter.train import Batch, HeldOutChoices, held_out
+from mlxspec.models.anatomy import Decoder
 
 WEIGHTS = "medusa.safetensors"
 CONFIG = "medusa.json"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from mlxspec.console import say
 from mlxspec.drafter.mtp_pull import mtp_folder, pull_mtp
-from mlxspec.loading import fetch_weights
-from mlxspec.pull import PullError, is_packaged
-from mlxspec.register import register_proposer
-from mlxspec.registry import ModelEntry
+from mlxspec.models.loading import fetch_weights
+from mlxspec.models.packaged import PullError, is_packaged
+from mlxspec.registry.models_toml import ModelEntry
+from mlxspec.registry.register import register_proposer
 
 PROPOSER = "mtp"
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxspec.models.packaged import PullError
 from mlxspec.paths import cache_dir
-from mlxspec.pull import PullError
 
 INDEX_FILE, SINGLE_FILE, CONFIG_FILE = (
     "model.safetensors.index.json",

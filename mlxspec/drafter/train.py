@@ -35,9 +35,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxspec.anatomy import Decoder
 from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import DraftHead, head_cache, lm_rows
+from mlxspec.models.anatomy import Decoder
 
 CHECKPOINT = "checkpoint"
 EVAL_POSITIONS = 64 * 150  # held-out answer positions an agreement measure reads (about)

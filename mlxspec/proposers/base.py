@@ -18,7 +18,7 @@ import numpy as np
 from mlxspec.sampling import TokenScorer, sample_from
 
 if TYPE_CHECKING:
-    from mlxspec.target import Target
+    from mlxspec.models.target import Target
 
 
 @dataclass

@@ -18,9 +18,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxspec.drafter.block import BlockDrafter
+from mlxspec.models.target import Target, common_prefix_len
+from mlxspec.models.tree import DraftTree, LevelGrower
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
-from mlxspec.target import Target, common_prefix_len
-from mlxspec.tree import DraftTree, LevelGrower
 
 BRANCH = 3  # children offered per expanded node
 BEAM = 4  # nodes expanded per level

@@ -10,11 +10,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxspec.anatomy import text_settings
+from mlxspec.models.anatomy import text_settings
+from mlxspec.models.target import catch_up
+from mlxspec.models.tree import DraftTree
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
 from mlxspec.proposers.growth import grow
-from mlxspec.target import catch_up
-from mlxspec.tree import DraftTree
 
 
 class VocabularyMismatch(ValueError):

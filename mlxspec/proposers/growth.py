@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from mlxspec.models.tree import DraftTree, from_nodes, keep_best
 from mlxspec.proposers.base import ProposalContext
-from mlxspec.tree import DraftTree, from_nodes, keep_best
 
 
 def grow(

@@ -15,10 +15,10 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
 from mlxspec.drafter.head import Head, head_cache, lm_rows
+from mlxspec.models.target import Target, common_prefix_len
+from mlxspec.models.tree import DraftTree, LevelGrower
+from mlxspec.models.tree_attention import rope_positions
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw, full_width
-from mlxspec.target import Target, common_prefix_len
-from mlxspec.tree import DraftTree, LevelGrower
-from mlxspec.tree_attention import rope_positions
 
 BRANCH = 3  # children offered per expanded node
 BEAM = 4  # nodes expanded per level

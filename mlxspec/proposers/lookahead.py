@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from mlxspec.models.tree import DraftTree, from_nodes
 from mlxspec.proposers.base import Draft, ProposalContext, Situation
-from mlxspec.tree import DraftTree, from_nodes
 
 POOL_PER_KEY = 8  # n-grams kept per first token (most recent wins)
 

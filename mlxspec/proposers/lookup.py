@@ -9,8 +9,8 @@ labels the case, so the policy learns that long verbatim matches deserve long dr
 
 from __future__ import annotations
 
+from mlxspec.models.tree import DraftTree, from_paths, keep_best
 from mlxspec.proposers.base import Draft, ProposalContext, Situation
-from mlxspec.tree import DraftTree, from_paths, keep_best
 
 MATCH_BUCKETS = (1, 2, 3, 4, 8, 16, 32)  # case labels: match length rounded down to these
 # Acceptance to expect per bucket before evidence: short matches in open text are

@@ -14,9 +14,9 @@ import mlx.core as mx
 
 from mlxspec.drafter.head import lm_rows
 from mlxspec.drafter.medusa import MedusaHeads
+from mlxspec.models.target import Target
+from mlxspec.models.tree import DraftTree, from_paths, keep_best
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw, full_width
-from mlxspec.target import Target
-from mlxspec.tree import DraftTree, from_paths, keep_best
 
 BRANCH = 3  # candidates per head
 

@@ -14,8 +14,8 @@ import mlx.core as mx
 
 from mlxspec.drafter.exit import ExitHead, raw_states
 from mlxspec.drafter.head import lm_rows
+from mlxspec.models.target import Target
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw, full_width
-from mlxspec.target import Target
 
 
 class SelfSpeculation:

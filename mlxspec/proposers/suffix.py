@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mlxspec.models.tree import DraftTree, from_paths, greedy_walk, keep_best
 from mlxspec.proposers.base import Draft, ProposalContext, Situation
 from mlxspec.proposers.lookup import PRIORS, bucket
 from mlxspec.suffix.index import MAX_MATCH, SENTINEL, PrefixIndex
 from mlxspec.suffix.store import HistoryStore
-from mlxspec.tree import DraftTree, from_paths, greedy_walk, keep_best
 
 OCCURRENCES = 32  # continuations counted per match (an even sample of a bigger range)
 MIN_SHARE = 0.1  # branches fewer occurrences took are not drafted (SuffixDecoding's min prob)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from mlxspec.output_parser import Answered, PartsOf
+from mlxspec.markup.output_parser import Answered, PartsOf
 from mlxspec.server.errors import ApiError
 from mlxspec.server.worker import Generation, Job, Worker
 

@@ -21,12 +21,12 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 import mlxspec
 from mlxspec.processes import stop_signals
-from mlxspec.server.anthropic import error_body
-from mlxspec.server.anthropic_routes import anthropic_router
+from mlxspec.server.anthropic.routes import anthropic_router
+from mlxspec.server.anthropic.translate import error_body
 from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError, install_error_handlers
 from mlxspec.server.limits import ServerLimits
-from mlxspec.server.openai_routes import openai_router
+from mlxspec.server.openai.routes import openai_router
 from mlxspec.server.providers import ModelInfo, ModelProvider, find_model
 from mlxspec.server.worker import Worker
 

@@ -19,7 +19,7 @@ from mlxspec.batch.rows import unbatchable_reason
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.target import unsupported_reason
 from mlxspec.batch.width import ROW_FLOOR
-from mlxspec.engine import GenerationError
+from mlxspec.decoding.engine import GenerationError
 from mlxspec.events import Done
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelProvider

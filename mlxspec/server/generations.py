@@ -8,15 +8,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from mlxspec.answer_grammar import AnswerConstraint
-from mlxspec.engine import GenerationError, GenerationSettings
-from mlxspec.grammar import COMPILE_SECONDS
+from mlxspec.decoding.engine import GenerationError, GenerationSettings
 from mlxspec.sampling import SamplingSettings
 from mlxspec.server.errors import ApiError
 from mlxspec.server.limits import ServerLimits
+from mlxspec.server.openai.schemas import GenerationRequest
 from mlxspec.server.providers import ModelInfo, ModelProvider, NotDownloaded
-from mlxspec.server.schemas import GenerationRequest
 from mlxspec.server.worker import Generation
+from mlxspec.structured.answer import AnswerConstraint
+from mlxspec.structured.grammar import COMPILE_SECONDS
 
 
 def new_generation(

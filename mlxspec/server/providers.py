@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mlxspec.engine import Engine
-from mlxspec.registry import Defaults, ModelEntry, ProposerConfig, Registry
+from mlxspec.decoding.engine import Engine
+from mlxspec.registry.models_toml import Defaults, ModelEntry, ProposerConfig, Registry
 from mlxspec.server.errors import ApiError
 
 
@@ -60,7 +60,7 @@ class NotDownloaded(RuntimeError):
 
 
 class RegistryProvider:
-    """The entries of models.toml, opened with `mlxspec.runtime.open_runtime`.
+    """The entries of models.toml, opened with `mlxspec.registry.runtime.open_runtime`.
 
     Only the default entry (the one the operator started the server with) may download
     weights; other entries must be pulled first, so that no request starts a download
@@ -80,7 +80,7 @@ class RegistryProvider:
     def check(self, name: str, proposer: str | None) -> None:
         if name == self.default:
             return
-        from mlxspec.loading import weights_location
+        from mlxspec.models.loading import weights_location
 
         entry = self.registry.get(name)
         needed = [entry.target, *_draft_references(entry, entry.proposer(proposer))]
@@ -92,7 +92,9 @@ class RegistryProvider:
             )
 
     def open(self, name: str) -> OpenModel:
-        from mlxspec.runtime import open_runtime  # loads mlx-lm model code: only when serving
+        from mlxspec.registry.runtime import (
+            open_runtime,  # loads mlx-lm model code: only when serving
+        )
 
         return open_runtime(self.registry.get(name), notify=self.notify)
 

@@ -23,7 +23,7 @@ from mlxspec.distributed.batch import PlannedCaches, batches
 from mlxspec.distributed.errors import DistributedError
 from mlxspec.distributed.rank import RankSession, report_exit
 from mlxspec.events import Done, Event
-from mlxspec.registry import ModelEntry
+from mlxspec.registry.models_toml import ModelEntry
 from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelInfo, ModelProvider, OpenModel

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxspec.answer_grammar import AnswerConstraint, answer_grammar
-from mlxspec.conversation import Conversation
-from mlxspec.engine import Engine, GenerationError, GenerationSettings
+from mlxspec.decoding.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Event
-from mlxspec.grammar import GrammarError
-from mlxspec.output_parser import AnswerReader
+from mlxspec.markup.conversation import Conversation
+from mlxspec.markup.output_parser import AnswerReader
 from mlxspec.server.errors import ApiError
 from mlxspec.server.providers import ModelProvider, OpenModel
+from mlxspec.structured.answer import AnswerConstraint, answer_grammar
+from mlxspec.structured.grammar import GrammarError
 
 log = logging.getLogger("mlxspec.server")
 

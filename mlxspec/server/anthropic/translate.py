@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxspec.answer_grammar import AnswerConstraint
-from mlxspec.conversation import (
+from mlxspec.events import RunRecord
+from mlxspec.markup.conversation import (
     AnswerPart,
     AnswerText,
     Conversation,
@@ -25,10 +25,10 @@ from mlxspec.conversation import (
     ToolCallArguments,
     ToolCallStarted,
 )
-from mlxspec.events import RunRecord
 from mlxspec.server.errors import ApiError
-from mlxspec.server.schemas import Count, GenerationRequest, MlxspecOptions
-from mlxspec.tool_grammar import ForcedTools
+from mlxspec.server.openai.schemas import Count, GenerationRequest, MlxspecOptions
+from mlxspec.structured.answer import AnswerConstraint
+from mlxspec.structured.forced_tools import ForcedTools
 
 # --- The request ------------------------------------------------------------------------
 

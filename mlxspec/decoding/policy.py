@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mlxspec.verify_cost import VerifyCost
+from mlxspec.decoding.verify_cost import VerifyCost
 
 if TYPE_CHECKING:  # the proposers package imports every proposer, mlx-lm with them
     from mlxspec.proposers.base import Situation

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from mlxspec.tree import DraftTree, attention_mask
+from mlxspec.models.tree import DraftTree, attention_mask
 
 
 class DepthRope(nn.Module):

@@ -22,8 +22,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlxspec.device import prefers_dequantized_weights
-from mlxspec.gguf import load_gguf
-from mlxspec.pull import (
+from mlxspec.models.gguf import load_gguf
+from mlxspec.models.packaged import (
     PACKAGED_MODELS,
     PullError,
     ensure_packaged_model,

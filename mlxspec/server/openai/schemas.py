@@ -21,14 +21,14 @@ from pydantic import (
     model_validator,
 )
 
-from mlxspec.answer_grammar import AnswerConstraint, grammar_problem
-from mlxspec.conversation import Conversation
-from mlxspec.grammar import Grammar
 from mlxspec.logprobs import MAX_TOP_LOGPROBS
+from mlxspec.markup.conversation import Conversation
 from mlxspec.sampling import MAX_CONTEXT_SIZE
 from mlxspec.server.errors import ApiError
-from mlxspec.server.logprobs import MAX_COMPLETION_LOGPROBS
-from mlxspec.tool_grammar import ForcedTools
+from mlxspec.server.openai.logprobs import MAX_COMPLETION_LOGPROBS
+from mlxspec.structured.answer import AnswerConstraint, grammar_problem
+from mlxspec.structured.forced_tools import ForcedTools
+from mlxspec.structured.grammar import Grammar
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]

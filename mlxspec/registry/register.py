@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mlxspec.registry import (
+from mlxspec.registry.models_toml import (
     SHIPPED_FILE,
     parse_registry_file,
     parse_registry_text,

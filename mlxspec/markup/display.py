@@ -12,9 +12,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from mlxspec.conversation import AnswerText, ReasoningText
 from mlxspec.events import Done, TokenEvent
-from mlxspec.output_parser import Answered, AnswerReader, Placed
+from mlxspec.markup.conversation import AnswerText, ReasoningText
+from mlxspec.markup.output_parser import Answered, AnswerReader, Placed
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,12 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import _infer_tool_parser
 
-from mlxspec.chat_template import render_chat, template_text
-from mlxspec.conversation import AnswerPart, Conversation, ParsedAnswer
 from mlxspec.events import Done, TokenEvent
-from mlxspec.harmony import HarmonyParser, is_harmony
 from mlxspec.logprobs import TokenLogprob
-from mlxspec.parts_parser import PartsParser, Placed, log
+from mlxspec.markup.chat_template import render_chat, template_text
+from mlxspec.markup.conversation import AnswerPart, Conversation, ParsedAnswer
+from mlxspec.markup.harmony import HarmonyParser, is_harmony
+from mlxspec.markup.parser_base import PartsParser, Placed, log
 
 # mlx-lm's parser for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`: the format of
 # Qwen, Hermes, and our fallback.

@@ -11,15 +11,23 @@ from collections.abc import Callable
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxspec.anatomy import UnsupportedModel
+from mlxspec.decoding.engine import Engine
+from mlxspec.decoding.weight_form import DEQUANTIZED, decide_weight_form
+from mlxspec.decoding.weights import (
+    AUTO,
+    WeightsChoice,
+    for_plain_decoding,
+    held_weights,
+    resolve_weights,
+)
 from mlxspec.drafter.block import BLOCK_PATTERNS, load_block_drafter
 from mlxspec.drafter.exit import EXIT_PATTERNS, load_exit
 from mlxspec.drafter.formats import load_head
 from mlxspec.drafter.head import HEAD_PATTERNS, HeadError
 from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
 from mlxspec.drafter.mtp_pull import mtp_folder
-from mlxspec.engine import Engine
-from mlxspec.loading import LoadedModel, LoadError, fetch_weights, load_model
+from mlxspec.models.anatomy import UnsupportedModel
+from mlxspec.models.loading import LoadedModel, LoadError, fetch_weights, load_model
 from mlxspec.proposers import (
     Chain,
     DraftModel,
@@ -35,17 +43,9 @@ from mlxspec.proposers.draft_model import VocabularyMismatch
 from mlxspec.proposers.head import HeadProposer
 from mlxspec.proposers.medusa import MedusaProposer
 from mlxspec.proposers.suffix import SuffixProposer
-from mlxspec.registry import ModelEntry, ProposerConfig
+from mlxspec.registry.models_toml import ModelEntry, ProposerConfig
 from mlxspec.suffix.seed import seed_index
 from mlxspec.suffix.store import HistoryStore, history_store
-from mlxspec.weight_form import DEQUANTIZED, decide_weight_form
-from mlxspec.weights import (
-    AUTO,
-    WeightsChoice,
-    for_plain_decoding,
-    held_weights,
-    resolve_weights,
-)
 
 
 class ProposerError(ValueError):

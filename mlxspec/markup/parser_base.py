@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from mlxspec.conversation import (
+from mlxspec.markup.conversation import (
     AnswerPart,
     AnswerText,
     ParsedAnswer,

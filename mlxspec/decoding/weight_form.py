@@ -24,8 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxspec.policy import expected_tokens
-from mlxspec.verify_cost import (
+from mlxspec.decoding.policy import expected_tokens
+from mlxspec.decoding.verify_cost import (
     VerifyCost,
     cached_verify_cost,
     calibration_key,

@@ -23,9 +23,9 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from mlxspec import tree_attention
-from mlxspec.anatomy import Decoder, split_decoder
-from mlxspec.tree import DraftTree
+from mlxspec.models import tree_attention
+from mlxspec.models.anatomy import Decoder, split_decoder
+from mlxspec.models.tree import DraftTree
 
 ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
 PREFILL_CHUNK = 512

@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mlxspec.output_parser import Answered
+from mlxspec.markup.output_parser import Answered
 from mlxspec.server.answering import SSE_HEADERS, Answering
 from mlxspec.server.errors import ApiError
 from mlxspec.server.generations import checked_constraint, new_generation
 from mlxspec.server.limits import ServerLimits
+from mlxspec.server.openai.replies import Reply, sse
+from mlxspec.server.openai.schemas import ChatRequest, CompletionRequest, GenerationRequest
 from mlxspec.server.providers import ModelProvider, find_model
-from mlxspec.server.responses import Reply, sse
-from mlxspec.server.schemas import ChatRequest, CompletionRequest, GenerationRequest
 from mlxspec.server.worker import Generation, Worker
 
 

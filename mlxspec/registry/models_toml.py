@@ -25,14 +25,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 needs the backport
     import tomli as tomllib
 
+from mlxspec.decoding.weights import CHOICES
 from mlxspec.paths import config_dir
-from mlxspec.weights import CHOICES
 
 # The folder that holds the mlxspec package: the repository root in a checkout (where the
 # shipped models.toml lives), site-packages once installed. The shipped file's relative paths
 # (the packaged heads, "./mlxspec/heads/...") resolve against it, so they hold both ways.
-SHIPPED_ROOT = Path(__file__).parent.parent
-_PACKAGE_COPY = Path(__file__).with_name("models.toml")  # in an installed wheel
+PACKAGE = Path(__file__).parent.parent  # mlxspec/
+SHIPPED_ROOT = PACKAGE.parent
+_PACKAGE_COPY = PACKAGE / "models.toml"  # in an installed wheel
 SHIPPED_FILE = _PACKAGE_COPY if _PACKAGE_COPY.is_file() else SHIPPED_ROOT / "models.toml"
 ENV_VAR = "MLXSPEC_MODELS"
 NONE = "none"  # the reserved proposer name meaning "no speculation"
@@ -63,7 +64,7 @@ class Defaults:
     tree: bool = False  # draft trees instead of lines (where the model supports them)
     tree_nodes: int = 32
     history: bool = True  # keep and read the model's history of requests (suffix decoding)
-    weights: str = "auto"  # auto, quantized or dequantized (mlxspec/weights.py); --weights
+    weights: str = "auto"  # auto, quantized or dequantized (mlxspec/decoding/weights.py); --weights
     # Extra arguments of the chat template (e.g. {"enable_thinking": False}); a request's
     # own chat_template_kwargs win key by key; --chat-template-args
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))

@@ -17,14 +17,14 @@ from collections.abc import Callable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlxspec.decoding.policy import Policy
+from mlxspec.decoding.text import TextStream
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
-from mlxspec.grammar import Constraint, masked_logits
 from mlxspec.logprobs import PendingLogprobs, TokenLogprob, pending_logprobs
-from mlxspec.policy import Policy
+from mlxspec.models.tree import DraftTree, greedy_walk, sample_walk
 from mlxspec.proposers.base import Draft, Proposer, Situation
 from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
-from mlxspec.text import TextStream
-from mlxspec.tree import DraftTree, greedy_walk, sample_walk
+from mlxspec.structured.grammar import Constraint, masked_logits
 
 EVENT_FOR_KIND = {"accepted": Accepted, "corrected": Corrected, "bonus": Bonus}
 

@@ -26,12 +26,12 @@ import json
 import re
 from dataclasses import dataclass
 
-from mlxspec.grammar import CACHED_GRAMMARS, error_line
-from mlxspec.harmony import CHANNEL, END, MESSAGE, START
-from mlxspec.native_calls import slashes
-from mlxspec.output_parser import AnswerFormat, answer_format
+from mlxspec.markup.harmony import CHANNEL, END, MESSAGE, START
+from mlxspec.markup.output_parser import AnswerFormat, answer_format
 from mlxspec.settings import JSON_OPTIONS, Grammar, GrammarError
-from mlxspec.tool_grammar import ForcedTools, Spelling, literal, tool_calls_rules
+from mlxspec.structured.forced_tools import ForcedTools, Spelling, literal, tool_calls_rules
+from mlxspec.structured.grammar import CACHED_GRAMMARS, error_line
+from mlxspec.structured.native_calls import slashes
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from mlxspec.conversation import (
+from mlxspec.events import Accepted, Event, RunRecord
+from mlxspec.logprobs import TokenLogprob
+from mlxspec.markup.conversation import (
     AnswerPart,
     AnswerText,
     ParsedAnswer,
@@ -34,9 +36,7 @@ from mlxspec.conversation import (
     ToolCallArguments,
     ToolCallStarted,
 )
-from mlxspec.events import Accepted, Event, RunRecord
-from mlxspec.logprobs import TokenLogprob
-from mlxspec.server.logprobs import rendered_logprobs
+from mlxspec.server.openai.logprobs import rendered_logprobs
 
 
 def usage(record: RunRecord) -> dict:

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-import mlxspec.server.anthropic as anthropic
-from mlxspec.conversation import Conversation
-from mlxspec.engine import GenerationError
-from mlxspec.output_parser import Answered
+import mlxspec.server.anthropic.translate as anthropic
+from mlxspec.decoding.engine import GenerationError
+from mlxspec.markup.conversation import Conversation
+from mlxspec.markup.output_parser import Answered
 from mlxspec.server.answering import SSE_HEADERS, Answering
 from mlxspec.server.errors import ApiError
 from mlxspec.server.generations import new_generation

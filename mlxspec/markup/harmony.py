@@ -26,7 +26,7 @@ import json
 import re
 from typing import Any
 
-from mlxspec.parts_parser import PartsParser, Placed, log
+from mlxspec.markup.parser_base import PartsParser, Placed, log
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"

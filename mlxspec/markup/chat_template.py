@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlxspec.conversation import Conversation
+from mlxspec.markup.conversation import Conversation
 from mlxspec.settings import GenerationError
 
 FALLBACK_CALL_START, FALLBACK_CALL_END = "<tool_call>", "</tool_call>"

@@ -16,8 +16,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxspec import device
-from mlxspec.verify_cost import measure_again
-from mlxspec.weight_form import DEQUANTIZED, QUANTIZED, cached_weight_form
+from mlxspec.decoding.verify_cost import measure_again
+from mlxspec.decoding.weight_form import DEQUANTIZED, QUANTIZED, cached_weight_form
 
 AUTO = "auto"
 CHOICES = (AUTO, QUANTIZED, DEQUANTIZED)

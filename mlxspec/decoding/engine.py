@@ -23,25 +23,25 @@ from collections.abc import Callable, Iterator, Sequence
 from mlxspec import device
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
-from mlxspec.chat_template import encode_chat
-from mlxspec.conversation import Conversation
-from mlxspec.events import Done, Event, ProgressNote, RunRecord
-from mlxspec.grammar import COMPILE_SECONDS, QUICK_SECONDS, Constraint, Grammar
-from mlxspec.policy import Policy
-from mlxspec.proposers.base import ProposalContext, Proposer
-from mlxspec.request import RequestRun
-from mlxspec.settings import GenerationError, GenerationSettings
-from mlxspec.suffix.store import HistoryStore
-from mlxspec.target import Target
-from mlxspec.tree import DraftTree, best_size, chain, keep_best
-from mlxspec.verify_cost import (
+from mlxspec.decoding.policy import Policy
+from mlxspec.decoding.request import RequestRun
+from mlxspec.decoding.verify_cost import (
     CALIBRATION_BUDGET_S,
     VerifyCost,
     cached_verify_cost,
     calibration_key,
     measure_verify_cost,
 )
-from mlxspec.weights import WeightsChoice, weights_record
+from mlxspec.decoding.weights import WeightsChoice, weights_record
+from mlxspec.events import Done, Event, ProgressNote, RunRecord
+from mlxspec.markup.chat_template import encode_chat
+from mlxspec.markup.conversation import Conversation
+from mlxspec.models.target import Target
+from mlxspec.models.tree import DraftTree, best_size, chain, keep_best
+from mlxspec.proposers.base import ProposalContext, Proposer
+from mlxspec.settings import GenerationError, GenerationSettings
+from mlxspec.structured.grammar import COMPILE_SECONDS, QUICK_SECONDS, Constraint, Grammar
+from mlxspec.suffix.store import HistoryStore
 
 
 class Engine:

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxspec.harmony import CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE
-from mlxspec.native_calls import GEMMA4, QWEN3_CODER, native_call_rules
-from mlxspec.output_parser import JSON_TOOLS, AnswerFormat
+from mlxspec.markup.harmony import CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE
+from mlxspec.markup.output_parser import JSON_TOOLS, AnswerFormat
 from mlxspec.settings import JSON_OPTIONS, GrammarError
+from mlxspec.structured.native_calls import GEMMA4, QWEN3_CODER, native_call_rules
 
 MISTRAL = "mistral"
 MISTRAL_ID = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}  # its template's call ids
