@@ -17,7 +17,7 @@ import pytest
 from test_server import CHAT, HELLO, TinyProvider, serving, tiny_engine
 
 import mlxspec.server.generations
-import mlxspec.server.openai.schemas
+import mlxspec.server.request_body
 from mlxspec.decoding.engine import GenerationSettings
 from mlxspec.events import Done
 from mlxspec.structured.grammar import Grammar
@@ -229,7 +229,7 @@ def test_a_slow_schema_check_holds_up_no_other_client(base_url, monkeypatch):
         finished.set()
         return None
 
-    monkeypatch.setattr(mlxspec.server.openai.schemas, "grammar_problem", slow_problem)
+    monkeypatch.setattr(mlxspec.server.request_body, "grammar_problem", slow_problem)
     monkeypatch.setattr(mlxspec.server.generations, "COMPILE_SECONDS", 0.5)
     format_ = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
     body = {"model": "tiny", "messages": HELLO, "response_format": format_}

@@ -2,13 +2,15 @@
 
     app = create_app(RegistryProvider(load_registry()))
 
-Modules: `app` (the app: worker, health, models, the key check), `openai_routes` (OpenAI's
-chat and text completions), `anthropic_routes` + `anthropic` (Anthropic's messages and
-their translations), `generations` (a request checked against the model and the limits),
-`answering` (a generation's answer parts, for every dialect), `schemas` (OpenAI's request
-bodies), `responses` (OpenAI's response shapes), `worker` (the one thread that runs
-generations), `providers` (where models come from), `limits`, `errors` (each route's
-dialect's error shape), `listen` (the socket, bound first).
+A dialect is a folder: `openai/` (chat and text completions: routes, request bodies,
+replies, logprobs) and `anthropic/` (messages: routes and translations), each in and out of
+the one request shape the core serves. The core: `app` (the app: worker, health, models, the
+key check; it mounts each dialect's routes), `request_body` (what every dialect's request is
+read into), `generations` (a request checked against the model and the limits), `answering`
+(a generation's answer parts, for every dialect), `worker`, `batch_worker` and `sharded` (the
+thread that runs generations: one at a time, batched, on ranks), `providers` (where models
+come from), `limits`, `errors` (each route's dialect's error shape), `listen` (the socket,
+bound first), `background` (the server on a thread, for in-process clients).
 """
 
 from mlxspec.server.app import create_app, run_server

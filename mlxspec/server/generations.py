@@ -12,8 +12,8 @@ from mlxspec.decoding.engine import GenerationError, GenerationSettings
 from mlxspec.sampling import SamplingSettings
 from mlxspec.server.errors import ApiError
 from mlxspec.server.limits import ServerLimits
-from mlxspec.server.openai.schemas import GenerationRequest
 from mlxspec.server.providers import ModelInfo, ModelProvider, NotDownloaded
+from mlxspec.server.request_body import GenerationRequest
 from mlxspec.server.worker import Generation
 from mlxspec.structured.answer import AnswerConstraint
 from mlxspec.structured.grammar import COMPILE_SECONDS

@@ -26,7 +26,7 @@ from mlxspec.markup.conversation import (
     ToolCallStarted,
 )
 from mlxspec.server.errors import ApiError
-from mlxspec.server.openai.schemas import Count, GenerationRequest, MlxspecOptions
+from mlxspec.server.request_body import Count, GenerationRequest, MlxspecOptions
 from mlxspec.structured.answer import AnswerConstraint
 from mlxspec.structured.forced_tools import ForcedTools
 

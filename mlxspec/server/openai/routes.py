@@ -20,8 +20,9 @@ from mlxspec.server.errors import ApiError
 from mlxspec.server.generations import checked_constraint, new_generation
 from mlxspec.server.limits import ServerLimits
 from mlxspec.server.openai.replies import Reply, sse
-from mlxspec.server.openai.schemas import ChatRequest, CompletionRequest, GenerationRequest
+from mlxspec.server.openai.schemas import ChatRequest, CompletionRequest
 from mlxspec.server.providers import ModelProvider, find_model
+from mlxspec.server.request_body import GenerationRequest
 from mlxspec.server.worker import Generation, Worker
 
 

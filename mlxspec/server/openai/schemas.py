@@ -1,9 +1,7 @@
-"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+"""Request bodies of OpenAI's chat and text completions, as pydantic models, over the fields
+every dialect shares (`server.request_body`).
 
-Strict types: "5" is not a number and 1 is not a boolean, so a client bug is reported
-rather than guessed at. Fields of OpenAI's API that mlxspec does not use (user,
-...) are ignored so that stock clients work; the `mlxspec` extension object is
-ours, so a misspelt key in it is refused.
+Strict types, as there: a client bug is reported rather than guessed at.
 """
 
 from __future__ import annotations
@@ -23,138 +21,11 @@ from pydantic import (
 
 from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.markup.conversation import Conversation
-from mlxspec.sampling import MAX_CONTEXT_SIZE
 from mlxspec.server.errors import ApiError
 from mlxspec.server.openai.logprobs import MAX_COMPLETION_LOGPROBS
-from mlxspec.structured.answer import AnswerConstraint, grammar_problem
+from mlxspec.server.request_body import GenerationRequest, NonEmptyText, TokenId
+from mlxspec.structured.answer import AnswerConstraint
 from mlxspec.structured.forced_tools import ForcedTools
-from mlxspec.structured.grammar import Grammar
-
-NonEmptyText = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
-StopStrings = Annotated[list[str], Field(max_length=4)]
-Count = Annotated[int, Field(ge=1)]
-ContextSize = Annotated[int, Field(ge=1, le=MAX_CONTEXT_SIZE)]
-
-
-class MlxspecOptions(BaseModel):
-    """The `mlxspec` extension object of a request."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    proposer: str | None = Field(None, description="A proposer of the model, or 'none'.")
-    k: int | None = Field(None, ge=0, le=256, description="Fixed draft length; omit: adaptive.")
-    tree: bool | None = Field(None, description="Verify draft trees; omit: the model's setting.")
-    provenance: bool = Field(False, description="Mark each streamed piece accepted/target.")
-    history: bool | None = Field(
-        None,
-        description="false: neither read nor add to the model's history of requests "
-        "(suffix decoding); omit: the model's setting.",
-    )
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    include_usage: bool = False
-
-
-class JsonSchemaFormat(BaseModel):
-    """`response_format.json_schema`: the schema the answer must be valid against."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
-
-    name: NonEmptyText
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema object.")
-    strict: bool | None = Field(
-        None, description="true: a keyword that cannot be enforced is a 400; else ignored."
-    )
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema: give it with type 'json_schema', and only then")
-        return self
-
-    def grammar(self) -> Grammar | None:
-        """The grammar the answer must match (None: text), or ApiError (400) naming what
-        of the schema cannot be enforced. Not strict: compiled leniently, so keywords
-        llguidance cannot enforce are ignored (the answer may break them)."""
-        if self.type == "text":
-            return None
-        if self.json_schema is None:
-            return Grammar("json_object")
-        schema, strict = self.json_schema.schema_, bool(self.json_schema.strict)
-        lenient = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "lenient": True}}
-        grammar = Grammar.json_schema(schema if strict else lenient)
-        problem = grammar_problem(grammar)
-        if problem is not None:
-            param = "response_format.json_schema.schema"
-            if strict and grammar_problem(Grammar.json_schema(lenient)) is None:
-                problem += "; remove it, or set strict to false to have it ignored"
-            raise ApiError(400, f"{param}: {problem}", code="invalid_value", param=param)
-        return grammar
-
-
-class GenerationRequest(BaseModel):
-    """What chat and text completions share."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    model: str | None = Field(None, description="A registry name; omit for the default.")
-    max_tokens: Count | None = None
-    max_completion_tokens: Count | None = Field(None, description="Wins over max_tokens.")
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    # mlx-lm server's: how many of the last tokens (prompt included) each penalty counts
-    presence_context_size: ContextSize = 20
-    frequency_context_size: ContextSize = 20
-    logit_bias: dict[str, Any] | None = Field(None, description="Not supported: only {}.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | StopStrings | None = None
-    n: Count | None = Field(1, description="Only 1 is supported.")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    mlxspec: MlxspecOptions = Field(default_factory=MlxspecOptions)
-    response_format: ResponseFormat | None = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, bias: dict[str, Any] | None) -> dict[str, Any] | None:
-        if bias:  # refused rather than ignored: the answer would not be what was asked
-            raise ValueError("not supported; send none (or {})")
-        return bias
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    def alternatives(self) -> int | None:
-        """How many likeliest alternatives to report with each token's logprob (None: no
-        logprobs); each dialect asks for them its own way, and one without them (Anthropic's)
-        asks for none."""
-        return None
-
-    def answer_constraint(self) -> AnswerConstraint | None:
-        """What the answer must match (`response_format`), or None: anything."""
-        grammar = self.response_format.grammar() if self.response_format else None
-        return None if grammar is None else AnswerConstraint(grammar=grammar)
 
 
 class TextPart(BaseModel):
