@@ -1,25 +1,18 @@
-"""Terminal output shared by the CLI and `chat --plain`: one-line messages, coloured answers.
+"""One-line messages on stderr, shared by every command and the layers they start.
 
-It sits below both front ends (they import it, it imports neither), so the CLI can start
-the plain chat without the two importing each other.
+A leaf at the package root: the CLI, `chat --plain`, `--ranks`' launcher and the drafter
+commands all say things, and none of them need import another to do it. An answer streamed
+to the terminal, coloured, is `tui.echo`'s.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import click
 
 from mlxspec import blas
-from mlxspec.events import Accepted, Bonus, Corrected, ProgressNote
-
-if TYPE_CHECKING:  # the parser's imports (transformers) wait for a command that answers
-    from mlxspec.markup.display import Piece
-
-# Text events and the colour each is shown in (None: the terminal's own).
-COLOURS = {Accepted: "green", Corrected: None, Bonus: None}
+from mlxspec.events import ProgressNote
 
 _open_line = False  # a progress note is showing on stderr and the next one replaces it
 
@@ -40,48 +33,6 @@ def say(message: str) -> None:
         click.echo(err=True)
         _open_line = False
     click.echo(line, err=True)
-
-
-class AnswerEcho:
-    """Streams an answer's pieces: the answer to stdout, the reasoning to stderr, dimmed,
-    so a pipe gets the answer alone; accepted drafts coloured in both. `colour`: style
-    stdout; `reasoning_colour`: style stderr (each defaults to its stream being a TTY)."""
-
-    def __init__(self, colour: bool, reasoning_colour: bool):
-        self.colour, self.reasoning_colour = colour, reasoning_colour
-        self._reasoning_line_open = False  # the reasoning on stderr wants a newline
-        self._reasoning_started = False
-
-    def show(self, pieces: Iterable[Piece]) -> None:
-        for piece in pieces:
-            if piece.reasoning:
-                self._reason(piece)
-            else:
-                self._close_reasoning()
-                style = COLOURS[piece.source] if self.colour else None
-                # color=: click would strip the colours from a pipe even with --color.
-                text = click.style(piece.text, fg=style) if style else piece.text
-                click.echo(text, nl=False, color=self.colour)
-
-    def end(self) -> None:
-        """End the answer's line (and the reasoning's, if the answer never came)."""
-        self._close_reasoning()
-        click.echo()
-
-    def _reason(self, piece: Piece) -> None:
-        text = piece.text if self._reasoning_started else piece.text.lstrip()
-        if not text:
-            return
-        self._reasoning_started = True
-        self._reasoning_line_open = not text.endswith("\n")
-        if self.reasoning_colour:
-            text = click.style(text, fg=COLOURS[piece.source], dim=True)
-        click.echo(text, nl=False, err=True, color=self.reasoning_colour)
-
-    def _close_reasoning(self) -> None:
-        if self._reasoning_line_open:
-            click.echo(err=True)
-            self._reasoning_line_open = False
 
 
 def warn_if_slow_blas() -> None:

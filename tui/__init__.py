@@ -1,1 +1,2 @@
-"""Textual chat front end for mlxspec."""
+"""The terminal front ends of mlxspec: the Textual chat, the line chat (`plain`), and an
+answer echoed to a terminal (`echo`, for `generate` too)."""

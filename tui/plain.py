@@ -12,10 +12,11 @@ from collections.abc import Callable, Iterable, Iterator
 
 import click
 
-from mlxspec.console import COLOURS, AnswerEcho, say
+from mlxspec.console import say
 from mlxspec.events import Done, Event
 from mlxspec.markup.conversation import Conversation
 from mlxspec.markup.display import PieceReader
+from tui.echo import COLOURS, AnswerEcho
 from tui.worker import generation_settings
 
 QUIT = "/quit"

@@ -20,10 +20,11 @@ from mlxspec.cli.options import (
     model_option,
     sampling_options,
 )
-from mlxspec.console import COLOURS, AnswerEcho, say, warn_if_slow_blas
+from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
 from mlxspec.events import Done
 from mlxspec.registry.models_toml import load_registry
+from tui.echo import COLOURS, AnswerEcho
 
 
 @click.command()
