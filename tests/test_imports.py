@@ -129,3 +129,99 @@ def test_the_command_line_loads_without_mlx_lm():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"the command line imports {done.stdout.strip()}"
+
+
+# The layers of docs/architecture.md, top to bottom, as the folders hold them. A module may
+# import its own layer and the layers below it, never one above. The most specific prefix
+# names a module's layer.
+LAYERS: dict[str, int] = {
+    "mlxspec.cli": 9,
+    "mlxspec.__main__": 9,
+    "mlxspec.server.app": 8,
+    "mlxspec.server": 8,  # the package's door: create_app and serve
+    "tui": 8,
+    "mlxspec.bench": 8,
+    "mlxspec.server.openai": 7,
+    "mlxspec.server.anthropic": 7,
+    "mlxspec.server.": 6,  # the core every dialect shares (the dot: not the door above)
+    "mlxspec.distributed": 5,
+    "mlxspec.registry": 4,
+    # train-drafter's and `pull --mtp`'s bodies: they register what they made, and distill
+    # builds a draft-model proposer; reached only from cli/.
+    "mlxspec.drafter.command": 4,
+    "mlxspec.drafter.distill": 4,
+    "mlxspec.drafter.mtp_command": 4,
+    "mlxspec.decoding": 3,
+    "mlxspec.batch": 3,
+    "mlxspec.proposers": 2,
+    "mlxspec.suffix": 1,
+    "mlxspec.drafter": 1,
+    "mlxspec.structured": 1,
+    "mlxspec.models": 0,
+    "mlxspec.markup": 0,
+    "mlxspec": -1,  # the leaves at the root (events, settings, sampling, paths, device, ...)
+}
+# (importer, imported): the one upward import, and why it is allowed.
+UPWARD_ALLOWED = {
+    # a maintainer's tool's main() (python -m mlxspec.drafter.answers) names a models.toml
+    # entry; the library functions above it do not
+    ("mlxspec.drafter.answers", "mlxspec.registry.models_toml"),
+}
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest prefix in LAYERS that names `module` (a package prefix
+    ending in a dot matches only modules inside it)."""
+    best = ""
+    for prefix in LAYERS:
+        inside = (
+            module.startswith(prefix)
+            if prefix.endswith(".")
+            else (module == prefix or module.startswith(prefix + "."))
+        )
+        if inside and len(prefix) > len(best):
+            best = prefix
+    assert best, f"{module} is in no layer: add its package to LAYERS"
+    return LAYERS[best]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{name} (layer {layer_of(name)}) imports {used} (layer {layer_of(used)})"
+        for name, imports in graph.items()
+        for used in imports
+        if layer_of(used) > layer_of(name) and (name, used) not in UPWARD_ALLOWED
+    )
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"mlxspec.models.target": {"mlxspec.decoding.engine"}, "mlxspec.cli": {"tui.app"}}
+    assert upward_imports(graph) == [
+        "mlxspec.models.target (layer 0) imports mlxspec.decoding.engine (layer 3)"
+    ]
+    assert layer_of("mlxspec.server.worker") < layer_of("mlxspec.server.openai.routes")
+    assert layer_of("mlxspec.server") > layer_of("mlxspec.server.openai.routes")
+
+
+def test_every_layer_imports_only_downward():
+    """front ends -> server, tui, bench -> distributed -> registry -> decoding and batch ->
+    proposers -> suffix, drafter, structured -> models, markup -> the root's leaves; inside
+    the server, app -> each dialect -> the core."""
+    files = module_files()
+    known = set(files)
+    graph = {name: imported_modules(name, path, known) for name, path in files.items()}
+    upward = upward_imports(graph)
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+# The root keeps what many layers share; a module of one concern belongs in its package.
+MOST_ROOT_MODULES = 10
+
+
+def test_the_root_holds_only_the_shared_leaves():
+    root = sorted(
+        path.stem
+        for path in (ROOT / "mlxspec").glob("*.py")
+        if path.stem not in ("__init__", "__main__")
+    )
+    assert len(root) <= MOST_ROOT_MODULES, f"{len(root)} modules at the root: {root}"
