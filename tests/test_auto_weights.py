@@ -24,7 +24,7 @@ from tiny_gguf import write_tiny_gguf
 from mlxspec import device
 from mlxspec.cli import main
 from mlxspec.decoding import weight_form
-from mlxspec.decoding.weights import resolve_weights
+from mlxspec.decoding.weights_choice import resolve_weights
 from mlxspec.registry.models_toml import load_registry
 from mlxspec.registry.runtime import open_runtime
 

@@ -27,7 +27,7 @@ from tiny_models import FAMILIES, byte_tokenizer, tiny_model
 from mlxspec.cli import main
 from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.decoding.verify_cost import calibration_key
-from mlxspec.decoding.weights import held_weights
+from mlxspec.decoding.weights_choice import held_weights
 from mlxspec.drafter.head import HeadSpec, build_head, save_head
 from mlxspec.drafter.medusa import MedusaHeads, save_medusa
 from mlxspec.models.anatomy import split_decoder

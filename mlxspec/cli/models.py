@@ -24,7 +24,7 @@ def models(as_json):
     Example:
       mlxspec models --json
     """
-    from mlxspec.decoding.weights import resolve_weights
+    from mlxspec.decoding.weights_choice import resolve_weights
     from mlxspec.models.loading import weights_location
 
     registry = load_registry()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from mlxspec.decoding.weights import CHOICES as WEIGHT_CHOICES
-from mlxspec.decoding.weights import ENV_VAR as WEIGHTS_ENV
+from mlxspec.decoding.weights_choice import CHOICES as WEIGHT_CHOICES
+from mlxspec.decoding.weights_choice import ENV_VAR as WEIGHTS_ENV
 from mlxspec.structured.grammar import Grammar
 
 MODEL_HELP = (

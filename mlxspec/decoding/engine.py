@@ -32,7 +32,7 @@ from mlxspec.decoding.verify_cost import (
     calibration_key,
     measure_verify_cost,
 )
-from mlxspec.decoding.weights import WeightsChoice, weights_record
+from mlxspec.decoding.weights_choice import WeightsChoice, weights_record
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
 from mlxspec.markup.chat_template import encode_chat
 from mlxspec.markup.conversation import Conversation

@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 needs the backport
     import tomli as tomllib
 
-from mlxspec.decoding.weights import CHOICES
+from mlxspec.decoding.weights_choice import CHOICES
 from mlxspec.paths import config_dir
 
 # The folder that holds the mlxspec package: the repository root in a checkout (where the
@@ -64,7 +64,8 @@ class Defaults:
     tree: bool = False  # draft trees instead of lines (where the model supports them)
     tree_nodes: int = 32
     history: bool = True  # keep and read the model's history of requests (suffix decoding)
-    weights: str = "auto"  # auto, quantized or dequantized (mlxspec/decoding/weights.py); --weights
+    # auto, quantized or dequantized (mlxspec/decoding/weights_choice.py); --weights
+    weights: str = "auto"
     # Extra arguments of the chat template (e.g. {"enable_thinking": False}); a request's
     # own chat_template_kwargs win key by key; --chat-template-args
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 
 from mlxspec.decoding.engine import Engine
 from mlxspec.decoding.weight_form import DEQUANTIZED, decide_weight_form
-from mlxspec.decoding.weights import (
+from mlxspec.decoding.weights_choice import (
     AUTO,
     WeightsChoice,
     for_plain_decoding,
