@@ -21,6 +21,16 @@ the commands it starts (OPENBLAS_NUM_THREADS); an `alone` test gets every core, 
 run does. Two files side by side ran 10 % faster so (test_lossless and
 test_sampling_settings: 136 and 140 s against 122 and 127 s). A thread count the user set
 is left as it is.
+
+The run must end whatever happens to a worker. A worker whose run stops (a failure under
+`-x`/`--maxfail`, an interrupt) lets the machine go at once, even between two `alone` tests,
+and leaves a `stop` note in the lock dir; a worker waiting for its turn polls the locks, so
+it sees the note instead of waiting on a worker that will never run again, and from then on
+skips what pytest-xdist still hands it (its queue is not cleared by the stop). A worker
+that dies lets go too (the kernel drops a dead process's flocks). The wait for a turn stays
+outside pytest-timeout's limit on each test (this hook runs first), so a test waiting behind
+a long `alone` chain is not timed out for waiting; the wait has a bound of its own,
+WAIT_LIMIT.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -37,6 +48,15 @@ from mlxspec import blas
 
 ALONE = "alone"
 THREADS = "OPENBLAS_NUM_THREADS"
+STOP = "stop"  # the lock dir's note that a worker's run stopped (-x, --maxfail, interrupt)
+POLL_SECONDS = 0.05
+# The longest a test waits for its turn: longer than any `alone` chain of this suite runs
+# quietly here (test_distributed.py's, about 6 minutes).
+WAIT_LIMIT = 30 * 60
+
+
+class RunStopping(Exception):
+    """Another worker's run stopped while this one waited for its turn."""
 
 
 def pytest_configure(config):
@@ -56,10 +76,28 @@ def _lock_dir() -> Path | None:
     return folder
 
 
+def _take(handle, mode: int) -> None:
+    """flock, polled: a waiting worker still sees the stop note (and an interrupt), and a
+    wait past WAIT_LIMIT fails instead of hanging the run."""
+    stop = Path(handle.name).with_name(STOP)
+    deadline = time.monotonic() + WAIT_LIMIT
+    while True:
+        try:
+            fcntl.flock(handle, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if stop.exists():
+            raise RunStopping(stop.read_text())
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {WAIT_LIMIT} s for {handle.name}: the other worker hung")
+        time.sleep(POLL_SECONDS)
+
+
 @contextmanager
 def _held(path: Path, mode: int):
     with open(path, "a+") as handle:
-        fcntl.flock(handle, mode)
+        _take(handle, mode)
         try:
             yield
         finally:
@@ -76,7 +114,7 @@ def turn(folder: Path, alone: bool):
         return
     with open(running, "a+") as handle:
         with _held(gate, fcntl.LOCK_SH):  # waits while an `alone` test holds or awaits it
-            fcntl.flock(handle, fcntl.LOCK_SH)
+            _take(handle, fcntl.LOCK_SH)
         try:
             yield
         finally:
@@ -104,17 +142,27 @@ class Turns:
             yield
         finally:
             if not next_alone:
-                self._kept.close()
-                self._kept = None
+                self.release()
+
+    def release(self) -> None:
+        """Let the machine go (a kept `alone` turn): the next test will not come."""
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
 
 
 _TURNS: dict[Path, Turns] = {}
 
 
-@pytest.hookimpl(hookwrapper=True)
+def _stopping(session) -> str:
+    return str(session.shouldfail or session.shouldstop or "")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """Setup, call and teardown inside the turn: a module's server or model starts in its
-    first test's setup and stops in its last one's teardown."""
+    first test's setup and stops in its last one's teardown. First of the wrappers, so the
+    wait for the turn is outside pytest-timeout's limit on the test."""
     folder = _lock_dir()
     if folder is None:
         yield
@@ -122,8 +170,32 @@ def pytest_runtest_protocol(item, nextitem):
     turns = _TURNS.setdefault(folder, Turns(folder))
     alone = item.get_closest_marker(ALONE) is not None
     next_alone = nextitem is not None and nextitem.get_closest_marker(ALONE) is not None
-    with turns.test(alone, next_alone), blas_share(alone):
+    try:
+        if (folder / STOP).exists():  # the controller still hands out this worker's queue
+            raise RunStopping((folder / STOP).read_text())
+        with turns.test(alone, next_alone), blas_share(alone):
+            yield
+    except RunStopping as stopped:  # raised before the yield: the test runs as a skip
+        item.add_marker(pytest.mark.skip(reason=f"the run is stopping: {stopped}"))
         yield
+    finally:
+        if _stopping(item.session):
+            stop_the_run(folder, turns, _stopping(item.session))
+
+
+def stop_the_run(folder: Path, turns: Turns, why: str) -> None:
+    """This worker runs no more tests: let the machine go, and tell a waiting worker."""
+    turns.release()
+    (folder / STOP).write_text(why)
+
+
+def pytest_sessionfinish(session):
+    """However the worker's loop ended (-x, an interrupt, its last test), nothing is kept."""
+    folder = _lock_dir()
+    if folder is not None and folder in _TURNS:
+        if _stopping(session):
+            stop_the_run(folder, _TURNS[folder], _stopping(session))
+        _TURNS[folder].release()
 
 
 _USERS_THREADS = os.environ.get(THREADS)
