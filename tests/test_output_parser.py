@@ -252,3 +252,29 @@ def test_llama_json_that_is_not_calls_is_answer_text_and_logged(answer_text, cap
 def test_llama_json_is_text_where_the_request_gave_no_tools():
     parts, answer = parse(form_of("llama3.3.jinja", tools=()), [PARIS_CALL])
     assert answer == ParsedAnswer("", PARIS_CALL)
+
+
+@pytest.mark.parametrize(
+    "answer, shown",
+    [
+        # a call begun and cut off by the token limit
+        ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci', "Let me look.\n"),
+        # the start of a marker, held back when the limit came
+        ("Let me look.\n<tool", "Let me look.\n"),
+        # cut inside the reasoning: its end marker's start is not reasoning
+        ("<think>\nTwo cities</th", ""),
+    ],
+)
+def test_an_answer_cut_by_its_token_limit_leaks_no_markup(answer, shown):
+    """The parts and the answer hold no markup a cut left unfinished (SmolLM2, forced to
+    call, once ended its content in "<tool", a third call's start)."""
+    form = form_of("qwen3.jinja")
+    for cut in range(1, len(answer)):
+        parser = OutputParser(form)
+        parts = parser.feed(answer[:cut]) + parser.feed(answer[cut:]) + parser.finish(cut=True)
+        assert joined(parts, AnswerText) == shown == parser.answer.text
+        assert "<" not in joined(parts, ReasoningText) and not parser.answer.tool_calls
+    # an answer that ended on its own, with the same text, keeps it as text: it is the model's
+    parser = OutputParser(form)
+    parts = parser.feed(answer) + parser.finish()
+    assert joined(parts, AnswerText) + joined(parts, ReasoningText) != shown

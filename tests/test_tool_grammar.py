@@ -16,6 +16,7 @@ from tool_examples import ASK, TEMPLATES
 from mlxspec.markup.chat_template import render_chat
 from mlxspec.markup.conversation import Conversation
 from mlxspec.markup.output_parser import AnswerFormat, OutputParser, answer_format
+from mlxspec.settings import GenerationError
 from mlxspec.structured.answer import AnswerConstraint, answer_grammar, grammar_problem
 from mlxspec.structured.forced_tools import ForcedTools, tool_calls_rules
 from mlxspec.structured.grammar import Grammar, GrammarError, compile_grammar
@@ -243,3 +244,27 @@ def test_schema_problems_are_one_line_naming_the_keyword():
     lenient = {**unique, "x-guidance": {"lenient": True}}
     assert grammar_problem(Grammar.json_schema(lenient)) is None
     assert "\n" not in grammar_problem(Grammar("regex", "a(b"))
+
+
+@pytest.mark.parametrize("template", ["qwen3.5.jinja", "gemma4.jinja"])
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": {"city": "string"}},
+        {"type": "object", "properties": {"city": {"type": "string", "minLength": "x"}}},
+        {"type": "object", "properties": ["city"]},
+    ],
+    ids=["a-property-as-a-string", "a-length-as-text", "properties-as-a-list"],
+)
+def test_a_malformed_tool_schema_is_a_grammar_error_naming_the_tool(template, parameters):
+    """A client's mistake is a 400 (a GenerationError: the grammar's, or the template's own
+    refusal), not the AttributeError or ValueError the native call grammars raised (a 500)."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+    conversation = Conversation(ASK, [tool])
+    says = "the parameters of tool 'get_weather'|the model's chat template refused"
+    with pytest.raises(GenerationError, match=says):
+        answer_grammar(
+            tokenizer_with(template),
+            conversation,
+            AnswerConstraint(tools=ForcedTools(("get_weather",))),
+        )

@@ -64,7 +64,7 @@ class PieceReader:
         return Written(event, pieces, began_in_reasoning or parser.in_reasoning)
 
     def finish(self, done: Done) -> Finished:
-        placed = self._reader.parser.finish_placed()
+        placed = self._reader.parser.finish_placed(cut=done.record.finish_reason == "length")
         answered = self._reader.answered(done, [p.part for p in placed])
         return Finished(answered, self._pieces(placed))
 

@@ -256,6 +256,10 @@ class OutputParser(PartsParser):
         found = self._buffer.find(end) if end else -1
         if found < 0 and not final:
             return False  # a call is released whole
+        if found < 0 and end and self._cut:  # cut off before its end: no call, no markup
+            log.info("a tool call cut off by the token limit was dropped: %r", self._buffer)
+            self._buffer, self._state = "", ANSWER
+            return False
         closed = found >= 0
         body = self._buffer[:found] if closed else self._buffer
         self._buffer = self._buffer[found + len(end) :] if closed else ""
@@ -328,7 +332,7 @@ class AnswerReader:
                 return PartsOf(event, parts)
             self._held_logprobs.extend(event.logprobs)
             return PartsOf(event, parts, self._let_go(self.parser.consumed))
-        return self.answered(event, self.parser.finish())
+        return self.answered(event, self.parser.finish(cut=event.record.finish_reason == "length"))
 
     def answered(self, done: Done, parts: list[AnswerPart]) -> Answered:
         """The end, once the parser has finished (`parts`: what finishing released)."""

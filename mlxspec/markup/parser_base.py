@@ -40,7 +40,9 @@ class Placed:
 
 class PartsParser:
     """Feed it the generated text piece by piece; each piece gives the parts it completed.
-    `finish()` releases what was held back; `answer` is then the whole answer."""
+    `finish()` releases what was held back; `answer` is then the whole answer. An answer
+    `cut` by its token limit releases no unfinished markup: the start of a marker, or a call
+    whose closing marker never came, is dropped rather than shown as text."""
 
     def __init__(self) -> None:
         self._buffer = ""  # fed, not yet released
@@ -49,12 +51,13 @@ class PartsParser:
         self._reasoning: list[str] = []
         self._text: list[str] = []
         self._calls: list[ToolCall] = []
+        self._cut = False  # finishing an answer its token limit cut off
 
     def feed(self, text: str) -> list[AnswerPart]:
         return [placed.part for placed in self.feed_placed(text)]
 
-    def finish(self) -> list[AnswerPart]:
-        return [placed.part for placed in self.finish_placed()]
+    def finish(self, cut: bool = False) -> list[AnswerPart]:
+        return [placed.part for placed in self.finish_placed(cut)]
 
     def feed_placed(self, text: str) -> list[Placed]:
         """`feed`, each part with where its text lies in all that was fed."""
@@ -65,7 +68,8 @@ class PartsParser:
             pass
         return parts
 
-    def finish_placed(self) -> list[Placed]:
+    def finish_placed(self, cut: bool = False) -> list[Placed]:
+        self._cut = cut
         parts: list[Placed] = []
         while self._step(parts, final=True):
             pass
@@ -93,10 +97,10 @@ class PartsParser:
     def _release(self, final: bool, *markers: str | None) -> str:
         """Take from the buffer all but the longest end that may start one of `markers`."""
         keep = 0
-        if not final:
+        if not final or self._cut:
             keep = max((marker_prefix(self._buffer, m) for m in markers if m), default=0)
         released = self._buffer[: len(self._buffer) - keep]
-        self._buffer = self._buffer[len(released) :]
+        self._buffer = "" if final else self._buffer[len(released) :]  # cut: a marker's start
         return released
 
     def _add_calls(self, parts: list[Placed], parsed: Any) -> None:

@@ -61,7 +61,17 @@ def native_call_rules(
     for index, function in enumerate(functions):
         rules.definitions = _definitions(function["parameters"])
         write = _qwen_call if parser == QWEN3_CODER else _gemma_call
-        body = write(rules, function["name"], function["parameters"])
+        try:
+            body = write(rules, function["name"], function["parameters"])
+        except GrammarError:
+            raise
+        except (AttributeError, TypeError, ValueError, KeyError) as err:
+            # A client's schema that is no JSON schema ("properties": {"city": "string"},
+            # "minLength": "x"): its mistake, told as one (400), not the server's.
+            raise GrammarError(
+                f"the parameters of tool {function['name']!r} are not a JSON schema this "
+                f"server can read ({type(err).__name__}: {err})"
+            ) from None
         alternatives.append(rules.add(f"{rule}_{index}", f"{start} {body} {end}"))
     call = rules.add(f"{rule}_call", " | ".join(alternatives))
     separator = '"\\n" ' if parser == QWEN3_CODER else ""  # as the templates write them
