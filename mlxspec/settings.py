@@ -22,6 +22,15 @@ class GenerationError(ValueError):
     """A request the engine cannot serve (empty prompt, too long for the context...)."""
 
 
+class PromptTooLong(GenerationError):
+    """A prompt that leaves no room in the context: the numbers are kept, so each API
+    dialect can say them in the words its clients act on (compact, trim)."""
+
+    def __init__(self, prompt_tokens: int, context: int):
+        super().__init__(f"the prompt has {prompt_tokens} tokens; the context allows {context}")
+        self.prompt_tokens, self.context = prompt_tokens, context
+
+
 class GrammarError(GenerationError):
     """A grammar the engine cannot enforce: its message names what is wrong."""
 

@@ -118,6 +118,7 @@ def test_a_text_completion_takes_a_response_format_too(client):
     assert valid_person(json.loads(response.choices[0].text))
 
 
+@pytest.mark.parametrize("parallel", [{"parallel_tool_calls": False}, {}], ids=["off", "unset"])
 @pytest.mark.parametrize(
     "choice, names",
     [
@@ -125,14 +126,15 @@ def test_a_text_completion_takes_a_response_format_too(client):
         ("required", {"get_weather", "get_time"}),
     ],
 )
-def test_a_forced_tool_call_is_a_call_with_valid_arguments(client, choice, names):
+def test_a_forced_tool_call_is_one_call_with_valid_arguments(client, choice, names, parallel):
+    """One call, unless the request asks for more (`parallel_tool_calls: true`)."""
     response = client.chat.completions.create(
         model="tiny",
         messages=HELLO,
         temperature=0,
         tools=[WEATHER, TIME],
         tool_choice=choice,
-        parallel_tool_calls=False,
+        **parallel,
     )
     (call,) = response.choices[0].message.tool_calls
     assert call.function.name in names
@@ -162,6 +164,11 @@ def test_anthropics_forced_tool_use_is_a_tool_use_block(base_url, choice):
 
 BAD = [
     # (body, the parameter the error names, what its message says)
+    (
+        {"response_format": schema_format({"type": "object", "x-guidance": "lenient"})},
+        "response_format.json_schema.schema.x-guidance",
+        "must be an object",
+    ),
     (
         {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": [1]}}},
         "response_format.json_schema.schema",

@@ -39,7 +39,7 @@ from mlxspec.markup.conversation import Conversation
 from mlxspec.models.target import Target
 from mlxspec.models.tree import DraftTree, best_size, chain, keep_best
 from mlxspec.proposers.base import ProposalContext, Proposer
-from mlxspec.settings import GenerationError, GenerationSettings
+from mlxspec.settings import GenerationError, GenerationSettings, PromptTooLong
 from mlxspec.structured.grammar import COMPILE_SECONDS, QUICK_SECONDS, Constraint, Grammar
 from mlxspec.suffix.store import HistoryStore
 
@@ -182,9 +182,7 @@ class Engine:
             raise GenerationError(f"token ids must be in 0..{self.vocab_size - 1}")
         room = settings.context - len(prompt_tokens)
         if room < 1:
-            raise GenerationError(
-                f"the prompt has {len(prompt_tokens)} tokens; the context allows {settings.context}"
-            )
+            raise PromptTooLong(len(prompt_tokens), settings.context)
         if proposer not in (None, "none") and proposer not in self.proposers:
             raise GenerationError(
                 f"unknown proposer '{proposer}'; available: none, {', '.join(self.proposers)}"

@@ -10,6 +10,7 @@ completed) until `Answered` (the Done, the whole parsed answer, the last parts).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -18,8 +19,19 @@ from mlxspec.markup.output_parser import Answered, PartsOf
 from mlxspec.server.errors import ApiError
 from mlxspec.server.worker import Generation, Job, Worker
 
+log = logging.getLogger("mlxspec.server")
+
 # Server-sent events go out as they are made: no cache, no proxy buffering (nginx's header).
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The tools a request named that no model here runs (hosted search, deferred tools): they
+# are not shown to the model, and the response says which, in every dialect.
+DROPPED_HEADER = "X-Mlxspec-Dropped-Tools"
+
+
+def dropped_header(dropped: list[str] | tuple[str, ...]) -> dict[str, str]:
+    if dropped:
+        log.info("dropped tools no model here runs: %s", ", ".join(dropped))
+    return {DROPPED_HEADER: ", ".join(dropped)} if dropped else {}
 
 
 class Answering:

@@ -1,9 +1,8 @@
 """The FastAPI app: each API dialect's routes over one generation worker.
 
 The app picks the worker (one at a time, batched, sharded), and serves health and the
-model list; a dialect's routes (openai_routes.py, anthropic_routes.py) validate a request,
-turn it into a
-`Generation`, and relay its answer's parts through `Answering` (answering.py), which
+model list; a dialect's routes (openai/, anthropic/, responses/) validate a request, turn it
+into a `Generation`, and relay its answer's parts through `Answering` (answering.py), which
 cancels a generation whose client went away.
 """
 
@@ -28,6 +27,8 @@ from mlxspec.server.errors import ApiError, install_error_handlers
 from mlxspec.server.limits import ServerLimits
 from mlxspec.server.openai.routes import openai_router
 from mlxspec.server.providers import ModelInfo, ModelProvider, find_model
+from mlxspec.server.responses.routes import responses_router
+from mlxspec.server.responses.store import ResponseStore
 from mlxspec.server.worker import Worker
 
 if TYPE_CHECKING:
@@ -156,6 +157,7 @@ def create_app(
 
     api.include_router(openai_router(provider, worker, limits))
     api.include_router(anthropic_router(provider, worker, limits))
+    api.include_router(responses_router(provider, worker, limits, ResponseStore()))
     app.include_router(api)
     return app
 
@@ -209,5 +211,8 @@ def _model_card(info: ModelInfo) -> dict:
         "object": "model",
         "created": 0,
         "owned_by": "mlxspec",
+        # What a client sizes itself by (LM Studio's and vLLM's names for it)
+        "context_length": info.defaults.context,
+        "max_model_len": info.defaults.context,
         "x_mlxspec": {"description": info.description, "proposers": list(info.proposers)},
     }

@@ -21,7 +21,7 @@ from mlxspec.batch.target import unsupported_reason
 from mlxspec.batch.width import ROW_FLOOR
 from mlxspec.decoding.engine import GenerationError
 from mlxspec.events import Done
-from mlxspec.server.errors import ApiError
+from mlxspec.server.errors import ApiError, refused
 from mlxspec.server.providers import ModelProvider
 from mlxspec.server.worker import (
     Job,
@@ -152,7 +152,7 @@ class BatchedWorker(Worker):
             job.end()
             return
         except GenerationError as err:
-            job.post(ApiError(400, str(err), code="invalid_request"))
+            job.post(refused(err))
             job.end()
             return
         except Exception:  # the thread must outlive any one request's failure

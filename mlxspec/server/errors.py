@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from mlxspec.settings import GenerationError, PromptTooLong
+
 log = logging.getLogger("mlxspec.server")
 
 
@@ -56,6 +58,28 @@ class ApiError(HTTPException):
 
 
 ErrorShape = Callable[[ApiError], dict]  # an error as a dialect's JSON body
+
+
+class ContextExceeded(ApiError):
+    """A prompt the model's context cannot hold, with its numbers: OpenAI's clients read
+    `context_length_exceeded`, Anthropic's "prompt is too long" (Claude Code compacts its
+    conversation on it), each dialect's shape says it its way."""
+
+    def __init__(self, prompt_tokens: int, context: int):
+        super().__init__(
+            400,
+            f"This model's maximum context length is {context} tokens. However, your request "
+            f"has {prompt_tokens} input tokens. Please reduce the length of the input.",
+            code="context_length_exceeded",
+        )
+        self.prompt_tokens, self.context = prompt_tokens, context
+
+
+def refused(err: GenerationError) -> ApiError:
+    """A request the engine refused, as the client hears it (400)."""
+    if isinstance(err, PromptTooLong):
+        return ContextExceeded(err.prompt_tokens, err.context)
+    return ApiError(400, str(err), code="invalid_request")
 
 
 def _is_union_tag(part: object) -> bool:

@@ -10,6 +10,7 @@ ours, so a misspelt key in it is refused.
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -30,6 +31,29 @@ TokenId = Annotated[int, Field(ge=0)]
 StopStrings = Annotated[list[str], Field(max_length=4)]
 Count = Annotated[int, Field(ge=1)]
 ContextSize = Annotated[int, Field(ge=1, le=MAX_CONTEXT_SIZE)]
+
+log = logging.getLogger("mlxspec.server")
+
+
+class Lenient(BaseModel):
+    """Strict types, but a field this server does not know is ignored, never refused: a
+    newer client adds fields (Claude Code's `context_management`, Codex's
+    `client_metadata`), and a request that is valid for its dialect must still be served.
+    What was ignored goes to the debug log (`serve --log-level debug`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict) and log.isEnabledFor(logging.DEBUG):
+            known = {name for name, info in cls.model_fields.items()} | {
+                info.alias for info in cls.model_fields.values() if info.alias
+            }
+            ignored = sorted(key for key in data if key not in known)
+            if ignored:
+                log.debug("%s: ignored fields %s", cls.__name__, ", ".join(ignored))
+        return data
 
 
 class MlxspecOptions(BaseModel):
@@ -88,7 +112,11 @@ class ResponseFormat(BaseModel):
         if self.json_schema is None:
             return Grammar("json_object")
         schema, strict = self.json_schema.schema_, bool(self.json_schema.strict)
-        lenient = {**schema, "x-guidance": {**schema.get("x-guidance", {}), "lenient": True}}
+        guidance = schema.get("x-guidance", {})
+        if not isinstance(guidance, dict):
+            param = "response_format.json_schema.schema.x-guidance"
+            raise ApiError(400, f"{param}: must be an object", code="invalid_value", param=param)
+        lenient = {**schema, "x-guidance": {**guidance, "lenient": True}}
         grammar = Grammar.json_schema(schema if strict else lenient)
         problem = grammar_problem(grammar)
         if problem is not None:
@@ -99,10 +127,8 @@ class ResponseFormat(BaseModel):
         return grammar
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(Lenient):
     """What chat and text completions share."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = Field(None, description="A registry name; omit for the default.")
     max_tokens: Count | None = None
@@ -150,3 +176,17 @@ class GenerationRequest(BaseModel):
         """What the answer must match (`response_format`), or None: anything."""
         grammar = self.response_format.grammar() if self.response_format else None
         return None if grammar is None else AnswerConstraint(grammar=grammar)
+
+
+def effort_kwargs(effort: str | None, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The model's template arguments with a request's reasoning effort: gpt-oss's template
+    reads `reasoning_effort` (low, medium, high); "none" turns a thinking switch off
+    (Qwen3's `enable_thinking`); templates ignore what they do not read."""
+    kwargs = dict(defaults)
+    if effort == "none":
+        kwargs["enable_thinking"] = False
+    elif effort is not None:
+        kwargs["reasoning_effort"] = {"minimal": "low", "xhigh": "high", "max": "high"}.get(
+            effort, effort
+        )
+    return kwargs

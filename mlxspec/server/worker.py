@@ -29,7 +29,7 @@ from mlxspec.decoding.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Event
 from mlxspec.markup.conversation import Conversation
 from mlxspec.markup.output_parser import AnswerReader
-from mlxspec.server.errors import ApiError
+from mlxspec.server.errors import ApiError, refused
 from mlxspec.server.providers import ModelProvider, OpenModel
 from mlxspec.structured.answer import AnswerConstraint, answer_grammar
 from mlxspec.structured.grammar import GrammarError
@@ -260,7 +260,7 @@ class Worker:
         except ApiError as err:
             job.post(err)
         except GenerationError as err:
-            job.post(ApiError(400, str(err), code="invalid_request"))
+            job.post(refused(err))
         except Exception as err:
             job.post(self._failure(err))
 

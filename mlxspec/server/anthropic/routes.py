@@ -17,8 +17,8 @@ import mlxspec.server.anthropic.translate as anthropic
 from mlxspec.decoding.engine import GenerationError
 from mlxspec.markup.conversation import Conversation
 from mlxspec.markup.output_parser import Answered
-from mlxspec.server.answering import SSE_HEADERS, Answering
-from mlxspec.server.errors import ApiError
+from mlxspec.server.answering import SSE_HEADERS, Answering, dropped_header
+from mlxspec.server.errors import ApiError, refused
 from mlxspec.server.generations import new_generation
 from mlxspec.server.limits import ServerLimits
 from mlxspec.server.providers import ModelProvider, find_model
@@ -39,6 +39,7 @@ def anthropic_router(provider: ModelProvider, worker: Worker, limits: ServerLimi
         generation = new_generation(
             asked, info, conversation, provider, limits, body.top_k, constraint
         )
+        headers = dropped_header(anthropic.dropped_tools(body))
         answering = await Answering.start(request, worker, generation)
         message_id = anthropic.new_id("msg")
         try:
@@ -48,7 +49,7 @@ def anthropic_router(provider: ModelProvider, worker: Worker, limits: ServerLimi
                 stream = anthropic.MessageStream(message_id, info.name, input_tokens)
                 events = _events(answering, stream)
                 return StreamingResponse(
-                    events, media_type="text/event-stream", headers=SSE_HEADERS
+                    events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
                 )
             answered = await answering.answered()
         except BaseException:
@@ -56,7 +57,8 @@ def anthropic_router(provider: ModelProvider, worker: Worker, limits: ServerLimi
             raise
         answering.release()
         record = answered.done.record
-        return JSONResponse(anthropic.message(message_id, info.name, answered.answer, record))
+        message = anthropic.message(message_id, info.name, answered.answer, record)
+        return JSONResponse(message, headers=headers)
 
     @router.post("/messages/count_tokens")
     async def count_tokens(body: anthropic.CountTokensRequest) -> dict:
@@ -82,7 +84,7 @@ async def _prompt_tokens(worker: Worker, model: str, conversation: Conversation)
     try:
         return len(await asyncio.to_thread(engine.encode_chat, conversation))
     except GenerationError as err:
-        raise ApiError(400, str(err), code="invalid_request") from None
+        raise refused(err) from None
 
 
 async def _events(answering: Answering, stream: anthropic.MessageStream) -> AsyncIterator[str]:

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from mlxspec.events import RunRecord
 from mlxspec.markup.conversation import (
@@ -25,18 +25,24 @@ from mlxspec.markup.conversation import (
     ToolCallArguments,
     ToolCallStarted,
 )
-from mlxspec.server.errors import ApiError
-from mlxspec.server.request_body import Count, GenerationRequest, MlxspecOptions
+from mlxspec.server.errors import ApiError, ContextExceeded
+from mlxspec.server.request_body import (
+    Count,
+    GenerationRequest,
+    Lenient,
+    MlxspecOptions,
+    effort_kwargs,
+)
 from mlxspec.structured.answer import AnswerConstraint
 from mlxspec.structured.forced_tools import ForcedTools
 
 # --- The request ------------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
-    # Fields of Anthropic's API that mlxspec does not use (cache_control, citations,
-    # service_tier...) are ignored so that stock clients work.
-    model_config = ConfigDict(strict=True, extra="ignore")
+class _Strict(Lenient):
+    """Fields of Anthropic's API that mlxspec does not use (cache_control, citations,
+    service_tier, Claude Code's context_management...) are ignored so that stock clients
+    work, and logged at debug level."""
 
 
 class TextBlock(_Strict):
@@ -84,15 +90,29 @@ Block = Annotated[
 
 
 class MessageParam(_Strict):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code sends its environment as a system turn among the messages; it
+    # joins the system prompt, in order (templates take one, first).
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
 class Tool(_Strict):
-    type: Literal["custom"] | None = None  # Anthropic's server tools (web search...) are not
+    # Anthropic's server tools (web_search_20250305...) run nowhere here: dropped (`_tools`)
+    type: str | None = None
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None
+    # Anthropic's tool search loads such a tool when asked for it; here nothing can, so the
+    # model is not shown it (Claude Code's DeferredToolPlaceholder)
+    defer_loading: bool | None = None
+
+    @property
+    def runs_here(self) -> bool:
+        return self.type in (None, "custom") and not self.defer_loading
+
+
+class OutputConfig(_Strict):
+    effort: Literal["low", "medium", "high", "max"] | None = None
 
 
 class ToolChoice(_Strict):
@@ -115,6 +135,7 @@ class CountTokensRequest(_Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -135,21 +156,34 @@ def conversation(body: CountTokensRequest, template_defaults: dict[str, Any]) ->
     (`template_defaults`, the model's, yield to the request's `thinking`); ApiError (400)
     for what cannot be translated."""
     messages: list[dict[str, Any]] = []
-    if body.system:
-        messages.append({"role": "system", "content": _text(body.system)})
+    system = [_text(body.system)] if body.system else []
     tool_names: dict[str, str] = {}  # tool_use id -> the tool's name, as calls are made
     for position, message in enumerate(body.messages):
         where = f"messages[{position}]"
-        if isinstance(message.content, str):
+        if message.role == "system":
+            system.append(_system_text(message.content, where))
+        elif isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
         elif message.role == "assistant":
             messages.append(_assistant_turn(message.content, where, tool_names))
         else:
             messages.extend(_user_turns(message.content, where, tool_names))
-    template_kwargs = dict(template_defaults)
+    if system:
+        messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
+    effort = body.output_config.effort if body.output_config else None
+    template_kwargs = effort_kwargs(effort, template_defaults)
     if body.thinking is not None and body.thinking.type != "adaptive":
         template_kwargs["enable_thinking"] = body.thinking.type == "enabled"
     return Conversation(messages, _tools(body), template_kwargs)
+
+
+def _system_text(content: str | list[Block], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for index, block in enumerate(content):
+        if not isinstance(block, TextBlock):
+            raise _refuse(block, f"{where}.content[{index}]", "cannot be in a system turn")
+    return _text(content)
 
 
 def generation_request(body: MessagesRequest, max_tokens_limit: int) -> GenerationRequest:
@@ -242,7 +276,8 @@ def _user_turns(blocks: list[Block], where: str, tool_names: dict[str, str]) -> 
 def _tools(body: CountTokensRequest) -> list[dict] | None:
     """The tools in OpenAI's function form, or None where the model must not see them."""
     choice = body.tool_choice.type if body.tool_choice else "auto"
-    if choice == "none" or not body.tools:
+    offered = [tool for tool in body.tools or () if tool.runs_here]
+    if choice == "none" or not offered:
         return None
     return [
         {
@@ -250,11 +285,16 @@ def _tools(body: CountTokensRequest) -> list[dict] | None:
             "function": {
                 "name": tool.name,
                 "description": tool.description or "",
-                "parameters": tool.input_schema,
+                "parameters": tool.input_schema or {"type": "object"},
             },
         }
-        for tool in body.tools
+        for tool in offered
     ]
+
+
+def dropped_tools(body: CountTokensRequest) -> list[str]:
+    """The tools a request named that the model is not shown: server tools, deferred ones."""
+    return [tool.name for tool in body.tools or () if not tool.runs_here]
 
 
 def answer_constraint(body: CountTokensRequest) -> AnswerConstraint | None:
@@ -263,7 +303,7 @@ def answer_constraint(body: CountTokensRequest) -> AnswerConstraint | None:
     choice = body.tool_choice
     if choice is None or choice.type not in ("any", "tool"):
         return None
-    known = [tool.name for tool in body.tools or ()]
+    known = [tool.name for tool in body.tools or () if tool.runs_here]
     names = tuple(known) if choice.type == "any" else (choice.name or "",)
     if not names or not set(names) <= set(known):
         what = f"no tool named {names[0]!r} is in tools" if names else "tools are empty"
@@ -436,7 +476,10 @@ def error_body(err: ApiError) -> dict:
     """An error as Anthropic's API gives it: its kind from the status."""
     fallback = "invalid_request_error" if err.status_code < 500 else "api_error"
     kind = ERROR_TYPES.get(err.status_code, fallback)
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
+    message = err.message
+    if isinstance(err, ContextExceeded):  # Anthropic's words, which Claude Code acts on
+        message = f"prompt is too long: {err.prompt_tokens} tokens > {err.context} maximum"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_event(err: ApiError) -> str:

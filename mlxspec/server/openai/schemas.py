@@ -23,7 +23,7 @@ from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.markup.conversation import Conversation
 from mlxspec.server.errors import ApiError
 from mlxspec.server.openai.logprobs import MAX_COMPLETION_LOGPROBS
-from mlxspec.server.request_body import GenerationRequest, NonEmptyText, TokenId
+from mlxspec.server.request_body import GenerationRequest, NonEmptyText, TokenId, effort_kwargs
 from mlxspec.structured.answer import AnswerConstraint
 from mlxspec.structured.forced_tools import ForcedTools
 
@@ -153,10 +153,13 @@ class ChatRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(
-        None, description="false: a forced tool_choice makes one call; else as the model does."
+        None, description="true: a forced tool_choice may make more calls than one."
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra arguments of the chat template, e.g. {enable_thinking: false}."
+    )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="To the template: gpt-oss's reasoning_effort; 'none': thinking off."
     )
 
     def conversation(self, template_defaults: dict[str, Any]) -> Conversation:
@@ -178,9 +181,8 @@ class ChatRequest(GenerationRequest):
         tools = None
         if self.tools and self.tool_choice != "none":
             tools = [tool.for_template() for tool in self.tools]
-        return Conversation(
-            messages, tools, {**template_defaults, **(self.chat_template_kwargs or {})}
-        )
+        kwargs = effort_kwargs(self.reasoning_effort, template_defaults)
+        return Conversation(messages, tools, {**kwargs, **(self.chat_template_kwargs or {})})
 
     def alternatives(self) -> int | None:
         if not self.logprobs:
@@ -221,7 +223,9 @@ class ChatRequest(GenerationRequest):
         if not names or not set(names) <= known:
             what = f"no tool named {names[0]!r} is in tools" if names else "tools are empty"
             raise ApiError(400, f"tool_choice: {what}", code="invalid_value", param="tool_choice")
-        return ForcedTools(names, parallel=self.parallel_tool_calls is not False)
+        # One call unless more are asked for: a forced choice is one call (SmolLM2 made
+        # the same call twice, then began a third).
+        return ForcedTools(names, parallel=self.parallel_tool_calls is True)
 
 
 class CompletionRequest(GenerationRequest):
