@@ -43,18 +43,26 @@ ROW_FLOOR_OPTION = click.option(
 )
 @click.option(
     "--max-waiting",
-    default=16,
-    show_default=True,
+    default=None,
     type=click.IntRange(min=1),
-    help="Requests that may queue behind the running ones; more get 429.",
+    help="A cap on requests queued behind the running ones; more get 429 (default: no "
+    "cap: the queue is bounded by --max-queue-wait and the memory its prompts hold).",
+)
+@click.option(
+    "--max-queue-wait",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds a request may expect to wait in line, at the pace the model keeps; a "
+    "request that would wait longer gets 429 with Retry-After.",
 )
 @click.option(
     "--max-tokens-limit",
     default=4096,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Largest max_tokens a request gets: an OpenAI request asking for more is refused "
-    "(400), an Anthropic one (which must ask, and asks large) is granted this.",
+    help="Largest max_tokens a request gets: a request asking for more (agents ask for "
+    "32000) is granted this, and never more than the model's context leaves.",
 )
 @click.option(
     "--max-batch",
@@ -93,6 +101,7 @@ def serve(
     port,
     api_key,
     max_waiting,
+    max_queue_wait,
     max_tokens_limit,
     max_batch,
     row_floor,
@@ -104,14 +113,16 @@ def serve(
     presence_penalty,
     frequency_penalty,
 ):
-    """Serve an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models.
+    """Serve OpenAI's and Anthropic's APIs: /v1/chat/completions, /v1/completions,
+    /v1/responses (Codex), /v1/messages (Claude Code), /v1/models.
 
     Up to --max-batch requests (default 8, sharded too) share each target pass; the
-    others wait in line (bounded by --max-waiting; beyond it, 429). Requests may name any
-    registry model (one is in memory at a time) and pass {"mlxspec": {"proposer": ...,
-    "k": ..., "tree": ..., "history": false, "provenance": true}}; answers carry the run
-    record as x_mlxspec. Chat requests may pass tools (OpenAI's function tools; calls come
-back as tool_calls) and chat_template_kwargs; reasoning comes back as reasoning_content.
+    others wait in line (bounded by --max-queue-wait; beyond it, 429 with Retry-After).
+    Requests may name any registry model (one is in memory at a time) and pass
+    {"mlxspec": {"proposer": ..., "k": ..., "tree": ..., "history": false, "provenance":
+    true}}; answers carry the run record as x_mlxspec. Chat requests may pass tools
+    (OpenAI's function tools; calls come back as tool_calls) and chat_template_kwargs;
+    reasoning comes back as reasoning_content.
 
     \b
     Examples:
@@ -159,6 +170,7 @@ back as tool_calls) and chat_template_kwargs; reasoning comes back as reasoning_
     limits = ServerLimits(
         max_tokens=max_tokens_limit,
         max_waiting=max_waiting,
+        max_queue_wait=max_queue_wait,
         max_batch=max_batch,
         row_floor=ROW_FLOOR if row_floor is None else row_floor,
         kv_memory=kv_memory,

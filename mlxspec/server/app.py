@@ -122,6 +122,8 @@ def create_app(
     else:
         worker = Worker(provider, limits.max_waiting, preload)
 
+    worker.max_queue_wait = limits.max_queue_wait
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         worker.start()
@@ -144,6 +146,9 @@ def create_app(
             "active": worker.active,
             "tokens_per_second": round(worker.tokens_per_second, 2),
             "waiting": worker.waiting,
+            # what a request queued now would wait (null until the pace is measured)
+            "expected_wait_s": _rounded(worker.expected_wait()),
+            "max_queue_wait_s": worker.max_queue_wait,
             "kv_memory": getattr(worker, "kv_memory_use", None),
         }
 
@@ -216,3 +221,7 @@ def _model_card(info: ModelInfo) -> dict:
         "max_model_len": info.defaults.context,
         "x_mlxspec": {"description": info.description, "proposers": list(info.proposers)},
     }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)

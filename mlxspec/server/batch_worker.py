@@ -39,7 +39,7 @@ class BatchedWorker(Worker):
     def __init__(
         self,
         provider: ModelProvider,
-        max_waiting: int,
+        max_waiting: int | None,
         max_batch: int,
         preload: str | None = None,
         row_floor: float = ROW_FLOOR,
@@ -65,10 +65,19 @@ class BatchedWorker(Worker):
         sits in the queue until the round ends, and requests that will have a slot at
         once must not be refused for it. A model that cannot batch, or a request running
         alone, has no free slots: then the queue is `max_waiting`, as without batching."""
+        return self.max_waiting + self._free_slots()
+
+    def _free_slots(self) -> int:
         cannot_batch = self._model is not None and self._scheduler is None
         if cannot_batch or self._running is not None:
-            return self.max_waiting
-        return self.max_waiting + max(0, self.max_batch - self._rows())
+            return 0
+        return max(0, self.max_batch - self._rows())
+
+    def _ahead(self) -> int:
+        """Requests that must end before one queued now starts: those queued beyond the
+        batch's free slots (with a slot free, none)."""
+        beyond = self._waiting.qsize() - self._free_slots()
+        return beyond + 1 if beyond >= 0 and (self._rows() or self._running) else 0
 
     def in_flight(self) -> list[Job]:
         """The batch's requests, the one running alone, and the one waiting to."""

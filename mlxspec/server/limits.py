@@ -11,7 +11,10 @@ from mlxspec.batch.width import ROW_FLOOR
 class ServerLimits:
     max_body_bytes: int = 1 << 20
     max_tokens: int = 4096  # per request; longer prompts are bounded by the model's context
-    max_waiting: int = 16  # requests queued behind the running one; more get 429
+    # A cap on queued requests (None: none; more get 429). Without one the queue is bounded
+    # by the wait it would impose and the memory its prompts hold (queue_wait.py).
+    max_waiting: int | None = None
+    max_queue_wait: float = 300.0  # seconds a request may expect to wait in line
     max_batch: int = 1  # requests generating together (continuous batching when > 1)
     # The least share of its plain speed a request keeps while others' drafts widen the
     # shared pass (mlxspec.batch.width.choose_width).

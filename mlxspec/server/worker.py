@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -31,14 +31,18 @@ from mlxspec.markup.conversation import Conversation
 from mlxspec.markup.output_parser import AnswerReader
 from mlxspec.server.errors import ApiError, refused
 from mlxspec.server.providers import ModelProvider, OpenModel
+from mlxspec.server.queue_wait import MAX_QUEUED_BYTES, DrainRate, retry_after
 from mlxspec.structured.answer import AnswerConstraint, answer_grammar
 from mlxspec.structured.grammar import GrammarError
 
 log = logging.getLogger("mlxspec.server")
 
-# What a client may tell to retry after when the queue is full: a guess, since the
-# wait depends on the requests ahead; clients back off further on repeated 429s.
+# What a client may tell to retry after when the queue is full and its pace is not yet
+# known; once it is, Retry-After comes from it (queue_wait.py).
 RETRY_AFTER_SECONDS = 2
+# The longest a request may expect to wait in line before it is refused (serve
+# --max-queue-wait): SDKs time a request out after 10 minutes, agents after about as long.
+MAX_QUEUE_WAIT = 300.0
 RATE_WINDOW = 10.0  # seconds of output /health's tokens_per_second averages over
 
 
@@ -75,9 +79,16 @@ class Job:
 
     _END = object()
 
-    def __init__(self, generation: Generation, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        generation: Generation,
+        loop: asyncio.AbstractEventLoop,
+        on_end: Callable[[], None] | None = None,
+    ):
         self.generation = generation
+        self.size = prompt_bytes(generation.prompt)  # what it holds while it waits
         self._loop = loop
+        self._on_end = on_end
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
         self.reader: AnswerReader | None = None  # made by the worker at the first output
@@ -98,6 +109,9 @@ class Job:
             self.cancel()
 
     def end(self) -> None:
+        if self._on_end is not None:
+            self._on_end, on_end = None, self._on_end
+            on_end()
         self.post(self._END)
 
     async def next(self) -> object | None:
@@ -107,8 +121,14 @@ class Job:
 
 
 class Worker:
-    def __init__(self, provider: ModelProvider, max_waiting: int, preload: str | None = None):
+    def __init__(
+        self, provider: ModelProvider, max_waiting: int | None, preload: str | None = None
+    ):
+        """`max_waiting`: a cap on queued requests (None: none; the queue is bounded by
+        the wait it would impose, `max_queue_wait`, and by the memory its prompts hold)."""
         self.provider, self.max_waiting, self.preload = provider, max_waiting, preload
+        self.max_queue_wait = MAX_QUEUE_WAIT
+        self.drain = DrainRate()
         self.resident: str | None = None  # the model in memory
         self.busy = False
         self._model: OpenModel | None = None
@@ -196,22 +216,41 @@ class Worker:
 
     @property
     def queue_room(self) -> int:
-        """Requests the queue may hold now: `max_waiting` behind the one running."""
+        """Requests the queue may hold now, where `max_waiting` caps it: that many
+        behind the one running."""
         return self.max_waiting
 
+    def _ahead(self) -> int:
+        """Requests that must end before one queued now starts: the queue and the one
+        running."""
+        return self._waiting.qsize() + int(self.busy)
+
+    def expected_wait(self) -> float | None:
+        """Seconds a request queued now would wait to start (None: not known yet)."""
+        return self.drain.expected_wait(self._ahead())
+
     def submit(self, generation: Generation) -> Job:
-        """Queue a request (called on the event loop only, so the check cannot race)."""
+        """Queue a request (called on the event loop only, so the check cannot race):
+        refused (429, with Retry-After) only where the explicit cap is reached, where the
+        wait it would face is over `max_queue_wait`, or where the prompts waiting would
+        pass MAX_QUEUED_BYTES."""
         if self._stopping.is_set():
             raise self.why_stopping()
-        if self._waiting.qsize() >= self.queue_room:
-            raise ApiError(
-                429,
-                f"{self._waiting.qsize()} requests are already waiting for the model; retry later",
-                code="queue_full",
-                type="rate_limit_error",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        waiting = self._waiting.qsize()
+        wait = self.expected_wait()
+        retry = RETRY_AFTER_SECONDS if wait is None else retry_after(wait, self.max_queue_wait)
+        if self.max_waiting is not None and waiting >= self.queue_room:
+            raise queue_full(f"{waiting} requests are already waiting for the model", retry)
+        if wait is not None and wait > self.max_queue_wait:
+            raise queue_full(
+                f"{waiting} requests are waiting, about {wait:.0f} s of work at the pace the "
+                f"model keeps (this server refuses waits over {self.max_queue_wait:.0f} s)",
+                retry,
             )
-        job = Job(generation, asyncio.get_running_loop())
+        job = Job(generation, asyncio.get_running_loop(), self.drain.ended)
+        held = sum(queued.size for queued in list(self._waiting.queue) if queued is not None)
+        if held + job.size > MAX_QUEUED_BYTES:
+            raise queue_full(f"the {waiting} requests waiting hold {held >> 20} MiB", retry)
         self._waiting.put(job)
         return job
 
@@ -296,6 +335,25 @@ class Worker:
             ) from None
         self.resident = name
         return self._model
+
+
+def queue_full(why: str, retry: int) -> ApiError:
+    return ApiError(
+        429,
+        f"{why}; retry after {retry} s",
+        code="queue_full",
+        type="rate_limit_error",
+        headers={"Retry-After": str(retry)},
+    )
+
+
+def prompt_bytes(prompt: object) -> int:
+    """What a queued prompt holds: its text (a conversation's messages and tools)."""
+    if isinstance(prompt, Conversation):
+        return sum(len(str(message.get("content") or "")) for message in prompt.messages) + len(
+            str(prompt.tools or "")
+        )
+    return len(prompt) * (1 if isinstance(prompt, str) else 8)
 
 
 def shutting_down() -> ApiError:
