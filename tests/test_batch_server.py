@@ -371,3 +371,50 @@ def test_serve_row_floor_reaches_the_batch(monkeypatch):
         scheduler.submit(prompt, GenerationSettings(max_tokens=6), "prompt-lookup")
     list(scheduler.drain())
     assert floors and set(floors) == {0.25}
+
+
+def test_clients_that_leave_at_any_point_leave_nothing_behind_in_the_batch():
+    """48 clients against 8 slots, a third of them leaving: before their first byte (a
+    client timeout), mid-stream after a few chunks, or at once after sending. Afterwards the
+    batch's own bookkeeping holds no row, no job and no KV beyond its kept prefixes, every
+    client that stayed got its solo answer, and the server still answers."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(48)]
+    solo = {p: direct_answer([{"role": "user", "content": p}], 24) for p in PROMPTS}
+    app = create_app(TinyProvider(), limits=ServerLimits(max_batch=8))
+
+    def client(index: int, url: str) -> str | None:
+        body = {"messages": [{"role": "user", "content": prompts[index]}], "max_tokens": 24}
+        leaving = index % 3 == 0
+        if not leaving:
+            reply = httpx.post(url + CHAT, json=body, timeout=120)
+            return reply.json()["choices"][0]["message"]["content"]
+        way = index // 3 % 3
+        if way == 0:  # gives up before its first byte
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(url + CHAT, json=body, timeout=0.05)
+        elif way == 1:  # reads a few chunks of its stream, then closes the connection
+            with httpx.stream("POST", url + CHAT, json={**body, "stream": True}, timeout=120) as r:
+                for _, _line in zip(range(3), r.iter_lines()):
+                    pass
+        else:  # sends and goes at once
+            with httpx.Client(timeout=120) as leaver:
+                with leaver.stream("POST", url + CHAT, json=body):
+                    pass
+        return None
+
+    with serving_in_thread(app) as url:
+        with ThreadPoolExecutor(48) as pool:
+            answers = list(pool.map(lambda i: client(i, url), range(48)))
+        for index, answer in enumerate(answers):
+            if index % 3:
+                assert answer == solo[prompts[index]]
+        wait_until_idle(url, seconds=30)
+        worker = app.state.worker
+        scheduler = worker._scheduler
+        assert worker._jobs == {} and worker._rows() == 0 and worker.waiting == 0
+        assert not scheduler.active and not scheduler.joining and not scheduler.waiting
+        kept = scheduler.prefixes.tokens * scheduler.kv_per_token
+        assert scheduler.kv_reserved() == kept  # what the kept prefixes hold, nothing more
+        assert len(scheduler.prefixes.kept) <= scheduler.prefixes.capacity
+        again = ask(url, PROMPTS[0], max_tokens=24).choices[0].message.content
+        assert again == solo[PROMPTS[0]]
