@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 
+from mlxspec.markup.conversation import AnswerPart
 from mlxspec.markup.output_parser import Answered, PartsOf
 from mlxspec.server.errors import ApiError
 from mlxspec.server.worker import Generation, Job, Worker
@@ -96,3 +97,31 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     job.cancel()
+
+
+async def dialect_events(
+    answering: Answering,
+    opening: list[str],
+    part: Callable[[AnswerPart], list[str]],
+    closing: Callable[[Answered], list[str]],
+    failing: Callable[[ApiError], list[str]],
+) -> AsyncIterator[str]:
+    """A streamed answer in a dialect's events (Anthropic's, the Responses API's): the
+    `opening` ones, each part's, the `closing` ones at the end; an error after the stream
+    began is too late for a status, so it ends the stream as `failing` says. The
+    generation is released however the stream ends."""
+    try:
+        for event in opening:
+            yield event
+        async for item in answering:
+            for answer_part in item.parts:
+                for event in part(answer_part):
+                    yield event
+            if isinstance(item, Answered):
+                for event in closing(item):
+                    yield event
+    except ApiError as err:
+        for event in failing(err):
+            yield event
+    finally:
+        answering.release()

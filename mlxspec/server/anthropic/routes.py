@@ -16,8 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 import mlxspec.server.anthropic.translate as anthropic
 from mlxspec.decoding.engine import GenerationError
 from mlxspec.markup.conversation import Conversation
-from mlxspec.markup.output_parser import Answered
-from mlxspec.server.answering import SSE_HEADERS, Answering, dropped_header
+from mlxspec.server.answering import SSE_HEADERS, Answering, dialect_events, dropped_header
 from mlxspec.server.errors import ApiError, refused
 from mlxspec.server.generations import new_generation
 from mlxspec.server.limits import ServerLimits
@@ -87,18 +86,11 @@ async def _prompt_tokens(worker: Worker, model: str, conversation: Conversation)
         raise refused(err) from None
 
 
-async def _events(answering: Answering, stream: anthropic.MessageStream) -> AsyncIterator[str]:
-    try:
-        for event in stream.opening():
-            yield event
-        async for item in answering:
-            for part in item.parts:
-                for event in stream.part(part):
-                    yield event
-            if isinstance(item, Answered):
-                for event in stream.closing(item.done.record):
-                    yield event
-    except ApiError as err:  # too late for a status
-        yield anthropic.error_event(err)
-    finally:
-        answering.release()
+def _events(answering: Answering, stream: anthropic.MessageStream) -> AsyncIterator[str]:
+    return dialect_events(
+        answering,
+        stream.opening(),
+        stream.part,
+        lambda answered: stream.closing(answered.done.record),
+        lambda err: [anthropic.error_event(err)],
+    )

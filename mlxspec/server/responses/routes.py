@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 import mlxspec.server.responses.translate as responses
 from mlxspec.markup.output_parser import Answered
-from mlxspec.server.answering import SSE_HEADERS, Answering, dropped_header
+from mlxspec.server.answering import SSE_HEADERS, Answering, dialect_events, dropped_header
 from mlxspec.server.errors import ApiError
 from mlxspec.server.generations import checked_constraint, new_generation
 from mlxspec.server.limits import ServerLimits
@@ -105,22 +105,12 @@ def _stored(store: ResponseStore, response_id: str):
     return found
 
 
-async def _events(
+def _events(
     answering: Answering, stream: responses.ResponseStream, keep: Callable[[dict], None]
 ) -> AsyncIterator[str]:
-    try:
-        for event in stream.opening():
-            yield event
-        async for item in answering:
-            for part in item.parts:
-                for event in stream.part(part):
-                    yield event
-            if isinstance(item, Answered):
-                for event in stream.closing(item.done.record, item.answer):
-                    yield event
-                keep(stream.final)
-    except ApiError as err:  # too late for a status
-        for event in stream.failing(err):
-            yield event
-    finally:
-        answering.release()
+    def closing(answered: Answered) -> list[str]:
+        events = stream.closing(answered.done.record, answered.answer)
+        keep(stream.final)
+        return events
+
+    return dialect_events(answering, stream.opening(), stream.part, closing, stream.failing)
