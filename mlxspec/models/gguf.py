@@ -1,7 +1,8 @@
 """Read a llama-architecture GGUF file into mlx-lm's llama model and a matching tokenizer.
 
 `mx.load` already parses GGUF: it returns the tensors (Q4_0/Q4_1/Q8_0 blocks come back as
-MLX affine `weight`/`scales`/`biases` triplets, group size 32) and the metadata. This module
+MLX affine `weight`/`scales`/`biases` triplets, group size 32) and the metadata; the
+K-quants and the other llama.cpp quants come through gguf_reader.py in the same shape. This module
 maps llama.cpp's tensor names and `llama.*` hyper-parameters onto mlx-lm's llama `Model`, and
 rebuilds the tokenizer from the `tokenizer.*` metadata, since a GGUF carries no tokenizer.json.
 """
@@ -17,6 +18,8 @@ from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
+
+from mlxspec.models.gguf_reader import UnreadableGGUF, read_gguf, read_gguf_metadata
 
 # llama.cpp quantizes in blocks of 32 weights; mx.load keeps that as the affine group size.
 GGUF_GROUP_SIZE = 32
@@ -62,7 +65,10 @@ def load_gguf(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrap
     dequantized on first use, see loading.materialise), so that a rank of a sharded target
     can split the model first and dequantize only its own slices.
     """
-    tensors, metadata = mx.load(str(path), return_metadata=True)
+    try:
+        tensors, metadata = read_gguf(path, keep_quantized=not dequantize)
+    except UnreadableGGUF as err:
+        raise GGUFError(str(err)) from None
     config = model_config(metadata, tensor_names=tensors)
     weights, bits_by_module = _mlx_lm_weights(tensors, dequantize=dequantize)
     model = llama.Model(llama.ModelArgs.from_dict(config))
@@ -87,8 +93,7 @@ def load_gguf(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrap
 
 def read_gguf_tokenizer(path: Path) -> TokenizerWrapper:
     """The tokenizer described by a GGUF file's `tokenizer.*` metadata."""
-    _, metadata = mx.load(str(path), return_metadata=True)
-    return _tokenizer_from_metadata(metadata)
+    return _tokenizer_from_metadata(read_gguf_metadata(path))
 
 
 def model_config(metadata: dict, tensor_names) -> dict:
