@@ -12,13 +12,15 @@ from mlxspec.cli.errors import fail_cleanly
 from mlxspec.cli.options import JSON_OPTION, model_option
 from mlxspec.console import say
 from mlxspec.registry.models_toml import load_registry
+from mlxspec.registry.on_disk import found_models
 
 
 @click.command()
 @JSON_OPTION
 @fail_cleanly
 def models(as_json):
-    """List the models in the registry, their proposers and where their weights are.
+    """List the models in the registry, their proposers and where their weights are, and
+    the models found in the Hugging Face cache, LM Studio's folder and Ollama's store.
 
     \b
     Example:
@@ -50,11 +52,26 @@ def models(as_json):
                 },
             }
         )
+    found = [
+        {
+            "name": model.name,
+            "source": model.source,
+            "path": str(model.path),
+            "format": model.format,
+            "size_gb": round(model.size_bytes / 1e9, 2),
+            "runnable": model.runnable,
+            "about": model.why,
+            # every model drafts from its prompt and its own history; others need weights
+            "proposers": ["prompt-lookup", "suffix"] if model.runnable else [],
+        }
+        for model in found_models()
+    ]
     if as_json:
         click.echo(
             json.dumps(
                 {
                     "models": rows,
+                    "found": found,
                     "files": [str(f) for f in registry.files],
                     "machine": device.describe(),
                 },
@@ -70,6 +87,12 @@ def models(as_json):
         click.echo(
             f"    proposers: {', '.join(row['proposers'])} (default {row['default_proposer']})"
         )
+    if found:
+        click.echo("on this disk (read where they are; --model takes the name):")
+    for model in found:
+        state = "runs" if model["runnable"] else "cannot run"
+        click.echo(f"  {model['name']:<40} {model['format']}, {model['size_gb']} GB, {state}")
+        click.echo(f"    {model['source']}: {model['path']} ({model['about']})")
     facts = device.describe()
     click.echo(f"device: {facts['device']}, BLAS: {facts['blas']}, mlx {facts['mlx']}")
 

@@ -19,7 +19,12 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from mlxspec.models.gguf_reader import UnreadableGGUF, read_gguf, read_gguf_metadata
+from mlxspec.models.gguf_reader import (
+    UnreadableGGUF,
+    read_gguf,
+    read_gguf_metadata,
+    tensor_types,
+)
 
 # llama.cpp quantizes in blocks of 32 weights; mx.load keeps that as the affine group size.
 GGUF_GROUP_SIZE = 32
@@ -89,6 +94,26 @@ def load_gguf(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrap
         raise GGUFError(f"{path}: tensors do not fit mlx-lm's llama model: {error}") from None
     model.eval()
     return model, _tokenizer_from_metadata(metadata), config
+
+
+def is_gguf(path: Path) -> bool:
+    """A GGUF file, by its magic bytes: Ollama keeps them as blobs without the suffix."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as file:
+        return file.read(4) == b"GGUF"
+
+
+def check_gguf(path: Path) -> str:
+    """What a GGUF file holds ("llama, Q4_K/Q6_K/F32"), read from its header alone;
+    GGUFError where this loader cannot run it (its architecture, its tokenizer)."""
+    metadata = read_gguf_metadata(path)
+    kinds = tensor_types(path)
+    model_config(metadata, tensor_names=kinds)
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    return f"{metadata['general.architecture']}, {'/'.join(sorted(set(kinds.values())))}"
 
 
 def read_gguf_tokenizer(path: Path) -> TokenizerWrapper:

@@ -47,9 +47,19 @@ def read_gguf(path: Path, *, keep_quantized: bool) -> tuple[dict, dict]:
     return _tensors(reader, keep_quantized), _metadata(reader)
 
 
+def tensor_types(path: Path) -> dict[str, str]:
+    """Each tensor's type (F32, Q4_K...), from the header (MLX's reader, where the gguf
+    package is missing, says only its names)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return {name: "?" for name in _mlx_load(path)[0]}
+    return {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(path)).tensors}
+
+
 def _mlx_load(path: Path) -> tuple[dict, dict]:
     try:
-        return mx.load(str(path), return_metadata=True)
+        return mx.load(str(path), format="gguf", return_metadata=True)  # an Ollama blob: no suffix
     except (RuntimeError, ValueError) as err:
         raise UnreadableGGUF(
             f"{path.name}: MLX cannot read its tensors ({err}); `pip install gguf` reads "

@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlxspec.device import prefers_dequantized_weights
-from mlxspec.models.gguf import load_gguf
+from mlxspec.models.gguf import is_gguf, load_gguf
 from mlxspec.models.packaged import (
     PACKAGED_MODELS,
     PullError,
@@ -77,7 +77,7 @@ def load_model(
     if dequantize is None:
         dequantize = prefers_dequantized_weights()
     path = fetch_weights(ref, progress=progress)
-    loader = load_gguf if path.is_file() and path.suffix == ".gguf" else _load_mlx_lm_dir
+    loader = load_gguf if is_gguf(path) else _load_mlx_lm_dir
     model, tokenizer, config = _guarded(path, loader, path, dequantize=dequantize)
     if shard is not None:
         shard(model)
@@ -100,7 +100,7 @@ def weights_location(ref: str) -> tuple[str, bool]:
         return str(packaged_model_path(ref)), is_present(ref)
     path = _local_path(ref)
     if path is not None:
-        return str(path), (path / "config.json").is_file() or path.suffix == ".gguf"
+        return str(path), (path / "config.json").is_file() or is_gguf(path)
     from huggingface_hub import constants, snapshot_download
 
     try:

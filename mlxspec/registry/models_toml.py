@@ -27,6 +27,7 @@ else:  # pragma: no cover - Python 3.10 needs the backport
 
 from mlxspec.decoding.weights_choice import CHOICES
 from mlxspec.paths import config_dir
+from mlxspec.registry.on_disk import resolve_found
 
 # The folder that holds the mlxspec package: the repository root in a checkout (where the
 # shipped models.toml lives), site-packages once installed. The shipped file's relative paths
@@ -128,7 +129,8 @@ class Registry:
             where = self.user_file or user_file_path()
             raise RegistryError(
                 f"unknown model {chosen!r}; known: {', '.join(self.entries)} (add it to "
-                f"{where}); or pass a hub repo id (owner/name) or a local path"
+                f"{where}); or pass a hub repo id (owner/name), a local path, or a model "
+                "`mlxspec models` found on this disk (hf:..., lmstudio:..., ollama:...)"
             )
         return self.entries[chosen]
 
@@ -438,7 +440,11 @@ def reference_entry(reference: str) -> ModelEntry | None:
     """An entry named after a model reference typed on the command line (None: it is
     no reference). A path must exist: a missing one says so, instead of being looked
     for on the hub."""
-    path = Path(reference).expanduser()
+    try:
+        found = resolve_found(reference)  # hf:, lmstudio:, ollama: (models on this disk)
+    except LookupError as err:
+        raise RegistryError(str(err)) from None
+    path = found or Path(reference).expanduser()
     if path.exists():
         target = str(path.absolute())
     elif _looks_like_path(reference):

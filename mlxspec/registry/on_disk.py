@@ -1,0 +1,174 @@
+"""Models already on this disk, where other tools keep them: the Hugging Face cache (which
+mlx-lm fills), LM Studio's models folder, and Ollama's store. Read only, never copied: a
+found model is named `hf:ORG/NAME`, `lmstudio:PUBLISHER/NAME` (a GGUF file in it:
+`lmstudio:PUBLISHER/NAME/FILE.gguf`) or `ollama:NAME:TAG`, and `--model` takes the name.
+
+Where each looks, as the tools themselves lay their folders out:
+- Hugging Face: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`;
+  `models--ORG--NAME/snapshots/REVISION/` (huggingface_hub's cache layout), the revision
+  `refs/main` names.
+- LM Studio: `$MLXSPEC_LMSTUDIO_MODELS`, else `~/.lmstudio/models` (its default
+  "models directory"), `PUBLISHER/NAME/` holding an MLX folder or `.gguf` files.
+- Ollama: `$OLLAMA_MODELS` (Ollama's own variable), else `~/.ollama/models`; a manifest
+  `manifests/REGISTRY/NAMESPACE/NAME/TAG` (JSON, its layers) names the GGUF blob of the layer
+  `application/vnd.ollama.image.model`, at `blobs/sha256-DIGEST`.
+A folder that does not exist is not scanned.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+OLLAMA_REGISTRY = "registry.ollama.ai"
+PREFIXES = ("hf:", "lmstudio:", "ollama:")
+
+
+@dataclass(frozen=True)
+class FoundModel:
+    name: str  # what --model takes
+    path: Path  # the folder or GGUF file, read where it is
+    source: str  # "Hugging Face cache", "LM Studio", "Ollama"
+    format: str  # "mlx" or "gguf"
+    size_bytes: int
+    runnable: bool
+    why: str  # what it is, or why mlxspec cannot run it
+
+
+def hf_cache() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME")
+    return Path(home) / "hub" if home else Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def lmstudio_models() -> Path:
+    given = os.environ.get("MLXSPEC_LMSTUDIO_MODELS")
+    return Path(given) if given else Path.home() / ".lmstudio" / "models"
+
+
+def ollama_models() -> Path:
+    given = os.environ.get("OLLAMA_MODELS")
+    return Path(given) if given else Path.home() / ".ollama" / "models"
+
+
+def found_models() -> list[FoundModel]:
+    """Every model found in the three places, sorted by name."""
+    found = [*_hugging_face(hf_cache()), *_lmstudio(lmstudio_models()), *_ollama(ollama_models())]
+    return sorted(found, key=lambda model: model.name)
+
+
+def resolve_found(name: str) -> Path | None:
+    """The path of a found model's name (None: the name has none of the prefixes);
+    LookupError naming where it looked for one that is not there."""
+    if not name.startswith(PREFIXES):
+        return None
+    for model in found_models():
+        if model.name == name:
+            return model.path
+    source = name.split(":", 1)[0]
+    where = {"hf": hf_cache(), "lmstudio": lmstudio_models(), "ollama": ollama_models()}[source]
+    raise LookupError(f"no model {name!r} in {where} (`mlxspec models` lists what is found)")
+
+
+def _hugging_face(cache: Path) -> list[FoundModel]:
+    found = []
+    for repo in sorted(cache.glob("models--*")) if cache.is_dir() else ():
+        ref = repo / "refs" / "main"
+        snapshots = repo / "snapshots"
+        revision = ref.read_text().strip() if ref.is_file() else None
+        if revision is None and snapshots.is_dir():
+            revision = next((p.name for p in sorted(snapshots.iterdir())), None)
+        folder = snapshots / revision if revision else None
+        if folder is None or not folder.is_dir():
+            continue
+        repo_id = repo.name.removeprefix("models--").replace("--", "/", 1)
+        found.extend(_folder_models(f"hf:{repo_id}", folder, "Hugging Face cache"))
+    return found
+
+
+def _lmstudio(root: Path) -> list[FoundModel]:
+    found = []
+    for folder in sorted(root.glob("*/*")) if root.is_dir() else ():
+        if folder.is_dir():
+            name = f"lmstudio:{folder.parent.name}/{folder.name}"
+            found.extend(_folder_models(name, folder, "LM Studio"))
+    return found
+
+
+def _ollama(root: Path) -> list[FoundModel]:
+    found = []
+    manifests = root / "manifests"
+    for manifest in sorted(manifests.glob("*/*/*/*")) if manifests.is_dir() else ():
+        registry, namespace, name, tag = manifest.relative_to(manifests).parts
+        try:
+            layers = json.loads(manifest.read_text()).get("layers", [])
+        except (OSError, json.JSONDecodeError):
+            continue  # not a manifest: nothing to list
+        models = [layer for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER]
+        digest = models[0].get("digest") if models else None
+        if digest is None:
+            continue
+        blob = root / "blobs" / digest.replace(":", "-")
+        if blob.is_file():
+            found.append(
+                _gguf_model(
+                    f"ollama:{_ollama_name(registry, namespace, name)}:{tag}", blob, "Ollama"
+                )
+            )
+    return found
+
+
+def _ollama_name(registry: str, namespace: str, name: str) -> str:
+    """As `ollama list` names it: `qwen3`, `user/model`, `host/user/model`."""
+    if registry != OLLAMA_REGISTRY:
+        return f"{registry}/{namespace}/{name}"
+    return name if namespace == "library" else f"{namespace}/{name}"
+
+
+def _folder_models(name: str, folder: Path, source: str) -> list[FoundModel]:
+    """An MLX (mlx-lm) folder, or each GGUF file in the folder."""
+    if (folder / "config.json").is_file():
+        return [_mlx_model(name, folder, source)]
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return [_gguf_model(name, ggufs[0], source)]
+    return [_gguf_model(f"{name}/{gguf.name}", gguf, source) for gguf in ggufs]
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _mlx_model(name: str, folder: Path, source: str) -> FoundModel:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return FoundModel(name, folder, source, "mlx", _size(folder), False, f"config: {err}")
+    kind = config.get("model_type", "?")
+    weights = any(folder.glob("*.safetensors"))
+    known = importlib.util.find_spec(f"mlx_lm.models.{kind}") is not None
+    runnable = weights and known
+    why = (
+        f"{kind}"
+        + ("" if weights else ", no safetensors weights")
+        + ("" if known else f", an architecture mlx-lm has no model for ({kind})")
+    )
+    return FoundModel(name, folder, source, "mlx", _size(folder), runnable, why)
+
+
+def _gguf_model(name: str, file: Path, source: str) -> FoundModel:
+    from mlxspec.models.gguf import GGUFError, check_gguf
+
+    try:
+        why = check_gguf(file)
+        runnable = True
+    except (GGUFError, ValueError, OSError) as err:
+        why, runnable = str(err), False
+    return FoundModel(name, file, source, "gguf", _size(file), runnable, why)

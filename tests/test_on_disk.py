@@ -1,0 +1,101 @@
+"""Models where users already keep them: the Hugging Face cache, LM Studio's folder and
+Ollama's store, laid out here as those tools lay them out (registry/on_disk.py cites each
+layout), listed by `mlxspec models` and run by name without a copy."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from test_loading import save_tiny_llama
+from tiny_gguf import write_tiny_gguf
+
+from mlxspec.cli import main
+from mlxspec.registry.models_toml import RegistryError, load_registry
+from mlxspec.registry.on_disk import found_models
+
+
+def ollama_store(root: Path, name: str, tag: str, gguf: Path, digest: str | None = None) -> Path:
+    """Ollama's layout: the GGUF as blobs/sha256-DIGEST, named by a manifest's model layer."""
+    data = gguf.read_bytes()
+    real = hashlib.sha256(data).hexdigest()
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    blob = root / "blobs" / f"sha256-{real}"
+    blob.write_bytes(data)
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / name / tag
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    layers = [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "0" * 64},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest or real}"},
+    ]
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+    return blob
+
+
+@pytest.fixture
+def disk(tmp_path, monkeypatch):
+    """One model in each place, and the places pointed at by their variables."""
+    hub = tmp_path / "hf" / "hub"
+    snapshot = hub / "models--someone--tiny-llama" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (hub / "models--someone--tiny-llama" / "refs").mkdir()
+    (hub / "models--someone--tiny-llama" / "refs" / "main").write_text("abc123")
+    save_tiny_llama(snapshot)
+    lmstudio = tmp_path / "lmstudio"
+    (lmstudio / "publisher" / "Tiny-GGUF").mkdir(parents=True)
+    write_tiny_gguf(lmstudio / "publisher" / "Tiny-GGUF" / "tiny.Q8_0.gguf", "Q8_0")
+    (lmstudio / "publisher" / "Other").mkdir(parents=True)
+    (lmstudio / "publisher" / "Other" / "config.json").write_text('{"model_type": "nosuch"}')
+    ollama = tmp_path / "ollama"
+    source = write_tiny_gguf(tmp_path / "source.gguf", "Q4_1", seed=1)
+    blob = ollama_store(ollama, "tiny", "latest", source)
+    ollama_store(ollama, "broken", "latest", source, digest="f" * 64)  # names a missing blob
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("MLXSPEC_LMSTUDIO_MODELS", str(lmstudio))
+    monkeypatch.setenv("OLLAMA_MODELS", str(ollama))
+    return {"snapshot": snapshot, "blob": blob, "source": source}
+
+
+def test_models_lists_what_each_place_holds_and_whether_it_runs(disk):
+    found = {model.name: model for model in found_models()}
+    assert set(found) == {
+        "hf:someone/tiny-llama",
+        "lmstudio:publisher/Tiny-GGUF",
+        "lmstudio:publisher/Other",
+        "ollama:tiny:latest",
+    }
+    assert found["hf:someone/tiny-llama"].path == disk["snapshot"]
+    assert found["ollama:tiny:latest"].path == disk["blob"]  # the blob itself, no copy
+    assert found["ollama:tiny:latest"].format == "gguf" and found["ollama:tiny:latest"].runnable
+    assert "llama, F32/Q4_1" == found["ollama:tiny:latest"].why
+    other = found["lmstudio:publisher/Other"]
+    assert not other.runnable and "mlx-lm has no model for (nosuch)" in other.why
+    listed = CliRunner().invoke(main, ["models", "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = {row["name"]: row for row in json.loads(listed.stdout)["found"]}
+    assert rows["lmstudio:publisher/Tiny-GGUF"]["proposers"] == ["prompt-lookup", "suffix"]
+    assert rows["hf:someone/tiny-llama"]["source"] == "Hugging Face cache"
+
+
+def test_a_found_model_runs_by_its_name_where_it_lies(disk):
+    entry = load_registry().including("ollama:tiny:latest").get("ollama:tiny:latest")
+    assert Path(entry.target) == disk["blob"]
+    args = ["generate", "one two one two", "-n", "6", "-p", "none", "--raw", "--json"]
+    by_name = CliRunner().invoke(main, [*args, "-m", "ollama:tiny:latest"])
+    by_path = CliRunner().invoke(main, [*args, "-m", str(disk["source"])])
+    assert by_name.exit_code == 0 and by_path.exit_code == 0, by_name.output + by_path.output
+    answer = json.loads(by_name.stdout.splitlines()[-1])
+    assert answer["text"] == json.loads(by_path.stdout.splitlines()[-1])["text"]
+    hf = CliRunner().invoke(main, [*args, "-m", "hf:someone/tiny-llama"])
+    assert hf.exit_code == 0, hf.output
+
+
+def test_a_found_name_that_is_not_there_is_one_line(disk):
+    with pytest.raises(RegistryError, match=r"no model 'ollama:broken:latest' in .*ollama"):
+        load_registry().including("ollama:broken:latest")  # its manifest names a missing blob
+    result = CliRunner().invoke(main, ["generate", "hi", "-m", "lmstudio:nobody/none"])
+    assert result.exit_code != 0 and "no model 'lmstudio:nobody/none'" in result.output
+    assert "Traceback" not in result.output
