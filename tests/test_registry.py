@@ -261,7 +261,10 @@ def test_unknown_model_names_the_known_ones_and_the_user_file(isolated_config):
     message = str(error.value)
     assert message.startswith("unknown model 'gpt-5'; known: smollm2-135m, qwen3-8b")
     assert f"(add it to {isolated_config})" in message
-    assert message.endswith("or pass a hub repo id (owner/name) or a local path")
+    assert message.endswith(
+        "or pass a hub repo id (owner/name), a local path, or a model `mlxspec models` found "
+        "on this disk (hf:..., lmstudio:..., ollama:...)"
+    )
 
 
 def _proposer(name: str, body: str) -> str:
