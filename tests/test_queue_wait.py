@@ -91,3 +91,18 @@ def test_health_reports_the_queues_expected_wait():
             body = {"messages": HELLO, "max_tokens": 2}
             assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).is_success
         assert httpx.get(f"{url}/health").json()["expected_wait_s"] == 0.0  # none ahead
+
+
+def test_a_request_whose_client_left_holds_nobody_up():
+    """Requests cancelled while they wait are skipped when their turn comes: they count
+    neither in the wait a new request would face nor against a cap."""
+    worker = Worker(TinyProvider(), max_waiting=3)
+
+    async def crowd_then_leave() -> tuple[int, ApiError | None]:
+        jobs = [worker.submit(generation()) for _ in range(3)]
+        for job in jobs:
+            job.cancel()
+        return await submit_until_refused(worker, 3)
+
+    accepted, refused = asyncio.run(crowd_then_leave())
+    assert (accepted, refused) == (3, None)

@@ -76,7 +76,7 @@ class BatchedWorker(Worker):
     def _ahead(self) -> int:
         """Requests that must end before one queued now starts: those queued beyond the
         batch's free slots (with a slot free, none)."""
-        beyond = self._waiting.qsize() - self._free_slots()
+        beyond = len(self._queued()) - self._free_slots()
         return beyond + 1 if beyond >= 0 and (self._rows() or self._running) else 0
 
     def in_flight(self) -> list[Job]:

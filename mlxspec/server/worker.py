@@ -220,10 +220,15 @@ class Worker:
         behind the one running."""
         return self.max_waiting
 
+    def _queued(self) -> list[Job]:
+        """The requests waiting whose clients are still there (one that left is skipped
+        when its turn comes, and holds nobody up)."""
+        return [job for job in list(self._waiting.queue) if job is not None and not job.cancelled]
+
     def _ahead(self) -> int:
         """Requests that must end before one queued now starts: the queue and the one
         running."""
-        return self._waiting.qsize() + int(self.busy)
+        return len(self._queued()) + int(self.busy)
 
     def expected_wait(self) -> float | None:
         """Seconds a request queued now would wait to start (None: not known yet)."""
@@ -236,7 +241,8 @@ class Worker:
         pass MAX_QUEUED_BYTES."""
         if self._stopping.is_set():
             raise self.why_stopping()
-        waiting = self._waiting.qsize()
+        queued = self._queued()
+        waiting = len(queued)
         wait = self.expected_wait()
         retry = RETRY_AFTER_SECONDS if wait is None else retry_after(wait, self.max_queue_wait)
         if self.max_waiting is not None and waiting >= self.queue_room:
@@ -248,7 +254,7 @@ class Worker:
                 retry,
             )
         job = Job(generation, asyncio.get_running_loop(), self.drain.ended)
-        held = sum(queued.size for queued in list(self._waiting.queue) if queued is not None)
+        held = sum(job.size for job in queued)
         if held + job.size > MAX_QUEUED_BYTES:
             raise queue_full(f"the {waiting} requests waiting hold {held >> 20} MiB", retry)
         self._waiting.put(job)
