@@ -15,14 +15,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-from tiny_gguf import _gguf_names, write_tiny_gguf
-from tiny_models import EOS, FAMILIES, byte_tokenizer, tiny_model
+from tiny_gguf import _gguf_names, gguf_tokens, tiny_llama_writer, write_tiny_gguf
+from tiny_models import FAMILIES, tiny_model
 
-from mlxspec.models.gguf import TOKEN_TYPE_CONTROL, GGUFError, load_gguf
+from mlxspec.models.gguf import GGUFError, load_gguf
 
 # Where each K-quant block keeps its float16 scales (d, and dmin where it has one).
 SCALE_BYTES = {"Q2_K": (-4, -2), "Q3_K": (-2,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (-2,)}
@@ -46,26 +46,10 @@ def random_blocks(rows: int, columns: int, kind: str, rng) -> np.ndarray:
 def write_kquant_gguf(path: Path, kind: str) -> dict[str, np.ndarray]:
     """A 3-layer llama of width 256 whose matrices are random `kind` blocks; returns the
     reference float weights by mlx-lm name (the blocks as llama.cpp dequantizes them)."""
-    vocab = dict(byte_tokenizer().get_vocab())
-    del vocab[EOS]
-    tokens = [*sorted(vocab, key=vocab.get), "ĠĠ", EOS]
+    tokens = gguf_tokens()
     config = {**FAMILIES["llama"], **WIDE, "vocab_size": len(tokens)}
     model = tiny_model("llama", seed=0, config=config)
-    args = model.args
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(args.num_hidden_layers)
-    writer.add_context_length(4096)
-    writer.add_embedding_length(args.hidden_size)
-    writer.add_feed_forward_length(args.intermediate_size)
-    writer.add_head_count(args.num_attention_heads)
-    writer.add_head_count_kv(args.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(args.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([TOKEN_TYPE_CONTROL if t == EOS else 1 for t in tokens])
-    writer.add_token_merges(["Ġ Ġ"])
-    writer.add_eos_token_id(len(tokens) - 1)
+    writer = tiny_llama_writer(path, model, tokens)
     rng = np.random.default_rng(0)
     names, reference = _gguf_names(), {}
     quant = GGMLQuantizationType[kind]

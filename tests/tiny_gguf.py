@@ -25,15 +25,17 @@ def _gguf_names() -> dict[str, str]:
     return names
 
 
-def write_tiny_gguf(path: Path, qtype: str, seed: int = 0) -> Path:
-    """tests' tiny llama (3 layers, width 64) as a GGUF file, its matrices in `qtype`.
-
-    llama.cpp requires BPE merges, and each must make a token of the vocabulary: the
+def gguf_tokens() -> list[str]:
+    """llama.cpp requires BPE merges, and each must make a token of the vocabulary: the
     byte tokenizer's 256 bytes get one merge ("ĠĠ", two spaces), then the end token."""
     vocab = dict(byte_tokenizer().get_vocab())
     del vocab[EOS]
-    tokens = [*sorted(vocab, key=vocab.get), "ĠĠ", EOS]
-    model = tiny_model("llama", seed=seed, config={**FAMILIES["llama"], "vocab_size": len(tokens)})
+    return [*sorted(vocab, key=vocab.get), "ĠĠ", EOS]
+
+
+def tiny_llama_writer(path: Path, model, tokens: list[str]) -> GGUFWriter:
+    """A GGUF writer with `model`'s hyper-parameters and the byte tokenizer's metadata; the
+    tensors are the caller's to add."""
     args = model.args
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(args.num_hidden_layers)
@@ -49,6 +51,14 @@ def write_tiny_gguf(path: Path, qtype: str, seed: int = 0) -> Path:
     writer.add_token_types([TOKEN_TYPE_CONTROL if t == EOS else 1 for t in tokens])
     writer.add_token_merges(["Ġ Ġ"])
     writer.add_eos_token_id(len(tokens) - 1)
+    return writer
+
+
+def write_tiny_gguf(path: Path, qtype: str, seed: int = 0) -> Path:
+    """tests' tiny llama (3 layers, width 64) as a GGUF file, its matrices in `qtype`."""
+    tokens = gguf_tokens()
+    model = tiny_model("llama", seed=seed, config={**FAMILIES["llama"], "vocab_size": len(tokens)})
+    writer = tiny_llama_writer(path, model, tokens)
     kind = GGMLQuantizationType[qtype]
     names = _gguf_names()
     for name, value in tree_flatten(model.parameters()):
