@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
+from serving import start_serve
 
 PROMPTS = [
     "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog.",
@@ -153,12 +151,6 @@ def reference_kind(kind: str) -> str:
     return kind.removesuffix("-stream")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def resident_mb(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -180,17 +172,8 @@ def main() -> None:
     args = parser.parse_args()
     serve, pid, url = None, None, args.url
     if url is None:
-        port = free_port()
-        command = [sys.executable, "-m", "mlxspec", "serve", "--port", str(port)]
-        serve = subprocess.Popen([*command, *args.serve_args.split()])
-        pid, url = serve.pid, f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).json().get("model"):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        serve, url = start_serve(args.serve_args)
+        pid = serve.pid
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     mix = [(kind, path, {**body, "model": model}) for kind, path, body in requests_mix()]
     try:

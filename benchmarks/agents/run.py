@@ -39,6 +39,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/serving.py
+from serving import free_port, start_serve  # noqa: E402
+
 PONG = "Reply with the single word: pong"
 TOOL_TURN = "Run the shell command `echo pong` with your shell tool and tell me what it printed."
 NPM = {
@@ -53,12 +56,6 @@ MODEL = "smollm2-135m"
 
 
 # --- The two proxies --------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # opencode installs its provider SDK (@ai-sdk/openai-compatible) from npm on first use and
@@ -482,29 +479,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.install:
         install(args.scratch)
-    serve = None
-    url = args.url
+    serve, url = None, args.url
     if url is None:
-        port = free_port()
-        serve = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mlxspec",
-                "serve",
-                "--port",
-                str(port),
-                *args.serve_args.split(),
-            ]
-        )
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).json().get("model"):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        serve, url = start_serve(args.serve_args)
     refuser = Refuser()
     threading.Thread(target=refuser.serve_forever, daemon=True).start()
     recorder = Recorder(url)
