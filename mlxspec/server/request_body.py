@@ -47,9 +47,8 @@ class Lenient(BaseModel):
     @classmethod
     def _log_ignored(cls, data: Any) -> Any:
         if isinstance(data, dict) and log.isEnabledFor(logging.DEBUG):
-            known = {name for name, info in cls.model_fields.items()} | {
-                info.alias for info in cls.model_fields.values() if info.alias
-            }
+            aliases = {info.alias for info in cls.model_fields.values() if info.alias}
+            known = set(cls.model_fields) | aliases
             ignored = sorted(key for key in data if key not in known)
             if ignored:
                 log.debug("%s: ignored fields %s", cls.__name__, ", ".join(ignored))

@@ -254,9 +254,6 @@ def generation_request(body: ResponsesRequest, max_tokens_limit: int) -> Generat
         stop=body.stop,
         stream=body.stream,
         mlxspec=body.mlxspec,
-        n=1,
-        presence_context_size=20,
-        frequency_context_size=20,
     )
 
 
