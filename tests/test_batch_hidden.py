@@ -53,7 +53,8 @@ def test_batch_caches_keep_each_row_the_hidden_states_of_the_tokens_it_kept(fami
     it kept, in its own capture's columns (qwen3_next: also where rows that refused a
     draft were replayed from their copied recurrent state); a kept prefix is never
     reused for a row that captures (the pool keeps no hidden states), and still is for
-    one that does not (attention-only models: a recurrent state has no prefix to cut)."""
+    one that does not: the left row's whole sequence, or with recurrent layers (whose
+    state has no prefix to cut) the checkpoint its prefill left at its prompt's end."""
     model = tiny_model("llama", seed=3) if family == "llama" else hybrid_target(family)
     caches = BatchCaches(model, prefix_capacity=2)
     prompts = [repeating_prompt(1), repeating_prompt(2)[:19], repeating_prompt(3)[:9]]
@@ -90,7 +91,8 @@ def test_batch_caches_keep_each_row_the_hidden_states_of_the_tokens_it_kept(fami
     caches.advance([10], len(follow_up))
     caches.join([10])
     assert mx.allclose(caches.hidden[-1], fed_hidden(model, follow_up, ()), atol=1e-4).item()
-    assert caches.start(11, follow_up, None) == len(sequences[0])  # the pool still serves
+    checkpoint = len(follow_up) if caches.target.recurrent else len(sequences[0])
+    assert caches.start(11, follow_up, None) == checkpoint  # the pool still serves
 
 
 class SpyHead(HeadProposer):

@@ -88,10 +88,16 @@ def test_rows_joining_and_leaving_around_launched_passes_stay_plain_greedy(monke
         else:
             assert got == reference, request_id
     assert not scheduler.busy and scheduler.target.rows == 0
-    # Every row that left was kept whole (its cache held its tokens alone); one that left
-    # with a pass launched (ended by its stop string) hands on its tokens, which the next
-    # request reuses as if no pass had been launched.
-    assert len(scheduler.prefixes.kept) == len(asked) + 1  # the cancelled row too
+    # Every row that left was kept whole (its cache held its tokens alone: an entry, or a
+    # prefix of a longer one that superseded it); one that left with a pass launched
+    # (ended by its stop string) hands on its tokens, which the next request reuses as if
+    # no pass had been launched.
+    kept = [k.tokens for k in scheduler.prefixes.kept]
+    for request_id, (prompt, _) in asked.items():
+        held = [*prompt, *done[request_id].token_ids][:-1]
+        assert any(k[: len(held)] == held for k in kept), request_id
+    cut = list(PROMPTS[3])  # the cancelled row too, with what it had generated
+    assert any(k[: len(cut)] == cut and len(k) >= len(cut) + 5 for k in kept)
     (stopped,) = [i for i, d in done.items() if d.record.finish_reason == "stop"]
     follow_up = [*asked[stopped][0], *done[stopped].token_ids, *b" And then"]
     again = scheduler.submit(follow_up, plain(12))

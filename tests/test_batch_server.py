@@ -413,7 +413,7 @@ def test_clients_that_leave_at_any_point_leave_nothing_behind_in_the_batch():
         scheduler = worker._scheduler
         assert worker._jobs == {} and worker._rows() == 0 and worker.waiting == 0
         assert not scheduler.active and not scheduler.joining and not scheduler.waiting
-        kept = scheduler.prefixes.tokens * scheduler.kv_per_token
+        kept = sum(layer.nbytes for k in scheduler.prefixes.kept for layer in k.cache)
         assert scheduler.kv_reserved() == kept  # what the kept prefixes hold, nothing more
         assert len(scheduler.prefixes.kept) <= scheduler.prefixes.capacity
         again = ask(url, PROMPTS[0], max_tokens=24).choices[0].message.content

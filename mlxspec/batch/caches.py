@@ -1,5 +1,5 @@
 """Every KV cache of a batch behind one short list of calls: its rows (`BatchTarget`),
-the prompts still prefilling, and the finished rows kept for reuse (`PrefixPool`).
+the prompts still prefilling, and the finished rows kept for reuse (`PromptCache`).
 
 The scheduler decides; this object does all the cache work those decisions cause, and
 nothing else touches a cache. So each call is a plain instruction with JSON-able
@@ -18,8 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxspec.batch.prefix import PrefixPool
 from mlxspec.batch.target import BatchTarget, Prefill, feed_together
+from mlxspec.models.prompt_cache import CHECKPOINT_EVERY, PromptCache, copy_cache, form_of
 from mlxspec.models.target import LaunchedPass
 from mlxspec.models.tree import DraftTree
 
@@ -31,10 +31,13 @@ class BatchCaches:
     # Rows of several requests share each pass (see `SingleCaches` for a request alone).
     solo = False
 
-    def __init__(self, model: nn.Module, prefix_capacity: int):
+    def __init__(self, model: nn.Module, prefix_capacity: int, pool: PromptCache | None = None):
+        """`pool`: where finished rows' caches and prompts' checkpoints are kept (the
+        engine's, shared with its requests alone); None: a pool of this batch's own, of
+        `prefix_capacity` entries (a sharded batch's ranks each keep the same one)."""
         self.target = BatchTarget(model)
-        # A recurrent state holds its whole sequence: no prefix of it can be reused.
-        self.prefixes = PrefixPool(prefix_capacity if self.target.reuses_prefixes else 0)
+        self.prefixes = pool if pool is not None else PromptCache(prefix_capacity)
+        self.form = form_of(self.target.prompt_cache())  # the entries its rows can take
         self.prefills: dict[int, Prefill] = {}  # joining requests' own caches, by request id
         self.row_ids: list[int] = []  # the request of each row, in the target's order
         # Per row, in the target's order: the layers its proposer reads (None: nothing)
@@ -102,7 +105,8 @@ class BatchCaches:
                 raise ValueError(reason)
             prefill = Prefill(self.target.model, tokens, None, capture, self.target.decoder)
         else:
-            prefill = Prefill(self.target.model, tokens, self.prefixes.take(tokens))
+            start = self.prefixes.take(tokens, self.form)
+            prefill = Prefill(self.target.model, tokens, start)
         self.prefills[request_id] = prefill
         return prefill.reused
 
@@ -118,7 +122,20 @@ class BatchCaches:
         for request_id in request_ids:
             if request_id not in together:
                 self.prefills[request_id].advance(chunk)
+        if self.target.recurrent:
+            for request_id in request_ids:
+                self._checkpoint(self.prefills[request_id], chunk)
         return [i for i in request_ids if self.prefills[i].done]
+
+    def _checkpoint(self, prefill: Prefill, chunk: int) -> None:
+        """A recurrent state serves a later prompt only from where it was kept: at the
+        prompt's end (the cache itself: the merge at `join` copies it) and every
+        CHECKPOINT_EVERY tokens of a long prompt (a copy: it is fed on)."""
+        held = prefill.held
+        if prefill.done:
+            self.prefixes.add(held, prefill.cache)
+        elif len(held) // CHECKPOINT_EVERY > (len(held) - chunk) // CHECKPOINT_EVERY:
+            self.prefixes.add(held, copy_cache(prefill.cache))
 
     def unfed(self, request_id: int) -> int:
         """Prompt tokens a joining request has yet to feed."""
@@ -142,7 +159,7 @@ class BatchCaches:
 
     def leave(self, keep_rows: list[int], kept: list[tuple[int, list[int]]]) -> None:
         """Keep only `keep_rows`; first, each (row, tokens) of `kept` (leaving rows whose
-        cache holds exactly `tokens`) goes to the prefix pool, unless its window layers
+        cache holds exactly `tokens`) goes to the prompt cache, unless its window layers
         no longer hold its oldest tokens."""
         self.launched.drop(self.target.cache)
         for row, tokens in kept:
@@ -154,9 +171,9 @@ class BatchCaches:
         self.hidden = [self.hidden[i] for i in keep_rows]
         self.target.settle()  # the filter too, out of the next verify's time (as `join`)
 
-    def evict(self, tokens: int) -> None:
-        """Let the least recently kept prefixes go until they hold at most `tokens`."""
-        self.prefixes.evict_to(tokens)
+    def evict(self, nbytes: int) -> None:
+        """Let the least recently kept prefixes go until they hold at most `nbytes`."""
+        self.prefixes.evict_to(nbytes)
 
     @property
     def can_launch(self) -> bool:

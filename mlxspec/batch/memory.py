@@ -22,6 +22,9 @@ import mlx.core as mx
 # rest is the system's and the activations'.
 DEFAULT_SHARE = 0.75
 GB = 1 << 30
+# Of the device's memory, the share earlier prompts' caches may keep by default (serve
+# --prompt-cache-bytes): a 20k-token conversation of an 8B model's KV is about 3 GB.
+PROMPT_CACHE_SHARE = 0.125
 
 
 def device_memory() -> int | None:
@@ -51,3 +54,13 @@ def kv_budget(gigabytes: float | None) -> int | None:
     if gigabytes is None:
         return default_kv_budget()
     return int(gigabytes * GB) if gigabytes > 0 else None
+
+
+def prompt_cache_bytes(given: int | None) -> int | None:
+    """The bytes the prompt cache may keep: `given` (0: nothing kept), else
+    PROMPT_CACHE_SHARE of the device's memory (None where it is not known: no bound
+    but the pool's entry count)."""
+    if given is not None:
+        return max(0, given)
+    total = device_memory()
+    return None if total is None else int(total * PROMPT_CACHE_SHARE)

@@ -96,8 +96,9 @@ class Scheduler:
             raise ValueError(f"row_floor must be in 0..1, got {row_floor}")
         self.engine, self.max_batch, self.row_floor = engine, max_batch, row_floor
         self.prefill_chunk = PREFILL_CHUNK  # prompt tokens a joining request feeds per round
-        # Finished rows' caches are kept for the next prompts (one per slot).
-        self.caches = caches or BatchCaches(engine.target.model, prefix_capacity=max_batch)
+        # Finished rows' caches are kept for the next prompts, in the engine's pool.
+        pool = getattr(engine, "prompt_cache", None)  # shared with its requests alone
+        self.caches = caches or BatchCaches(engine.target.model, max_batch, pool)
         self.target, self.prefixes = self.caches.target, self.caches.prefixes
         # The pass is one request's alone: it keeps the engine's proposer and policy,
         # its own k stands (no width to share) and each round is priced for its record.
@@ -225,8 +226,8 @@ class Scheduler:
 
     def kv_reserved(self, joining: Slot | None = None) -> float:
         """Bytes of KV the batch may come to hold (with `joining` admitted too): its rows'
-        (`_rows_kv`) and the kept prefixes' (0 until a row told the bytes of a token)."""
-        return self._rows_kv(joining) + self.prefixes.tokens * self.kv_per_token
+        (`_rows_kv`) and the kept prefixes'."""
+        return self._rows_kv(joining) + self.prefixes.nbytes
 
     def _rows_kv(self, joining: Slot | None = None) -> float:
         """Rows x the longest row's context in each layer (a window layer: at most the
@@ -248,8 +249,8 @@ class Scheduler:
         rows = self._rows_kv(slot)
         if rows > self.kv_budget:
             return False
-        room = int((self.kv_budget - rows) / self.kv_per_token)
-        if self.prefixes.tokens > room:
+        room = int(self.kv_budget - rows)
+        if self.prefixes.nbytes > room:
             self.caches.evict(room)
         return True
 

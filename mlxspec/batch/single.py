@@ -7,15 +7,16 @@ here: verify draft trees (`verify_tree`/`keep_tree`), capture the hidden states
 drafter heads read (`hidden`), let self-speculation run the target's own layers and
 cache (`target`), and roll back any cache the `Target` can (snapshot families, rotating
 windows). Prompt reuse is the `Target`'s own: it keeps its cache when a request ends,
-and the next request's `start` keeps the common prefix (a chat's next turn), so there
-is no prefix pool to fill.
+and the next request's `start` keeps the common prefix (a chat's next turn) or takes a
+longer one from the engine's pool (`Target.take_kept`), so the scheduler has nothing to
+keep at a leave.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxspec.batch.prefix import PrefixPool
+from mlxspec.models.prompt_cache import PromptCache
 from mlxspec.models.target import Target
 from mlxspec.models.tree import DraftTree
 
@@ -31,7 +32,9 @@ class SingleCaches:
         self.target = target
         # The hidden states the request's proposer reads (`hidden_capture`), from `start`.
         self.capture: tuple[int, ...] | None = None
-        self.prefixes = PrefixPool(0)  # nothing to keep: the Target's cache stays as it is
+        # Nothing for the scheduler to keep at a leave: the Target's cache stays as it is,
+        # and goes to the engine's pool when a later prompt does not extend it.
+        self.prefixes = PromptCache(0)
         # Hidden states (m, F) of the tokens the cache took in since the last round.
         self.hidden: mx.array | None = None
         self._rows = 0  # 1 once the request joined, 0 when it left
@@ -76,6 +79,10 @@ class SingleCaches:
         """The request left: a pass launched for a round it will not run is taken back,
         so the cache holds its tokens but the pending one, for the next request."""
         self.target.drop_launched()
+        # Evaluated now: a replay after the last keep is still lazy, and the next request
+        # may take this cache (or the pool its copy) on another thread, where mlx cannot
+        # evaluate what this one's stream scheduled.
+        mx.eval([c.state for c in self.target.cache])
         self._rows = len(keep_rows)
 
     @property

@@ -177,6 +177,7 @@ class Prefill:
         through `decoder` as `Target.fill` does; None: the cache alone."""
         cache, reused = start if start and start[0] is not None else (None, 0)
         self.model, self.todo, self.reused = model, list(tokens[reused:]), reused
+        self.tokens = list(tokens)
         self.fed = 0  # prompt tokens fed so far (beside the `reused` ones)
         self.cache = cache if cache is not None else batch_prompt_cache(model)
         self.capture, self.decoder = capture, decoder
@@ -185,6 +186,11 @@ class Prefill:
     @property
     def done(self) -> bool:
         return not self.todo
+
+    @property
+    def held(self) -> list[int]:
+        """The prompt tokens its cache holds so far."""
+        return self.tokens[: len(self.tokens) - len(self.todo)]
 
     @property
     def fresh(self) -> bool:
@@ -270,10 +276,9 @@ class BatchTarget:
             self._decoder = split_decoder(self.model)
         return self._decoder
 
-    @property
-    def reuses_prefixes(self) -> bool:
-        """A recurrent state holds its whole sequence: no prefix of it can be cut out."""
-        return not self.recurrent
+    def prompt_cache(self) -> list:
+        """The caches a row is prefilled in (`batch_prompt_cache`)."""
+        return batch_prompt_cache(self.model)
 
     @property
     def _kv(self) -> BatchKVCache:

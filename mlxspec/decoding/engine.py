@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from mlxspec import device
+from mlxspec.batch.memory import prompt_cache_bytes
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
 from mlxspec.decoding.policy import Policy
@@ -36,6 +37,7 @@ from mlxspec.decoding.weights_choice import WeightsChoice, weights_record
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
 from mlxspec.markup.chat_template import encode_chat
 from mlxspec.markup.conversation import Conversation
+from mlxspec.models.prompt_cache import PromptCache
 from mlxspec.models.target import Target
 from mlxspec.models.tree import DraftTree, best_size, chain, keep_best
 from mlxspec.proposers.base import ProposalContext, Proposer
@@ -57,9 +59,16 @@ class Engine:
         notify: Callable[[str], None] = lambda _: None,
         history: HistoryStore | None = None,
         weights: WeightsChoice | None = None,
+        prompt_cache: PromptCache | None = None,
     ):
+        """`prompt_cache`: where earlier prompts' caches are kept, for this engine's
+        requests alone and its batch's rows alike (default: one bounded by a share of
+        the device's memory, `batch.memory.prompt_cache_bytes`)."""
         self.name, self.tokenizer = name, tokenizer
-        self.target = Target(model)
+        if prompt_cache is None:
+            prompt_cache = PromptCache(max_bytes=prompt_cache_bytes(None))
+        self.prompt_cache = prompt_cache
+        self.target = Target(model, prompt_cache)
         # The form the target's weights were loaded in, and what they are in memory:
         # for the run record, and the calibration key (a curve prices one form only).
         self.weights = weights_record(model, weights)
@@ -107,9 +116,17 @@ class Engine:
         """Forget cached prompts and what the policies learned (e.g. for a cold benchmark
         run); the machine's verify-cost calibration is kept."""
         self.target.reset()
+        self.prompt_cache.clear()
         for proposer in self.proposers.values():
             getattr(proposer, "reset", lambda: None)()
         self._policies.clear()
+
+    def save_prompts(self) -> None:
+        """Every kept prompt cache (the target's own too) to the pool's disk, if it has
+        one: called as the process ends, so that the next one starts warm."""
+        if self.prompt_cache.disk is not None:
+            self.target.put_away()
+            self.prompt_cache.flush()
 
     def add_proposer(self, proposer: Proposer) -> None:
         self.proposers[proposer.name] = proposer

@@ -47,6 +47,7 @@ from mlxspec.distributed.sharding import allreduces_per_forward, fingerprint, sh
 from mlxspec.distributed.watchdog import Watchdog
 from mlxspec.events import Done, Event, Step
 from mlxspec.markup.conversation import Conversation
+from mlxspec.models.prompt_cache import PromptCache
 from mlxspec.sampling import SamplingSettings
 from mlxspec.structured.grammar import Grammar
 
@@ -75,6 +76,10 @@ class AgreedPolicy(Policy):
         index = situations.index(situation) if situation in situations else 0
         index, k = self.collectives.broadcast_ints([index, k], "agreeing on the draft length")
         return situations[index], k
+
+
+# Prompt caches each rank keeps (by count: see `open_runtime`).
+RANK_PROMPT_CACHES = 8
 
 
 class RankEngine(Engine):
@@ -232,8 +237,15 @@ class RankSession:
         # No history store (suffix decoding drafts from the request only): each host keeps
         # its own history, and a proposer reading it would draft differently on each rank,
         # while every rank must verify the same tokens.
+        # Every rank must reuse the same prefixes: a pool bounded by its entries alone (a
+        # bound in bytes could let a rank whose shard is larger evict first), no disk.
         engine = RankEngine(
-            loaded.model, loaded.tokenizer, entry.name, notify=notify, weights=weights
+            loaded.model,
+            loaded.tokenizer,
+            entry.name,
+            notify=notify,
+            weights=weights,
+            prompt_cache=PromptCache(RANK_PROMPT_CACHES),
         )
         engine.collectives = self.collectives
         # Costs are measured by all ranks together (`verify_cost`); a batch's pass grid is

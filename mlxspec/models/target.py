@@ -25,6 +25,13 @@ from mlx_lm.models.cache import (
 
 from mlxspec.models import tree_attention
 from mlxspec.models.anatomy import Decoder, split_decoder
+from mlxspec.models.prompt_cache import (
+    CHECKPOINT_EVERY,
+    MIN_REUSE,
+    PromptCache,
+    copy_cache,
+    form_of,
+)
 from mlxspec.models.tree import DraftTree
 
 ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
@@ -169,10 +176,13 @@ class LaunchedPass:
 
 
 class Target:
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, pool: PromptCache | None = None):
+        """`pool`: where caches of earlier prompts are kept (the engine's, which its batch
+        shares); None: the one cache this target holds is all it reuses."""
+        self.model, self.pool = model, pool
         self.cache = make_prompt_cache(model)
         self.cached_tokens: list[int] = []
+        self.form = form_of(self.cache)  # the pool's entries this target can take
         self.snapshot_layers = [
             i for i, c in enumerate(self.cache) if not isinstance(c, ALWAYS_TRIMMABLE)
         ]
@@ -266,13 +276,16 @@ class Target:
     def fill(
         self, tokens: list[int], progress=None, capture: tuple[int, ...] | None = None
     ) -> tuple[int, mx.array | None]:
-        """Make the cache hold `tokens`, reusing what matches the previous request's.
+        """Make the cache hold `tokens`, reusing the longest prefix kept: this target's
+        own cache (the previous request's) or one of the pool's (`take_kept`).
 
         Returns how many tokens were reused and, unless `capture` is None, the hidden
         states (m, F) of the m tokens fed now (drafter heads read them: the last row
         predicted the pending token).
         """
+        self.take_kept(tokens)
         rows: list[mx.array] = []
+        checkpoints = self.pool is not None and bool(self.snapshot_layers)
 
         def feed(chunk: list[int]) -> mx.array | None:
             hidden = feed_cache(self, chunk, capture)
@@ -281,17 +294,57 @@ class Target:
             rows.append(hidden[0])
             return hidden[:, -1:]  # evaluated with the cache; nobody reads logits here
 
+        def fed(done: int, total: int) -> None:
+            # A cache that cannot be cut back serves a later prompt only from where a
+            # copy was taken: every CHECKPOINT_EVERY tokens and at the prompt's end.
+            held = len(self.cached_tokens)
+            if checkpoints and (done == total or held // CHECKPOINT_EVERY > self._marked):
+                self._marked = held // CHECKPOINT_EVERY
+                self.pool.add(self.cached_tokens, copy_cache(self.cache))
+            if progress:
+                progress(done, total)
+
         # Snapshot layers cannot be rewound past the last request: start over instead.
-        allow_trim = not self.snapshot_layers
+        self._marked = len(self.cached_tokens) // CHECKPOINT_EVERY
         reused, _ = catch_up(
             self,
             tokens,
-            allow_trim=allow_trim,
-            progress=progress,
+            allow_trim=not self.snapshot_layers,
+            progress=fed,
             feed=feed,
         )
         hidden = mx.concatenate(rows) if rows else None
         return reused, hidden
+
+    def put_away(self) -> None:
+        """The own cache to the pool (the process ends, or the pool's disk is written):
+        this target then holds nothing."""
+        if self.pool is not None and len(self.cached_tokens) >= MIN_REUSE:
+            self.launched.drop(self.cache)
+            self.pool.add(self.cached_tokens, self.cache)
+            self.reset()
+
+    def take_kept(self, tokens: list[int]) -> None:
+        """Before a prefill of `tokens`: where this target's own cache does not extend to
+        them (it would be cut back, or start over) or the pool holds a longer prefix, the
+        own cache goes to the pool (moved, not copied: the main conversation survives a
+        side request) and the pool's best prefix comes back as a copy."""
+        if self.pool is None:
+            return
+        held = self.cached_tokens
+        own = common_prefix_len(held, tokens)
+        if own < len(held) and self.snapshot_layers:
+            own = 0  # a recurrent state cannot be cut back to the common prefix
+        extends = own == len(held)
+        if extends and self.pool.reusable(tokens, self.form, least=1) <= own:
+            return
+        self.launched.drop(self.cache)
+        if len(held) >= MIN_REUSE and not (extends and not self.snapshot_layers):
+            self.pool.add(held, self.cache)  # (a prefix of a longer kept KV: no need)
+        # Any common prefix: the copy is of that much (a chat's edited turn, as before).
+        cache, reused = self.pool.take(tokens, self.form, least=1)
+        self.cache = cache if cache is not None else make_prompt_cache(self.model)
+        self.cached_tokens = list(tokens[:reused])
 
     def verify(
         self, tokens: list[int], capture: tuple[int, ...] | None = None
