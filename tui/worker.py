@@ -164,14 +164,22 @@ class EngineThread:
                 self.on_stop()
             except RuntimeError:
                 pass  # the other ranks are gone already; the app has heard (on_lost)
+        self._save_prompts()
         # MLX aborts the process at exit now and then unless a thread that ran it
         # destroys its own streams before it ends.
         self.runtime = None
         gc.collect()
         mx.clear_streams()
 
+    def _save_prompts(self) -> None:
+        """The model's prompt caches to disk (the next chat on it starts warm); a full
+        disk costs a warning in the log, never the chat."""
+        if self.runtime is not None:
+            self.runtime.engine.save_prompts()
+
     def _load(self, entry: ModelEntry) -> None:
         # One model at a time: let the old weights go before loading the new ones.
+        self._save_prompts()
         self.runtime = None
         gc.collect()
         mx.clear_cache()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 import mlxspec  # OpenBLAS before mlx.core
-from mlxspec.cli import bench, chat, generate, models, serve, train
+from mlxspec.cli import bench, cache, chat, generate, models, serve, train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,6 +30,7 @@ for command in (
     models.models,
     models.history,
     models.pull,
+    cache.cache,
     serve.serve,
     bench.bench,
     train.train_drafter,

@@ -16,6 +16,7 @@ from mlxspec.cli.options import (
     chat_template_args_option,
     model_option,
     penalty_options,
+    prompt_cache_options,
 )
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.errors import DistributedError
@@ -38,6 +39,7 @@ from mlxspec.registry.models_toml import load_registry
 @TREE_OPTION
 @NO_HISTORY_OPTION
 @WEIGHTS_OPTION
+@prompt_cache_options
 @penalty_options
 @distributed_options
 @fail_cleanly
@@ -103,6 +105,7 @@ def chat(
             sys.stderr.isatty() if color is None else color,
         )
         run_plain(runtime, proposer, sys.stdin, colours, sys.stdin.isatty(), stream)
+        runtime.engine.save_prompts()  # the next chat on this model starts warm
         if rank is not None:
             rank.end_following()
         return

@@ -18,6 +18,7 @@ from mlxspec.cli.options import (
     chat_template_args_option,
     grammar_options,
     model_option,
+    prompt_cache_options,
     sampling_options,
 )
 from mlxspec.console import say, warn_if_slow_blas
@@ -54,6 +55,7 @@ from tui.echo import COLOURS, AnswerEcho
 )
 @NO_HISTORY_OPTION
 @WEIGHTS_OPTION
+@prompt_cache_options
 @distributed_options
 @fail_cleanly
 def generate(
@@ -167,6 +169,8 @@ def generate(
                 echo.show(written.pieces)
     if rank and not rank.front:
         return  # rank 0 owns stdout
+    if not rank:
+        runtime.engine.save_prompts()  # a later run on the same prompt starts warm
     done, answer = finished.answered.done, finished.answered.answer
     if as_json:
         calls = [

@@ -177,3 +177,56 @@ def answer_constraint(json_schema: Grammar | None, regex: Grammar | None):
         raise click.ClickException("--json-schema and --regex cannot be used together")
     grammar = json_schema or regex
     return None if grammar is None else AnswerConstraint(grammar=grammar)
+
+
+def _plan_memory(ctx: click.Context, param: click.Parameter, text: str | None) -> None:
+    from mlxspec.registry.prompt_store import PLAN, parse_size
+
+    if text is not None:
+        try:
+            PLAN.memory_bytes = parse_size(text)
+        except ValueError as err:
+            raise click.BadParameter(str(err)) from None
+
+
+def _plan_folder(ctx: click.Context, param: click.Parameter, folder: str | None) -> None:
+    from mlxspec.registry.prompt_store import PLAN
+
+    if folder is not None:
+        PLAN.folder = folder
+
+
+def _plan_no_folder(ctx: click.Context, param: click.Parameter, off: bool) -> None:
+    from mlxspec.registry.prompt_store import PLAN
+
+    if off:
+        PLAN.folder = None
+
+
+# Earlier prompts' caches, kept for the next request that starts the same way
+# (mlxspec/registry/prompt_store.py, docs/serving.md): the options only set the process's plan.
+prompt_cache_options = bundle(
+    click.option(
+        "--prompt-cache-bytes",
+        callback=_plan_memory,
+        expose_value=False,
+        metavar="SIZE",
+        help="Memory earlier prompts' caches may keep, e.g. 4GB (0: none; default: an "
+        "eighth of the device's memory; a batch's rows take room from it first).",
+    ),
+    click.option(
+        "--prompt-cache-dir",
+        callback=_plan_folder,
+        expose_value=False,
+        type=click.Path(file_okay=False),
+        help="Where prompt caches outlive the process (default: the cache dir's "
+        "prompt-cache/, env MLXSPEC_PROMPT_CACHE_DIR; `mlxspec cache` lists and clears it).",
+    ),
+    click.option(
+        "--no-prompt-cache-dir",
+        is_flag=True,
+        callback=_plan_no_folder,
+        expose_value=False,
+        help="Keep prompt caches in memory only.",
+    ),
+)

@@ -12,6 +12,7 @@ from mlxspec.cli.options import (
     chat_template_args_option,
     model_option,
     penalty_options,
+    prompt_cache_options,
 )
 from mlxspec.console import say, warn_if_slow_blas
 from mlxspec.distributed.options import distributed_options
@@ -92,6 +93,7 @@ ROW_FLOOR_OPTION = click.option(
 )
 @TREE_OPTION
 @WEIGHTS_OPTION
+@prompt_cache_options
 @penalty_options
 @distributed_options
 @fail_cleanly

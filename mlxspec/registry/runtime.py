@@ -44,6 +44,7 @@ from mlxspec.proposers.head import HeadProposer
 from mlxspec.proposers.medusa import MedusaProposer
 from mlxspec.proposers.suffix import SuffixProposer
 from mlxspec.registry.models_toml import ModelEntry, ProposerConfig
+from mlxspec.registry.prompt_store import prompt_cache_for
 from mlxspec.suffix.seed import seed_index
 from mlxspec.suffix.store import HistoryStore, history_store
 
@@ -91,6 +92,7 @@ class Runtime:
             notify=notify,
             history=history_store(entry.name),
             weights=self.weights,
+            prompt_cache=prompt_cache_for(entry.name, entry.target, held_weights(loaded.model)),
         )
 
     def proposer(self, name: str | None) -> str:

@@ -280,9 +280,19 @@ class Worker:
             except ApiError as err:
                 log.error("%s", err.message)
 
+    def _save_prompts(self) -> None:
+        """The resident model's prompt caches to disk, so that a restart starts warm; a
+        full or read-only disk costs a warning, never a request."""
+        if self._model is not None:
+            try:
+                self._model.engine.save_prompts()
+            except Exception:
+                log.exception("could not save the prompt caches")
+
     def _release_streams(self) -> None:
         # MLX 0.32 can abort the process at exit when a thread that ran generations
         # ends with its streams alive (seen in the chat app); release them here.
+        self._save_prompts()
         self._model = None
         gc.collect()
         mx.clear_streams()
@@ -326,6 +336,7 @@ class Worker:
         if self.resident == name:
             return self._model
         # One model at a time: let the old weights go before loading the new ones.
+        self._save_prompts()
         self._model, self.resident = None, None
         gc.collect()
         mx.clear_cache()
