@@ -13,6 +13,7 @@ pytest_plugins = ["side_by_side"]  # two pytest-xdist workers, `alone` tests one
 
 DOWNLOADS = ("models", "mtp")  # what the cache dir holds besides calibrations: fetched files
 SUITE_CACHE = pytest.StashKey[str | None]()  # MLXSPEC_CACHE as it was before the session
+SUITE_PROMPT_DIR = pytest.StashKey[str | None]()  # and MLXSPEC_PROMPT_CACHE_DIR
 
 
 def pytest_configure(config):
@@ -32,16 +33,25 @@ def pytest_configure(config):
             (suite / kept).symlink_to(user / kept)
     config.stash[SUITE_CACHE] = os.environ.get("MLXSPEC_CACHE")
     os.environ["MLXSPEC_CACHE"] = str(suite)
+    # Prompt caches stay in memory: on disk (the suite's cache persists across runs) a
+    # test's reused tokens would depend on what ran before it. The tests of the disk tier
+    # name their own folders.
+    config.stash[SUITE_PROMPT_DIR] = os.environ.get("MLXSPEC_PROMPT_CACHE_DIR")
+    os.environ["MLXSPEC_PROMPT_CACHE_DIR"] = "off"
 
 
 def pytest_unconfigure(config):
     if SUITE_CACHE not in config.stash:
         return
-    before = config.stash[SUITE_CACHE]
-    if before is None:
-        os.environ.pop("MLXSPEC_CACHE", None)
-    else:
-        os.environ["MLXSPEC_CACHE"] = before
+    for name, key in (
+        ("MLXSPEC_CACHE", SUITE_CACHE),
+        ("MLXSPEC_PROMPT_CACHE_DIR", SUITE_PROMPT_DIR),
+    ):
+        before = config.stash.get(key, None)
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 # --- Models ------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ answer stays plain greedy's, token for token."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 
@@ -288,3 +289,36 @@ def test_a_kept_entry_is_a_copy_later_writes_cannot_reach():
     for kept, copies in before.values():
         for now, then in zip(arrays(kept), copies):
             assert mx.array_equal(now, then).item()
+
+
+def test_generate_run_twice_starts_warm_and_the_cache_command_lists_and_clears(tmp_path):
+    """`generate` writes its prompt's cache as it ends; the next run on the same prompt
+    starts from it (same answer); `mlxspec cache` lists the folder's files and clears
+    them; --no-prompt-cache-dir writes nothing."""
+    from click.testing import CliRunner
+    from test_loading import save_tiny_llama
+
+    from mlxspec.cli import main
+
+    folder = tmp_path / "tiny"
+    save_tiny_llama(folder)
+    cache = tmp_path / "prompts"
+    prompt = " ".join(f"word{i % 37}" for i in range(120))  # ~600 byte tokens
+    args = ["generate", prompt, "-m", str(folder), "-n", "8", "-p", "none", "--raw", "--json"]
+    runs = []
+    for _ in range(2):
+        result = CliRunner().invoke(main, [*args, "--prompt-cache-dir", str(cache)])
+        assert result.exit_code == 0, result.output
+        runs.append(json.loads(result.stdout.splitlines()[-1]))
+    assert runs[0]["record"]["reused_prompt_tokens"] == 0
+    assert runs[1]["record"]["reused_prompt_tokens"] >= 500
+    assert runs[1]["token_ids"] == runs[0]["token_ids"]
+    env = {"MLXSPEC_PROMPT_CACHE_DIR": str(cache)}
+    listed = CliRunner().invoke(main, ["cache", "list", "--json"], env=env)
+    (model,) = json.loads(listed.stdout)["models"]
+    assert model["files"] >= 1 and model["longest_prompt_tokens"] >= 500
+    assert str(folder) in model["model"]
+    cleared = CliRunner().invoke(main, ["cache", "clear", "--yes"], env=env)
+    assert cleared.exit_code == 0 and not list(cache.rglob("*.safetensors"))
+    off = CliRunner().invoke(main, [*args, "--no-prompt-cache-dir"], env=env)
+    assert off.exit_code == 0 and not list(cache.rglob("*.safetensors"))

@@ -22,6 +22,9 @@ def main() -> None:
     Example:
       mlxspec generate "Repeat after me: the quick brown fox"
     """
+    from mlxspec.registry.prompt_store import reset_plan
+
+    reset_plan()  # before the command's own options set it
 
 
 for command in (

@@ -33,7 +33,17 @@ class PromptCachePlan:
     disk_bytes: int = DISK_BYTES
 
 
-PLAN = PromptCachePlan()  # set once by the command's options
+PLAN = PromptCachePlan()  # set by the command's options (`reset_plan` before each command)
+
+
+def reset_plan() -> None:
+    """The defaults again (a command run in-process after another starts from them)."""
+    fresh = PromptCachePlan()
+    PLAN.memory_bytes, PLAN.folder, PLAN.disk_bytes = (
+        fresh.memory_bytes,
+        fresh.folder,
+        fresh.disk_bytes,
+    )
 
 
 def prompt_folder(plan: PromptCachePlan | None = None) -> Path | None:
