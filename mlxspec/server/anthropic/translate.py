@@ -329,7 +329,15 @@ def stop_reason(record: RunRecord, called_tools: bool) -> str:
 
 
 def usage(record: RunRecord) -> dict:
-    return {"input_tokens": record.prompt_tokens, "output_tokens": record.completion_tokens}
+    """Anthropic's split: `input_tokens` are those prefilled now, and the prompt cache's
+    share is `cache_read_input_tokens` (their sum is the prompt, as clients add them)."""
+    reused = record.reused_prompt_tokens
+    return {
+        "input_tokens": record.prompt_tokens - reused,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": reused,
+        "output_tokens": record.completion_tokens,
+    }
 
 
 def message(message_id: str, model: str, answer: ParsedAnswer, record: RunRecord) -> dict:

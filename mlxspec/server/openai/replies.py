@@ -44,6 +44,8 @@ def usage(record: RunRecord) -> dict:
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
         "total_tokens": record.prompt_tokens + record.completion_tokens,
+        # OpenAI's own field: the prompt tokens a kept cache already held (prompt cache)
+        "prompt_tokens_details": {"cached_tokens": record.reused_prompt_tokens},
         "completion_tokens_details": {"reasoning_tokens": record.reasoning_tokens},
     }
 
