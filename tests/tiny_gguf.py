@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 from tiny_models import EOS, FAMILIES, byte_tokenizer, tiny_model
 
 from mlxspec.models.gguf import BLOCK_TENSORS, TOKEN_TYPE_CONTROL, TOP_TENSORS
@@ -129,6 +130,20 @@ def tiny_source(arch: str, seed: int = 0):
     model = tiny_model(family, seed=seed, config={**config, "vocab_size": len(gguf_tokens())})
     if family == "gemma3_text":
         model.sanitize({})  # no lm_head: the embeddings are the head, as in Gemma 3's checkpoints
+    # A fresh model's norms are all alike (ones, or Gemma's zeros): made different, a norm
+    # loaded into another's place changes the logits.
+    rng = np.random.default_rng(seed)
+    model.update(
+        tree_map_with_path(
+            lambda path, value: (
+                value + mx.array(rng.normal(0, 0.3, value.shape).astype(np.float32))
+                if path.endswith("norm.weight")
+                else value
+            ),
+            model.parameters(),
+        )
+    )
+    mx.eval(model.parameters())
     return model
 
 
