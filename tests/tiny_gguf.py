@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 from tiny_models import EOS, FAMILIES, byte_tokenizer, tiny_model
 
 from mlxspec.models.gguf import BLOCK_TENSORS, TOKEN_TYPE_CONTROL, TOP_TENSORS
@@ -67,6 +68,144 @@ def write_tiny_gguf(path: Path, qtype: str, seed: int = 0) -> Path:
             writer.add_tensor(names[name], quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(names[name], data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# --- Other architectures, written as llama.cpp's convert_hf_to_gguf.py writes them -------------
+
+# The tiny source model of each GGUF architecture (mlx-lm family, config). Gemma 3's sliding
+# pattern is llama.cpp's fixed 6 (no key in the file), so it gets 6 layers: one global.
+ARCH_SOURCES = {
+    "llama": ("llama", FAMILIES["llama"]),
+    "mistral3": ("llama", FAMILIES["llama"]),
+    "qwen2": (
+        "qwen2",
+        dict(
+            FAMILIES["llama"],
+            model_type="qwen2",
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,  # Qwen2.5's small models: no output.weight in the file
+        ),
+    ),
+    "qwen3": ("qwen3", FAMILIES["qwen3"]),
+    "gemma3": (
+        "gemma3_text",
+        dict(FAMILIES["gemma3_text"], num_hidden_layers=6, sliding_window_pattern=6),
+    ),
+    "phi3": (
+        "phi3",
+        dict(
+            FAMILIES["llama"],
+            model_type="phi3",
+            max_position_embeddings=4096,
+            original_max_position_embeddings=4096,
+        ),
+    ),
+}
+PERMUTED = {"llama", "mistral3"}  # LlamaModel subclasses in llama.cpp's converter
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute (conversion/llama.py), copied: each head's two halves
+    interleaved, so that rope rotates adjacent pairs."""
+    if n_head != n_head_kv:
+        n_head = n_head_kv
+    shape = weights.shape
+    return (
+        weights.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:])
+        .swapaxes(1, 2)
+        .reshape(shape)
+    )
+
+
+def tiny_source(arch: str, seed: int = 0):
+    """The mlx-lm model a tiny `arch` GGUF is written from (Gemma 3 tied, as Google ships it)."""
+    family, config = ARCH_SOURCES[arch]
+    model = tiny_model(family, seed=seed, config={**config, "vocab_size": len(gguf_tokens())})
+    if family == "gemma3_text":
+        model.sanitize({})  # no lm_head: the embeddings are the head, as in Gemma 3's checkpoints
+    # A fresh model's norms are all alike (ones, or Gemma's zeros): made different, a norm
+    # loaded into another's place changes the logits.
+    rng = np.random.default_rng(seed)
+    model.update(
+        tree_map_with_path(
+            lambda path, value: (
+                value + mx.array(rng.normal(0, 0.3, value.shape).astype(np.float32))
+                if path.endswith("norm.weight")
+                else value
+            ),
+            model.parameters(),
+        )
+    )
+    mx.eval(model.parameters())
+    return model
+
+
+def _write_metadata(writer: GGUFWriter, arch: str, args) -> None:
+    """The keys llama.cpp's converter writes for `arch` (TextModel.set_gguf_parameters plus
+    each model class's own)."""
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    writer.add_block_count(args.num_hidden_layers)
+    writer.add_context_length(getattr(args, "max_position_embeddings", None) or 4096)
+    writer.add_embedding_length(args.hidden_size)
+    writer.add_feed_forward_length(args.intermediate_size)
+    writer.add_head_count(args.num_attention_heads)
+    writer.add_head_count_kv(args.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(args.rms_norm_eps)
+    writer.add_rope_freq_base(getattr(args, "rope_theta", 10000.0))
+    if arch in PERMUTED:
+        writer.add_vocab_size(args.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+    if arch in ("qwen3", "gemma3"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(args.sliding_window)
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(args.original_max_position_embeddings)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_sliding_window(0)
+
+
+def write_arch_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0) -> Path:
+    """tiny_source(arch) as llama.cpp converts it: names from gguf-py's own tensor map, llama's
+    Q/K permuted, Gemma's norms stored plus one, matrices in `qtype` (F32, F16 or a quant)."""
+    import gguf
+
+    source = tiny_source(arch, seed)
+    args = source.args
+    tokens = gguf_tokens()
+    writer = GGUFWriter(str(path), arch)
+    _write_metadata(writer, arch, args)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TOKEN_TYPE_CONTROL if t == EOS else 1 for t in tokens])
+    writer.add_token_merges(["Ġ Ġ"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], args.num_hidden_layers)
+    kind = GGMLQuantizationType[qtype]
+    for name, value in tree_flatten(source.parameters()):
+        module, suffix = name.rsplit(".", 1)
+        data = np.array(value, dtype=np.float32)
+        if arch in PERMUTED and module.endswith(("q_proj", "k_proj")):
+            n_kv = args.num_attention_heads if "q_proj" in module else args.num_key_value_heads
+            data = llama_cpp_permute(data, args.num_attention_heads, n_kv)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1  # Gemma3Model.norm_shift
+        gguf_name = f"{names.get_name(module)}.{suffix}"
+        if data.ndim == 2 and qtype == "F16":
+            writer.add_tensor(gguf_name, data.astype(np.float16))
+        elif data.ndim == 2 and qtype != "F32":
+            writer.add_tensor(gguf_name, quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

