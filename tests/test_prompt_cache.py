@@ -322,3 +322,23 @@ def test_generate_run_twice_starts_warm_and_the_cache_command_lists_and_clears(t
     assert cleared.exit_code == 0 and not list(cache.rglob("*.safetensors"))
     off = CliRunner().invoke(main, [*args, "--no-prompt-cache-dir"], env=env)
     assert off.exit_code == 0 and not list(cache.rglob("*.safetensors"))
+
+
+def test_a_long_prefill_says_how_far_it_is():
+    """A prompt of at least LONG_PREFILL new tokens reports its prefill as it goes (the
+    chat's status line, generate's stderr); a short one, and the reused part, do not."""
+    from mlxspec.batch.single import LONG_PREFILL
+    from mlxspec.events import ProgressNote
+
+    notes: list[str] = []
+    engine = engine_for("llama")
+    engine.notify = notes.append
+    prompt = words(random.Random(12), LONG_PREFILL + 100)
+    answer(engine, prompt, "long")
+    progress = [n for n in notes if isinstance(n, ProgressNote)]
+    assert [(n.done, n.total) for n in progress][0] == (0, len(prompt) - 1)
+    assert progress[-1].done == progress[-1].total == len(prompt) - 1
+    assert len(progress) >= 4 and "new tokens" in progress[-1]
+    notes.clear()
+    answer(engine, prompt + words(random.Random(13), 50), "next turn")
+    assert not [n for n in notes if isinstance(n, ProgressNote)]

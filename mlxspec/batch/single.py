@@ -14,11 +14,17 @@ keep at a leave.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
+from mlxspec.events import ProgressNote
 from mlxspec.models.prompt_cache import PromptCache
 from mlxspec.models.target import Target
 from mlxspec.models.tree import DraftTree
+
+# New prompt tokens from which a prefill reports its progress (about a second on a Mac).
+LONG_PREFILL = 2048
 
 
 class SingleCaches:
@@ -28,8 +34,10 @@ class SingleCaches:
 
     capture_unsupported = None  # the single target captures for any model it serves
 
-    def __init__(self, target: Target):
-        self.target = target
+    def __init__(self, target: Target, notify: Callable[[str], None] = lambda _: None):
+        """`notify`: where a long prefill says how far it is (the engine's: the chat's
+        status line, `generate`'s stderr)."""
+        self.target, self.notify = target, notify
         # The hidden states the request's proposer reads (`hidden_capture`), from `start`.
         self.capture: tuple[int, ...] | None = None
         # Nothing for the scheduler to keep at a leave: the Target's cache stays as it is,
@@ -63,7 +71,13 @@ class SingleCaches:
         """Fill the cache with `tokens` at once (no other row waits on this prefill);
         returns how many the previous request had left in it."""
         self.capture = capture
-        reused, self.hidden = self.target.fill(tokens, capture=capture)
+
+        def progress(done: int, total: int) -> None:
+            if total >= LONG_PREFILL:
+                note = f"reading the prompt: {done}/{total} new tokens"
+                self.notify(ProgressNote(note, done, total))
+
+        reused, self.hidden = self.target.fill(tokens, progress, capture=capture)
         return reused
 
     def advance(self, request_ids: list[int], chunk: int, together=()) -> list[int]:

@@ -168,7 +168,7 @@ class Engine:
         target's cache holding the request's tokens so far, which the next request
         reuses like any earlier one (the chat's Escape, a client that left)."""
         settings = settings or GenerationSettings()
-        solo = Scheduler(self, max_batch=1, caches=SingleCaches(self.target))
+        solo = Scheduler(self, max_batch=1, caches=SingleCaches(self.target, self.notify))
         request_id = solo.submit(prompt, settings, proposer)
         try:
             while solo.busy:

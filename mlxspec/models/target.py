@@ -99,6 +99,8 @@ def catch_up(
         holder.reset()
         reused = 0
     todo, logits = tokens[reused:], None
+    if progress and todo:
+        progress(0, len(todo))  # a long prefill says so before its first chunk
     for start in range(0, len(todo), PREFILL_CHUNK):
         chunk = todo[start : start + PREFILL_CHUNK]
         if feed is None:
