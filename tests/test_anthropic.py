@@ -563,6 +563,10 @@ class Relayed:
     def __init__(self, *outputs):
         self.outputs, self.released = outputs, False
 
+    async def waiting(self):
+        return
+        yield
+
     async def __aiter__(self):
         for output in self.outputs:
             yield output
