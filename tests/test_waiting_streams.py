@@ -201,3 +201,20 @@ def test_a_stream_with_nobody_ahead_still_gets_its_errors_as_a_status(server):
     response = httpx.post(url + CHAT, json=too_long, timeout=30)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_stream_waiting_when_the_server_stops_hears_why_as_its_last_event():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(answering, "WAIT_COMMENT_SECONDS", COMMENT_SECONDS)
+        app = create_app(TinyProvider(), limits=ServerLimits(max_waiting=1), preload="tiny")
+        with serving_in_thread(app) as url:
+            server = Server(url, 1, app.state.worker)
+            path, body, _ = DIALECTS["chat"]
+            with server.holding(), httpx.Client(timeout=10) as client:
+                with client.stream("POST", url + path, json=body) as response:
+                    assert response.status_code == 200
+                    lines = response.iter_lines()
+                    assert next(lines).startswith(": waiting in queue")
+                    app.state.worker.shutdown(grace=5)
+                    events = [line for line in lines if line.startswith("data: ")]
+            assert len(events) == 1 and '"shutting_down"' in events[0], events

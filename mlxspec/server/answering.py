@@ -78,10 +78,13 @@ class Answering:
 
     async def waiting(self) -> AsyncIterator[str]:
         """SSE comments (which clients ignore) until the first output is in: one at once,
-        then one every WAIT_COMMENT_SECONDS, saying how many requests are ahead."""
+        then one every WAIT_COMMENT_SECONDS, saying how many requests are ahead. An error
+        in its place (the server stopping, a prompt too long) raises here, before the
+        dialect opens its stream, so the error is the stream's only event."""
         while not self._first.done():
             yield wait_comment(self._worker.ahead_of(self.job))
             await asyncio.wait({self._first}, timeout=WAIT_COMMENT_SECONDS)
+        _output(self._first.result())
 
     async def __aiter__(self) -> AsyncIterator[PartsOf | Answered]:
         """Outputs up to and including Answered; ApiError when the generation failed or was
