@@ -569,6 +569,10 @@ class Relayed:
     def __init__(self, *outputs):
         self.outputs, self.released = outputs, False
 
+    async def waiting(self):
+        return
+        yield
+
     async def __aiter__(self):
         for output in self.outputs:
             yield output
@@ -594,3 +598,37 @@ def test_the_parts_the_end_releases_are_streamed_before_the_stop():
     assert "".join(delta["delta"]["text"] for delta in deltas) == "Hi <"
     assert event_names(sse.encode())[-2:] == ["message_delta", "message_stop"]
     assert relayed.released
+
+
+def test_a_thinking_block_opens_with_the_empty_signature_the_client_expects():
+    """Anthropic's thinking blocks carry a `signature` (clients send it back); ours is
+    empty, but there from the block's start."""
+    stream = MessageStream("msg_1", "tiny", 7)
+    events = stream.part(ReasoningText("Hm.")) + stream.part(AnswerText("Hi"))
+    starts = [
+        json.loads(line[6:])["content_block"]
+        for chunk in events
+        for line in chunk.splitlines()
+        if line.startswith("data: ") and '"content_block_start"' in line
+    ]
+    assert starts == [
+        {"type": "thinking", "thinking": "", "signature": ""},
+        {"type": "text", "text": ""},
+    ]
+
+
+@pytest.mark.parametrize(
+    "arguments, tool_input",
+    [
+        ("{}", {}),
+        ("", {}),
+        ('{"city": "Paris"}', {"city": "Paris"}),
+        ("[1]", {"_arguments": "[1]"}),
+    ],
+)
+def test_a_calls_arguments_become_its_input_object(arguments, tool_input):
+    """An empty object stays empty; only text that is not a JSON object is kept apart."""
+    answer = ParsedAnswer("", "", (ToolCall("toolu_1", "weather", arguments),))
+    (block,) = message("msg_1", "tiny", answer, finished())["content"]
+    assert block["type"] == "tool_use" and block["id"].startswith("toolu_")
+    assert block["name"] == "weather" and block["input"] == tool_input

@@ -23,7 +23,7 @@ from lossless import assert_lossless
 from mlx_lm.models.cache import make_prompt_cache
 from test_lossless import CPU_LIKE_COST, Oracle
 from test_sampling import Flattened, one_sample_chi_square
-from tiny_models import byte_tokenizer, tiny_model
+from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 import mlxspec.structured.grammar
 from mlxspec.batch.caches import BatchCaches
@@ -34,7 +34,7 @@ from mlxspec.decoding.verify_cost import VerifyCost
 from mlxspec.events import Done
 from mlxspec.proposers import DraftModel, PromptLookup, SelfSpeculation, truncated_model
 from mlxspec.sampling import SamplingSettings
-from mlxspec.structured.grammar import Grammar
+from mlxspec.structured.grammar import Constraint, Grammar
 
 WEATHER = {
     "type": "object",
@@ -411,3 +411,26 @@ def test_a_grammar_over_the_compile_bound_fails_its_request_alone(setup, slow_co
     assert isinstance(error, GenerationError) and "did not compile within 0.3 s" in str(error)
     with pytest.raises(GenerationError, match="did not compile"):  # alone too
         list(engine.stream(prompt, GenerationSettings(grammar=slow), "none"))
+
+
+def small_constraint(pattern: str) -> Constraint:
+    tokenizer = byte_tokenizer()
+    return Constraint(Grammar("regex", pattern), tokenizer, VOCAB)
+
+
+def test_forced_tokens_are_at_most_the_rounds_room():
+    """The forced tokens are drafted within the round's k: never one more."""
+    constraint = small_constraint("abcdefgh")
+    everything = constraint.forced(100)
+    assert len(everything) >= 4
+    assert [constraint.forced(n) for n in (0, 1, 3)] == [[], everything[:1], everything[:3]]
+
+
+def test_a_drafted_end_is_kept_only_where_the_grammar_may_end():
+    constraint = small_constraint("abc")
+    eos = next(iter(constraint.eos))
+    kept, masks, refused = constraint.prune([eos], [0])
+    assert kept == [] and refused == 1 and masks.shape[0] == 1  # "abc" is not written yet
+    constraint.take(byte_tokenizer().encode("abc", add_special_tokens=False))
+    kept, _, refused = constraint.prune([eos], [0])
+    assert kept == [1] and refused is None

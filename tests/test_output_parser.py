@@ -11,6 +11,8 @@ import pytest
 from tiny_models import byte_tokenizer
 from tool_examples import ASK, CALLED, TEMPLATES, WEATHER
 
+from mlxspec.events import Bonus
+from mlxspec.logprobs import TokenLogprob
 from mlxspec.markup.conversation import (
     AnswerText,
     Conversation,
@@ -19,7 +21,13 @@ from mlxspec.markup.conversation import (
     ToolCallArguments,
     ToolCallStarted,
 )
-from mlxspec.markup.output_parser import AnswerFormat, OutputParser, answer_format, reasoning_tokens
+from mlxspec.markup.output_parser import (
+    AnswerFormat,
+    AnswerReader,
+    OutputParser,
+    answer_format,
+    reasoning_tokens,
+)
 
 # Qwen3's answer: reasoning, a sentence, two calls made at once.
 QWEN3_ANSWER = (
@@ -278,3 +286,25 @@ def test_an_answer_cut_by_its_token_limit_leaks_no_markup(answer, shown):
     parser = OutputParser(form)
     parts = parser.feed(answer) + parser.finish()
     assert joined(parts, AnswerText) + joined(parts, ReasoningText) != shown
+
+
+def test_a_call_that_never_closed_and_does_not_parse_is_given_back_as_written():
+    """The answer ended (not cut) inside a call that does not parse: its text comes back
+    as the model wrote it, with no end marker it never wrote."""
+    written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+    parts, answer = parse(form_of("qwen3.jinja"), [written])
+    assert answer.tool_calls == () and answer.text == written
+
+
+def test_a_held_tokens_logprob_waits_for_its_text():
+    """A token whose text the parser holds (a possible marker's start) keeps its logprob
+    entry until that text is let go of, so the entry rides on the chunk with its text."""
+    reader = AnswerReader(tokenizer_with("qwen3.jinja"), Conversation(ASK, [WEATHER]))
+    first = TokenLogprob(1, "Hi ", -0.1, offset=0)
+    held = TokenLogprob(2, "<", -0.2, offset=3)
+    said = reader.read(Bonus((1,), "Hi ", logprobs=(first,)))
+    assert joined(said.parts, AnswerText) == "Hi " and said.logprobs == (first,)
+    waiting = reader.read(Bonus((2,), "<", logprobs=(held,)))
+    assert waiting.parts == () and waiting.logprobs == ()
+    let_go = reader.read(Bonus((3,), "b", logprobs=(TokenLogprob(3, "b", -0.3, offset=4),)))
+    assert joined(let_go.parts, AnswerText) == "<b" and [e.token for e in let_go.logprobs] == [2, 3]

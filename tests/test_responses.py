@@ -35,8 +35,10 @@ from mlxspec.server.responses.translate import (
     ResponseStream,
     answer_constraint,
     conversation,
+    generation_request,
     input_items,
     output_items,
+    status_of,
     tools,
 )
 
@@ -399,3 +401,54 @@ def test_a_function_calls_output_is_answered(scripted):
     )
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.output_text == "It is 18C and sunny." and response.status == "completed"
+
+
+def stream_payloads(stream: ResponseStream, parts) -> list[dict]:
+    events = [event for part in parts for event in stream.part(part)]
+    return [json.loads(event.split("data: ", 1)[1]) for event in events]
+
+
+def test_a_message_item_opens_empty_and_is_done_with_its_text():
+    """Codex and the SDK gather a message's text from its deltas: the item added at its
+    start holds no content yet (the done one holds it whole)."""
+    body = ResponsesRequest.model_validate({"model": "tiny", "input": "hi"})
+    stream = ResponseStream(Envelope("resp_1", "tiny", body))
+    payloads = stream_payloads(stream, [AnswerText("It is"), ToolCallStarted(0, "c", "f")])
+    added = [p["item"] for p in payloads if p["type"] == "response.output_item.added"]
+    done = [p["item"] for p in payloads if p["type"] == "response.output_item.done"]
+    assert added[0]["type"] == "message" and added[0]["content"] == []
+    assert added[0]["status"] == "in_progress"
+    assert done[0]["content"][0]["text"] == "It is" and done[0]["status"] == "completed"
+
+
+def test_arguments_with_no_call_open_are_not_a_calls_delta():
+    body = ResponsesRequest.model_validate({"model": "tiny", "input": "hi"})
+    stream = ResponseStream(Envelope("resp_1", "tiny", body))
+    payloads = stream_payloads(stream, [AnswerText("Hi"), ToolCallArguments(0, '{"a": 1}')])
+    assert "response.function_call_arguments.delta" not in [p["type"] for p in payloads]
+
+
+def test_an_answer_cut_at_its_limit_is_incomplete_unless_it_called_tools():
+    call = (ToolCall("call_0", "get_weather", "{}"),)
+    assert status_of(finished("length"), ParsedAnswer("", "It is")) == "incomplete"
+    assert status_of(finished("length"), ParsedAnswer("", "", call)) == "completed"
+    assert status_of(finished("stop"), ParsedAnswer("", "It is")) == "completed"
+
+
+def test_a_response_the_size_of_the_whole_store_is_kept():
+    response, items = {"id": "x", "output": []}, [{"content": "y" * 100}]
+    size = len(json.dumps(items)) + len(json.dumps(response))
+    exact = ResponseStore(max_bytes=size)
+    exact.put(response, items)
+    assert exact.get("x") is not None and exact.bytes == size
+
+
+def test_a_max_output_tokens_over_the_limit_is_granted_the_limit():
+    """As its docstring promises, the translation clamps (the settings clamp again, so
+    the served answer does not show it; this does)."""
+    asked = {"model": "tiny", "input": "hi"}
+    over = ResponsesRequest.model_validate({**asked, "max_output_tokens": 99_999})
+    under = ResponsesRequest.model_validate({**asked, "max_output_tokens": 16})
+    assert generation_request(over, 4096).max_tokens == 4096
+    assert generation_request(under, 4096).max_tokens == 16
+    assert generation_request(ResponsesRequest.model_validate(asked), 4096).max_tokens is None

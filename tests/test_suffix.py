@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import random
 import subprocess
@@ -483,3 +484,97 @@ def test_the_seed_is_off_unless_an_entry_turns_it_on(tmp_path):
     entries, _ = parse_registry_text(text + "seed = true\n", tmp_path / "models.toml")
     assert entries["m"].proposer("suffix").options["seed"] is False
     assert entries["m"].proposer("seeded").options["seed"] is True
+
+
+class FullDisk:
+    """The store module's `open` for writing, on a disk with `room` bytes left: a write
+    past it stores what fits, then raises ENOSPC, as a real full disk does."""
+
+    def __init__(self, room: int = 0):
+        self.room = room
+
+    def open(self, path, mode="r", *args, **kwargs):
+        real = open(path, mode, *args, **kwargs)
+        if "r" in mode:
+            return real
+        disk = self
+
+        class Filling:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                real.close()
+
+            def write(self, data):
+                fits = min(len(data), disk.room)
+                real.write(data[:fits])
+                disk.room -= fits
+                if fits < len(data):
+                    real.flush()
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return fits
+
+        return Filling()
+
+
+def store_files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.name != "lock"}
+
+
+def test_a_full_disk_leaves_the_journal_whole_and_warns_once(tmp_path, monkeypatch):
+    import mlxspec.suffix.store as store_module
+
+    HistoryStore(tmp_path).add([1, 2, 3, 4])
+    before = store_files(tmp_path)
+    monkeypatch.setattr(store_module, "open", FullDisk(room=10).open, raising=False)
+    store = HistoryStore(tmp_path)
+    with pytest.warns(HistoryWarning) as warned:
+        store.add([5, 6, 7, 8])  # half a record fits
+        store.add([9, 9, 9])
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    assert store_files(tmp_path) == before  # no half record left to read as damage
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tokens = HistoryStore(tmp_path).index.tokens.tolist()  # read back with no warning
+    assert {1, 2, 3, 4} <= set(tokens) and not {5, 9} & set(tokens)
+
+
+def test_a_full_disk_while_merging_keeps_the_old_index_and_serves_from_memory(
+    tmp_path, monkeypatch
+):
+    import mlxspec.suffix.store as store_module
+
+    store = HistoryStore(tmp_path)
+    store.add([1, 2, 3, 4])
+    len(store.index)  # index.bin written
+    HistoryStore(tmp_path).add([5, 6, 7])  # in the journal
+    before = store_files(tmp_path)
+    monkeypatch.setattr(store_module, "JOURNAL_BYTES", 0)  # every add merges
+    monkeypatch.setattr(store_module, "open", FullDisk(room=0).open, raising=False)
+    store = HistoryStore(tmp_path)
+    with pytest.warns(HistoryWarning) as warned:
+        len(store.index)  # a merge that cannot be written back
+        store.add([8, 8, 8])  # the journal cannot take it either, nor a merge after
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    assert store_files(tmp_path) == before  # no temporary left, no file cut
+    assert 8 in store.index.tokens.tolist() and 5 in store.index.tokens.tolist()
+
+
+def test_a_full_disk_costs_the_requests_nothing(tmp_path, monkeypatch):
+    import mlxspec.suffix.store as store_module
+
+    store = HistoryStore(tmp_path)
+    _, _, engine = history_engine("llama", 0, store)
+    monkeypatch.setattr(store_module, "JOURNAL_BYTES", 0)
+    monkeypatch.setattr(store_module, "open", FullDisk(room=100).open, raising=False)
+    with pytest.warns(HistoryWarning) as warned:
+        for proposer in ("none", "suffix", "suffix"):
+            done = list(engine.stream([1, 2, 3, 4], GenerationSettings(max_tokens=6), proposer))
+            assert isinstance(done[-1], Done) and len(done[-1].token_ids) == 6
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -21,13 +21,21 @@ from test_units import CPU_LIKE_COST
 from tool_examples import ASK, CALLED, TEMPLATES, WEATHER
 
 from mlxspec.decoding.engine import Engine, GenerationSettings
-from mlxspec.events import Done
+from mlxspec.events import Accepted, Done
 from mlxspec.markup.chat_template import encode_chat
-from mlxspec.markup.conversation import Conversation, ParsedAnswer
+from mlxspec.markup.conversation import (
+    AnswerText,
+    Conversation,
+    ParsedAnswer,
+    ReasoningText,
+    ToolCallArguments,
+    ToolCallStarted,
+)
 from mlxspec.markup.output_parser import OutputParser, answer_format
 from mlxspec.proposers import PromptLookup
 from mlxspec.registry.models_toml import Defaults
 from mlxspec.server import ModelInfo, ServerLimits
+from mlxspec.server.openai.replies import Reply
 
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
@@ -432,3 +440,19 @@ def test_tools_leave_a_random_models_answer_as_plain_decoding_wrote_it():
         answer = create(client, "tiny", conversation.messages, max_tokens=24)
     assert answer.choices[0].message.content == plain and plain
     assert answer.choices[0].message.tool_calls is None
+
+
+def test_provenance_marks_the_answers_text_only():
+    """`provenance` says who wrote each piece of the answer's text; reasoning and calls
+    carry no such field, as docs/serving.md says."""
+    reply = Reply(chat=True, model="tiny")
+    parts = (
+        ReasoningText("Think."),
+        AnswerText("Sunny."),
+        ToolCallStarted(0, "call_0", "get_weather"),
+        ToolCallArguments(0, "{}"),
+    )
+    chunks = reply.output_chunks(parts, Accepted((1,), "x"), True, None)
+    marked = ["x_mlxspec" in chunk["choices"][0]["delta"] for chunk in chunks]
+    assert marked == [False, True, False, False]
+    assert chunks[1]["choices"][0]["delta"]["x_mlxspec"] == {"provenance": "accepted"}

@@ -268,3 +268,39 @@ def test_a_malformed_tool_schema_is_a_grammar_error_naming_the_tool(template, pa
             conversation,
             AnswerConstraint(tools=ForcedTools(("get_weather",))),
         )
+
+
+@pytest.mark.parametrize("template", ["qwen3.jinja", "hermes3.jinja"])
+def test_parallel_calls_as_the_template_writes_them_are_what_the_grammar_accepts(template):
+    """Two calls at once, as the template renders them (a line between them), match the
+    forced grammar: the model is forced into its own markup, not a spelling near it."""
+    tokenizer, conversation, grammar = forced(template, enable_thinking=False)
+    other = {"name": "get_weather", "arguments": {"city": "Rome", "unit": "F"}}
+    calls = [
+        {"id": f"call0000{i}", "type": "function", "function": call}
+        for i, call in enumerate([CALL, other])
+    ]
+    asked = [*conversation.messages, {"role": "assistant", "content": "", "tool_calls": calls}]
+    whole = render_chat(tokenizer, Conversation(asked, TOOLS), generation_prompt=False)
+    turn = whole[len(render_chat(tokenizer, conversation)) :].strip()
+    turn = turn[: -len(TEMPLATES_WITH_CALLS[template])].strip()
+    assert turn.count("<tool_call>") == 2, turn
+    assert matched(grammar, tokenizer, turn) == "complete", (turn, grammar.source)
+
+
+def test_a_tool_whose_schema_has_properties_but_no_type_takes_an_object():
+    """A schema of properties alone (clients send them) types nothing in JSON Schema;
+    a forced call's arguments must still be an object, which the parser reads as one."""
+    untyped = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        },
+    }
+    tokenizer = tokenizer_with("qwen3.jinja")
+    conversation = Conversation(ASK, [untyped], {"enable_thinking": False})
+    grammar = answer_grammar(tokenizer, conversation, AnswerConstraint(tools=ForcedTools(("f",))))
+    call = '<tool_call>\n{{"name": "f", "arguments": {}}}\n</tool_call>'
+    assert matched(grammar, tokenizer, call.format('{"x": 1}')) == "complete"
+    assert matched(grammar, tokenizer, call.format("5")).startswith("refused")

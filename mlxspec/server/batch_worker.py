@@ -73,11 +73,19 @@ class BatchedWorker(Worker):
             return 0
         return max(0, self.max_batch - self._rows())
 
-    def _ahead(self) -> int:
-        """Requests that must end before one queued now starts: those queued beyond the
-        batch's free slots (with a slot free, none)."""
-        beyond = len(self._queued()) - self._free_slots()
+    def _ahead(self, position: int | None = None) -> int:
+        """Requests that must end before the one `position` places down the queue starts
+        (None: one queued now): those queued beyond the batch's free slots (with a slot
+        free, none)."""
+        position = len(self._queued()) if position is None else position
+        beyond = position - self._free_slots()
         return beyond + 1 if beyond >= 0 and (self._rows() or self._running) else 0
+
+    def ahead_of(self, job: Job) -> int | None:
+        """As `Worker.ahead_of`; the request held to run alone waits for the batch's rows."""
+        if job is self._held:
+            return self._rows()
+        return super().ahead_of(job)
 
     def in_flight(self) -> list[Job]:
         """The batch's requests, the one running alone, and the one waiting to."""

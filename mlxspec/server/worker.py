@@ -225,10 +225,17 @@ class Worker:
         when its turn comes, and holds nobody up)."""
         return [job for job in list(self._waiting.queue) if job is not None and not job.cancelled]
 
-    def _ahead(self) -> int:
-        """Requests that must end before one queued now starts: the queue and the one
-        running."""
-        return len(self._queued()) + int(self.busy)
+    def _ahead(self, position: int | None = None) -> int:
+        """Requests that must end before the one `position` places down the queue starts
+        (None: one queued now, at its end): those queued before it and the one running."""
+        position = len(self._queued()) if position is None else position
+        return position + int(self.busy)
+
+    def ahead_of(self, job: Job) -> int | None:
+        """Requests that must end before `job` starts, while it waits in the queue; None
+        once the generation thread has taken it (what a waiting stream's comments say)."""
+        queued = self._queued()
+        return self._ahead(queued.index(job)) if job in queued else None
 
     def expected_wait(self) -> float | None:
         """Seconds a request queued now would wait to start (None: not known yet)."""

@@ -10,11 +10,14 @@ On disk, in `<data dir>/suffix/<model>/`:
 - `lock`: an fcntl lock held around every read-modify-write, so chat and serve can
   share one store.
 A damaged file is dropped with ONE warning and the history starts over: a history
-only ever proposes drafts, which the target verifies, so losing it costs speed only.
+only ever proposes drafts, which the target verifies, so losing it costs speed only. A
+folder that cannot be written (read-only, the disk full) warns once too, and leaves
+every file as it was: a cut append is truncated away, a cut rewrite's temporary removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -80,17 +83,17 @@ class HistoryStore:
         record = RECORD.pack(RECORD_MAGIC, len(tokens), zlib.crc32(payload)) + payload
         try:
             with self._locked():
-                with open(self._path("journal.bin"), "ab") as journal:
-                    journal.write(record)
-                    journal.flush()
-                    os.fsync(journal.fileno())
-                journal_bytes = self._path("journal.bin").stat().st_size
-        except OSError as err:
+                journal_bytes = _append(self._path("journal.bin"), record)
+        except OSError as err:  # a full disk, a read-only folder: the journal is as it was
             self._unusable(err)
             journal_bytes = 0
         if journal_bytes > JOURNAL_BYTES:  # fold the journal in (with other processes' part)
-            self._load()
-        elif self._index is not None:
+            try:
+                self._load()
+                return
+            except OSError as err:  # the lock could not be taken: keep it in memory
+                self._unusable(err)
+        if self._index is not None:
             self._index.add_document(list(tokens))
             self._index.drop_oldest(self.bound_bytes // 8)
 
@@ -164,8 +167,11 @@ class HistoryStore:
                 index.add_document(document)
             index.drop_oldest(self.bound_bytes // 8)
             if documents or damaged or journal_damaged:
-                _atomic_write(self._path("index.bin"), _encode(index))
-                self._path("journal.bin").unlink(missing_ok=True)
+                try:
+                    _atomic_write(self._path("index.bin"), _encode(index))
+                    self._path("journal.bin").unlink(missing_ok=True)
+                except OSError as err:  # the disk is full: both files stay as they were,
+                    self._unusable(err)  # and the merged index serves from memory
         self._index = index
         return index
 
@@ -218,13 +224,37 @@ def _read_journal(path: Path) -> tuple[list[list[int]], bool]:
     return documents, False
 
 
+def _append(path: Path, record: bytes) -> int:
+    """Append one record whole (the file's new size), or leave the file as it was: a
+    write the disk cuts short (ENOSPC) is truncated away, so no half record is left for
+    the next load to call damage."""
+    with open(path, "ab") as journal:
+        before = journal.tell()
+        try:
+            journal.write(record)
+            journal.flush()
+            os.fsync(journal.fileno())
+        except OSError:
+            with contextlib.suppress(OSError):
+                journal.truncate(before)
+            raise
+        return journal.tell()
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
+    """`path` replaced whole, or not at all: a temporary file renamed over it; one the disk
+    cut short is removed rather than left to fill it further."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 _OPEN: dict[str, HistoryStore] = {}

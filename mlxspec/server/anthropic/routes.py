@@ -8,7 +8,7 @@ come back through `Answering` and leave as a message or as Anthropic's stream of
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -39,22 +39,22 @@ def anthropic_router(provider: ModelProvider, worker: Worker, limits: ServerLimi
             asked, info, conversation, provider, limits, body.top_k, constraint
         )
         headers = dropped_header(anthropic.dropped_tools(body))
-        answering = await Answering.start(request, worker, generation)
+        answering = await Answering.start(request, worker, generation, stream=body.stream)
         message_id = anthropic.new_id("msg")
+        if body.stream:
+            # message_start says the prompt's size, before the run record can: counted
+            # once the model is at work (a stream that waits in line starts before).
+            stream = anthropic.MessageStream(message_id, info.name, 0)
+            events = _events(
+                answering, stream, lambda: _prompt_tokens(worker, info.name, conversation)
+            )
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+            )
         try:
-            if body.stream:
-                # message_start says the prompt's size, before the run record can.
-                input_tokens = await _prompt_tokens(worker, info.name, conversation)
-                stream = anthropic.MessageStream(message_id, info.name, input_tokens)
-                events = _events(answering, stream)
-                return StreamingResponse(
-                    events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
-                )
             answered = await answering.answered()
-        except BaseException:
+        finally:
             answering.release()
-            raise
-        answering.release()
         record = answered.done.record
         message = anthropic.message(message_id, info.name, answered.answer, record)
         return JSONResponse(message, headers=headers)
@@ -86,10 +86,21 @@ async def _prompt_tokens(worker: Worker, model: str, conversation: Conversation)
         raise refused(err) from None
 
 
-def _events(answering: Answering, stream: anthropic.MessageStream) -> AsyncIterator[str]:
+def _events(
+    answering: Answering,
+    stream: anthropic.MessageStream,
+    count: Callable[[], Awaitable[int]] | None = None,
+) -> AsyncIterator[str]:
+    """The stream's events; `count` (None: `stream` has it) the prompt's tokens."""
+
+    async def opening() -> list[str]:
+        if count is not None:
+            stream.input_tokens = await count()
+        return stream.opening()
+
     return dialect_events(
         answering,
-        stream.opening(),
+        opening,
         stream.part,
         lambda answered: stream.closing(answered.done.record),
         lambda err: [anthropic.error_event(err)],

@@ -51,8 +51,8 @@ def openai_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
 async def _respond(
     request: Request, worker: Worker, generation: Generation, body: GenerationRequest, chat: bool
 ):
-    """Queue the generation; answer with JSON, or stream once its first output is in."""
-    answering = await Answering.start(request, worker, generation)
+    """Queue the generation; answer with JSON, or stream (at once when it must wait)."""
+    answering = await Answering.start(request, worker, generation, stream=body.stream)
     reply = Reply(chat=chat, model=generation.model)
     if body.stream:
         stream = _sse(answering, reply, body)
@@ -68,6 +68,8 @@ async def _respond(
 async def _sse(answering: Answering, reply: Reply, body: GenerationRequest) -> AsyncIterator[str]:
     provenance = body.mlxspec.provenance
     try:
+        async for comment in answering.waiting():
+            yield comment
         opening = reply.opening_chunk()
         if opening is not None:
             yield sse(opening)

@@ -59,7 +59,7 @@ def responses_router(
         asked = responses.generation_request(body, limits.max_tokens)
         generation = new_generation(asked, info, conversation, provider, limits, None, constraint)
         headers = dropped_header(offered.dropped)
-        answering = await Answering.start(request, worker, generation)
+        answering = await Answering.start(request, worker, generation, stream=body.stream)
         envelope = responses.Envelope(responses.new_id("resp"), info.name, body)
         conversation_so_far = earlier + new_items
 
@@ -113,4 +113,7 @@ def _events(
         keep(stream.final)
         return events
 
-    return dialect_events(answering, stream.opening(), stream.part, closing, stream.failing)
+    async def opening() -> list[str]:
+        return stream.opening()
+
+    return dialect_events(answering, opening, stream.part, closing, stream.failing)
