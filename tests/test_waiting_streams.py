@@ -203,6 +203,17 @@ def test_a_stream_with_nobody_ahead_still_gets_its_errors_as_a_status(server):
     assert response.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_stream_that_must_wait_is_refused_a_prompt_too_long_with_a_status(server):
+    """Queued behind every slot, a prompt past the resident model's context is still a
+    400 context_length_exceeded (checked before the headers), not an event after them."""
+    too_long = {"messages": [{"role": "user", "content": "x" * 5000}], "stream": True}
+    with server.holding():
+        response = httpx.post(server.url + CHAT, json=too_long, timeout=30)
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        assert httpx.get(f"{server.url}/health").json()["waiting"] == 0  # not left queued
+
+
 def test_a_stream_waiting_when_the_server_stops_hears_why_as_its_last_event():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(answering, "WAIT_COMMENT_SECONDS", COMMENT_SECONDS)

@@ -9,7 +9,8 @@ completed) until `Answered` (the Done, the whole parsed answer, the last parts).
 A stream that must wait in line starts at once: its headers go out and an SSE comment
 (`: waiting in queue, N ahead`) every WAIT_COMMENT_SECONDS until its first output is in,
 so proxies and SDK read timeouts do not cut a client that is only waiting its turn. A
-refusal (429, 503) is decided at submit, before any header, so it keeps its status.
+refusal (429, 503) is decided at submit, before any header, so it keeps its status; so is
+a prompt the resident model cannot take (`Worker.check_fits`: 400 context_length_exceeded).
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ class Answering:
         try:
             if not stream:
                 await first
-            elif not worker.ahead_of(job):  # 0, or already taken from the line
+            elif worker.ahead_of(job):  # it will wait: what can be checked now is, so that
+                await asyncio.to_thread(worker.check_fits, generation)  # a 400 stays one
+            else:  # nobody ahead, or already taken from the line
                 await asyncio.wait({first}, timeout=WAIT_COMMENT_SECONDS)
             if first.done():
                 _output(first.result())  # an error before any output: a real status

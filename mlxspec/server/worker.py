@@ -168,7 +168,9 @@ class Worker:
 
     @property
     def waiting(self) -> int:
-        return self._waiting.qsize()
+        """Queued requests whose clients still wait (one that left is skipped when its
+        turn comes)."""
+        return len(self._queued())
 
     def resident_engine(self, name: str) -> Engine | None:
         """The engine of `name` when it is the model in memory, for the event loop's own
@@ -236,6 +238,20 @@ class Worker:
         once the generation thread has taken it (what a waiting stream's comments say)."""
         queued = self._queued()
         return self._ahead(queued.index(job)) if job in queued else None
+
+    def check_fits(self, generation: Generation) -> None:
+        """ApiError (400) where the resident model already says the request cannot run
+        (its prompt is past the context, a token id out of range), so that a stream about
+        to wait its turn is refused with a status instead of an event after its headers.
+        Only what the tokenizer and the settings tell: no MLX work, so it may run on any
+        thread; another model's request is checked when it opens."""
+        model = self._model
+        if model is None or self.resident != generation.model:
+            return
+        try:
+            model.engine.check_request(generation.prompt, generation.settings, None)
+        except GenerationError as err:
+            raise refused(err) from None
 
     def expected_wait(self) -> float | None:
         """Seconds a request queued now would wait to start (None: not known yet)."""
