@@ -342,3 +342,25 @@ def test_a_long_prefill_says_how_far_it_is():
     notes.clear()
     answer(engine, prompt + words(random.Random(13), 50), "next turn")
     assert not [n for n in notes if isinstance(n, ProgressNote)]
+
+
+def test_a_batch_row_past_its_window_leaves_its_prompt_kept():
+    """A sliding-window row that ran past its window has had its oldest columns cut and
+    cannot hand its sequence on when it leaves; its prompt was kept as it joined, whole
+    (a plain history, cut to any prefix), so the next turn still reuses it."""
+    from mlxspec.batch.target import WINDOW_SLACK
+
+    engine = engine_for("gemma3_text")  # a window of 12 tokens
+    scheduler = Scheduler(engine, max_batch=2)
+    rng = random.Random(14)
+    turn1 = words(rng, 12 + 2 * WINDOW_SLACK + 200)  # past what a row keeps of its window
+    turn2 = turn1 + words(rng, 40)
+    settings = GenerationSettings(max_tokens=ANSWER)
+    for prompt, least in ((turn1, 0), (turn2, len(turn1) - 1)):
+        request_id = scheduler.submit(prompt, settings, "lookup")
+        done = [e for out in scheduler.drain() for e in out.get(request_id, [])][-1]
+        model, eos = engine.target.model, set(engine.tokenizer.eos_token_ids)
+        reference = plain_greedy(model, prompt, ANSWER, eos)
+        assert_lossless(model, prompt, reference, list(done.token_ids), "window", done.record)
+        assert done.record.reused_prompt_tokens >= least
+    assert not scheduler.target.whole  # every row left

@@ -122,19 +122,24 @@ class BatchCaches:
         for request_id in request_ids:
             if request_id not in together:
                 self.prefills[request_id].advance(chunk)
-        if self.target.recurrent:
+        if self.target.recurrent or self.target.windows:
             for request_id in request_ids:
                 self._checkpoint(self.prefills[request_id], chunk)
         return [i for i in request_ids if self.prefills[i].done]
 
     def _checkpoint(self, prefill: Prefill, chunk: int) -> None:
-        """A recurrent state serves a later prompt only from where it was kept: at the
-        prompt's end (the cache itself: the merge at `join` copies it) and every
-        CHECKPOINT_EVERY tokens of a long prompt (a copy: it is fed on)."""
+        """Where a row cannot hand its whole sequence on when it leaves, its prompt is kept
+        as it joins: a recurrent state serves a later prompt only from where it was kept
+        (the prompt's end, and every CHECKPOINT_EVERY tokens of a long one: a copy, it is
+        fed on), and a window layer's history is cut once its row runs past the window
+        (`BatchTarget._cut_windows`), while its prefill still holds all of it. At the
+        prompt's end the cache itself is kept: the merge at `join` copies it."""
         held = prefill.held
         if prefill.done:
             self.prefixes.add(held, prefill.cache)
-        elif len(held) // CHECKPOINT_EVERY > (len(held) - chunk) // CHECKPOINT_EVERY:
+        elif self.target.recurrent and (
+            len(held) // CHECKPOINT_EVERY > (len(held) - chunk) // CHECKPOINT_EVERY
+        ):
             self.prefixes.add(held, copy_cache(prefill.cache))
 
     def unfed(self, request_id: int) -> int:

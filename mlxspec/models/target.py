@@ -296,18 +296,20 @@ class Target:
             rows.append(hidden[0])
             return hidden[:, -1:]  # evaluated with the cache; nobody reads logits here
 
+        marked = len(self.cached_tokens) // CHECKPOINT_EVERY  # the last checkpoint's
+
         def fed(done: int, total: int) -> None:
             # A cache that cannot be cut back serves a later prompt only from where a
             # copy was taken: every CHECKPOINT_EVERY tokens and at the prompt's end.
+            nonlocal marked
             held = len(self.cached_tokens)
-            if checkpoints and (done == total or held // CHECKPOINT_EVERY > self._marked):
-                self._marked = held // CHECKPOINT_EVERY
+            if checkpoints and (done == total or held // CHECKPOINT_EVERY > marked):
+                marked = held // CHECKPOINT_EVERY
                 self.pool.add(self.cached_tokens, copy_cache(self.cache))
             if progress:
                 progress(done, total)
 
         # Snapshot layers cannot be rewound past the last request: start over instead.
-        self._marked = len(self.cached_tokens) // CHECKPOINT_EVERY
         reused, _ = catch_up(
             self,
             tokens,
