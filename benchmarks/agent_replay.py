@@ -11,12 +11,14 @@ get the very same messages (the later turns carry mlxspec's answers) and render 
 through the same chat template.
 
 Per turn it records prompt tokens, the tokens the prompt cache held (usage's
-`prompt_tokens_details.cached_tokens`), the time to the first token, and the time to
-prefill only the turn's new tokens (the same number of fresh token ids, alone, through
-/v1/completions: what an ideal cache would leave to do). Then it stops `serve` (its
-caches go to disk), starts it again and sends the last turn once more: the restart's
-time to first token. mlx-lm's server (its LRU prompt cache, no speculation) answers the
-same requests in the same run, on the same folder.
+`prompt_tokens_details.cached_tokens`), the time to the first token, and two yardsticks:
+the time to prefill only the turn's new tokens onto a cache holding the rest, timed in
+this process after the servers stopped (what a perfect prompt cache leaves to do: the
+goal's denominator), and the time to prefill the same number of fresh tokens alone
+through /v1/completions (no context to attend to: cheaper still). Before the last turn
+it stops `serve` (its caches go to disk) and starts it again. mlx-lm's server (its LRU
+prompt cache, no speculation) answers the same requests in the same run, on the same
+folder, with the same BLAS.
 
 Models: SmolLM2-135M (the default model, converted once to an mlx-lm folder) and two
 random models of the cache kinds that reused nothing before: a hybrid Gated DeltaNet
@@ -40,6 +42,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+import mlxspec  # noqa: F401  (OpenBLAS before mlx.core on Linux, for the in-process timings)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import free_port, start_serve  # noqa: E402
@@ -142,11 +146,16 @@ def tool_result(rng: random.Random) -> str:
     return "Tool result:\n" + text[start : start + RESULT_CHARS]
 
 
-def ask(url: str, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
+PROPOSER: str | None = None  # --proposer: what mlxspec's requests ask for (None: the default)
+SERVE_ARGS = ""  # --serve-args: more `mlxspec serve` options
+
+
+def ask(url: str, messages: list[dict], max_tokens: int | None = None) -> dict:
     """One streamed chat completion: its text, usage, time to first token and in all."""
     body = {  # no model named: each server's own (mlx-lm's reads a name as a path)
+        **({"mlxspec": {"proposer": PROPOSER}} if PROPOSER else {}),
         "messages": messages,
-        "max_tokens": max_tokens,
+        "max_tokens": max_tokens or MAX_TOKENS,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -166,7 +175,10 @@ def ask(url: str, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
                     text.append(piece)
     end = time.perf_counter()
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    decoding = end - (first or end)
+    tokens = usage.get("completion_tokens") or 0
     return {
+        "tokens_per_s": round((tokens - 1) / decoding, 1) if decoding > 0 and tokens > 1 else None,
         "text": "".join(text),
         "prompt_tokens": usage.get("prompt_tokens"),
         "cached_tokens": cached,
@@ -269,16 +281,56 @@ def random_folder(family: str, folder: Path, tokenizer_from: Path) -> Path:
     return folder
 
 
+def ideal_prefills(folder: Path, sessions: dict[str, list[dict]]) -> None:
+    """Each later turn's `ideal_s`: the time to prefill only its new tokens onto a cache
+    already holding what it shares with the turn before, and take its first token, in
+    this process (mlx-lm's model and caches, nothing else running): what a perfect
+    prompt cache would leave to do."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tokenizer = load(str(folder))
+
+    def ids(messages: list[dict]) -> list[int]:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def feed(cache, tokens: list[int]) -> None:
+        """The cache only, as a prefill computes it: logits never evaluated, so the LM
+        head never runs over every position (mlx computes what is evaluated)."""
+        for start in range(0, len(tokens), 512):
+            model(mx.array([tokens[start : start + 512]]), cache=cache)
+            mx.eval([c.state for c in cache])
+
+    for rows in sessions.values():
+        for before, row in zip(rows, rows[1:]):
+            old, new = ids(before["messages"]), ids(row["messages"])
+            shared = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), len(old))
+            cache = make_prompt_cache(model)
+            feed(cache, new[:shared])
+            start = time.perf_counter()
+            feed(cache, new[shared:-1])  # then the last token, whose logits give the first
+            mx.eval(mx.argmax(model(mx.array([new[-1:]]), cache=cache)[0, -1]))
+            row["ideal_s"] = round(time.perf_counter() - start, 3)
+
+
 def start_mlx_lm(folder: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(folder)]
+    # With the BLAS mlxspec loads (Debian's OpenBLAS on Linux): the reference BLAS mlx's
+    # CPU wheel bundles would make mlx-lm's every pass several times slower.
+    launch = (
+        "import runpy, sys; from mlxspec.blas import preload_openblas; preload_openblas(); "
+        "sys.argv = ['mlx_lm', 'server', *sys.argv[1:]]; "
+        "runpy.run_module('mlx_lm', run_name='__main__')"
+    )
+    command = [sys.executable, "-c", launch, "--model", str(folder)]
     server = subprocess.Popen([*command, "--port", str(port), "--log-level", "WARNING"])
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
-        try:
-            httpx.get(f"{url}/v1/models", timeout=2).raise_for_status()
+        try:  # any answer means it listens (its /v1/models fails without a hub cache)
+            httpx.get(f"{url}/health", timeout=2)
             break
-        except httpx.HTTPError:
+        except httpx.TransportError:
             time.sleep(1)
     return server, url
 
@@ -291,11 +343,14 @@ def stop(server: subprocess.Popen) -> None:
         server.kill()
 
 
-def run_model(name: str, folder: Path, turns: int, seed: int, cache_dir: Path) -> dict:
+def run_model(
+    name: str, folder: Path, turns: int, seed: int, cache_dir: Path, against: bool = True
+) -> dict:
     """Each agent's session: turns 1..T-1 on `serve`, then `serve` restarted (memory
     empty, disk not) for turn T; then the same requests on mlx-lm's server."""
     results, rng = tool_results(turns, seed), random.Random(seed + 1)
     args = f"-m {folder} --prompt-cache-dir {cache_dir / name} --max-tokens-limit {MAX_TOKENS}"
+    args += f" {SERVE_ARGS}"
     sessions: dict[str, list[dict]] = {agent: [] for agent in AGENTS}
     serve, url = start_serve(args)
     try:
@@ -313,42 +368,57 @@ def run_model(name: str, folder: Path, turns: int, seed: int, cache_dir: Path) -
             play_turn(url, rows[-1].pop("next"), turns, rows, rng)["after_restart"] = True
     finally:
         stop(serve)
-    server, url = start_mlx_lm(folder)
-    try:
-        theirs = {agent: replay_same(url, rows) for agent, rows in sessions.items()}
-    finally:
-        stop(server)
+    theirs = {
+        agent: [{"ttft_s": None, "total_s": 0, "tokens_per_s": None, "text": None}] * len(rows)
+        for agent, rows in sessions.items()
+    }
+    if against:
+        server, url = start_mlx_lm(folder)
+        try:
+            theirs = {agent: replay_same(url, rows) for agent, rows in sessions.items()}
+        finally:
+            stop(server)
+    ideal_prefills(folder, sessions)
     for agent, rows in sessions.items():
         for row, other in zip(rows, theirs[agent]):
             side = other.get("side", {}).get("total_s", 0)
-            row["mlx_lm"] = {"ttft_s": other["ttft_s"], "total_s": other["total_s"] + side}
-            row["same_text"] = row["text"] == other["text"]
+            row["mlx_lm"] = {
+                "ttft_s": other["ttft_s"],
+                "total_s": other["total_s"] + side,
+                "tokens_per_s": other["tokens_per_s"],
+            }
+            row["same_text"] = None if other["text"] is None else row["text"] == other["text"]
             del row["messages"]
     return sessions
 
 
 def table(report: dict) -> str:
     lines = [
-        "| model | agent | turn | prompt | reused | TTFT s | new tokens alone s | ratio | "
-        "mlx-lm TTFT s | same text |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | agent | turn | prompt | reused | TTFT s | new tokens only s | ratio | "
+        "new tokens alone s | mlx-lm TTFT s | tok/s | mlx-lm tok/s | same text |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, sessions in report["models"].items():
         for agent, rows in sessions.items():
             for row in rows:
-                new = row.get("new_prefill_s")
-                ratio = f"{row['ttft_s'] / new:.2f}" if new else ""
+                new, ideal = row.get("new_prefill_s"), row.get("ideal_s")
+                ratio = f"{row['ttft_s'] / ideal:.2f}" if ideal else ""
                 turn = f"{row['turn']}{' (restarted)' if row.get('after_restart') else ''}"
                 lines.append(
                     f"| {model} | {agent} | {turn} | {row['prompt_tokens']} | "
-                    f"{row['cached_tokens']} | {row['ttft_s']} | {new or ''} | {ratio} | "
-                    f"{row['mlx_lm']['ttft_s']} | {row['same_text']} |"
+                    f"{row['cached_tokens']} | {row['ttft_s']} | {ideal or ''} | {ratio} | "
+                    f"{new or ''} | "
+                    f"{row['mlx_lm']['ttft_s']} | {row['tokens_per_s']} | "
+                    f"{row['mlx_lm']['tokens_per_s']} | {row['same_text']} |"
                 )
     lines.append("")
     for model, sessions in report["models"].items():
         rows = [row for session in sessions.values() for row in session]
         ours = sum(r["total_s"] + r.get("side", {}).get("total_s", 0) for r in rows)
         theirs = sum(r["mlx_lm"]["total_s"] for r in rows)
+        if not theirs:
+            lines.append(f"- {model}: every request of the sessions answered in {ours:.1f} s")
+            continue
         lines.append(
             f"- {model}: every request of the sessions (side requests too) answered in "
             f"{ours:.1f} s here, {theirs:.1f} s on mlx-lm's server: {theirs / ours:.2f}x"
@@ -357,19 +427,32 @@ def table(report: dict) -> str:
 
 
 def main() -> None:
+    global PROPOSER, SERVE_ARGS, MAX_TOKENS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2,qwen3_5,gemma3_text")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--folders", type=Path, default=Path(tempfile.gettempdir()) / "replay")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--proposer", help="mlxspec's proposer for every request (default: the model's)"
+    )
+    parser.add_argument("--no-mlx-lm", action="store_true", help="mlxspec alone (a proposer's run)")
+    parser.add_argument("--serve-args", default="", help="more `mlxspec serve` options")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="a turn's answer")
     args = parser.parse_args()
+    PROPOSER, SERVE_ARGS, MAX_TOKENS = args.proposer, args.serve_args, args.max_tokens
     smollm2 = smollm2_folder(args.folders / "smollm2")
-    report = {"turns": args.turns, "seed": args.seed, "models": {}}
+    report = {
+        **{k: v for k, v in vars(args).items() if k != "folders" and k != "out"},
+        "models": {},
+    }
     cache_dir = Path(tempfile.mkdtemp(prefix="replay-cache-"))
     for name in args.models.split(","):
         folder = smollm2 if name == "smollm2" else random_folder(name, args.folders / name, smollm2)
-        report["models"][name] = run_model(name, folder, args.turns, args.seed, cache_dir)
+        report["models"][name] = run_model(
+            name, folder, args.turns, args.seed, cache_dir, against=not args.no_mlx_lm
+        )
     shutil.rmtree(cache_dir, ignore_errors=True)
     print(table(report))
     if args.out:

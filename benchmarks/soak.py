@@ -209,7 +209,12 @@ def main() -> None:
                         with httpx.stream(
                             "POST", url + path, json={**body, "stream": True}, timeout=300
                         ) as reply:
-                            for _, _line in zip(range(3), reply.iter_lines()):
+                            # three events of its answer: a queued stream's comments
+                            # (": waiting in queue") come first and do not count
+                            events = (
+                                x for x in reply.iter_lines() if x.startswith(("data:", "event:"))
+                            )
+                            for _, _line in zip(range(3), events):
                                 pass
                         outcome = "left mid-stream"
                     elif leave:
