@@ -198,6 +198,7 @@ class Scheduler:
             self.caches.join(fed)
             if self.kv_budget is not None and not self.kv_layout:
                 self.kv_layout = self.caches.kv_layout()
+            self._make_room(self._rows_kv())  # prompts kept as they joined take room too
         for slot in [s for s in self.joining if s.request_id in fed]:
             slot.run.record.prefill_seconds = time.perf_counter() - slot.admitted_at
             self.joining.remove(slot)
@@ -225,34 +226,33 @@ class Scheduler:
         return sum(per_token for per_token, _ in self.kv_layout)
 
     def kv_reserved(self, joining: Slot | None = None) -> float:
-        """Bytes of KV the batch may come to hold (with `joining` admitted too): its rows'
-        (`_rows_kv`) and the kept prefixes'."""
+        """Bytes of KV its rows (`_rows_kv`, `joining` too) and kept prefixes may hold."""
         return self._rows_kv(joining) + self.prefixes.nbytes
 
     def _rows_kv(self, joining: Slot | None = None) -> float:
         """Rows x the longest row's context in each layer (a window layer: at most the
         columns it keeps), as the right-aligned batch cache lays them out."""
         rows = [*self.joining, *self.active, *([joining] if joining else [])]
-        span = max((len(s.run.sequence) + s.run.left for s in rows), default=0)
-        columns = cache_columns(span)
+        columns = cache_columns(max((len(s.run.sequence) + s.run.left for s in rows), default=0))
         per_row = sum(b * min(columns, cap or columns) for b, cap in self.kv_layout)
         return len(rows) * per_row
 
     def _fits(self, slot: Slot) -> bool:
-        """Whether `slot` may join within the KV budget, once kept prefixes have made
-        what room they can. A request alone always may (its context bounds it); beside
-        others, not before the first joined row told the bytes a token takes."""
+        """Whether `slot` may join within the KV budget, kept prefixes giving way: alone
+        always (its context bounds it), beside others once a row told a token's bytes."""
         if self.kv_budget is None or not (self.joining or self.active):
             return True
         if not self.kv_per_token:
             return False
-        rows = self._rows_kv(slot)
-        if rows > self.kv_budget:
+        if (rows := self._rows_kv(slot)) > self.kv_budget:
             return False
-        room = int(self.kv_budget - rows)
-        if self.prefixes.nbytes > room:
-            self.caches.evict(room)
+        self._make_room(rows)
         return True
+
+    def _make_room(self, rows: float) -> None:
+        """Kept prefixes give way to `rows` bytes of rows: they keep what the budget leaves."""
+        if self.kv_budget is not None and self.prefixes.nbytes > self.kv_budget - rows:
+            self.caches.evict(max(0, int(self.kv_budget - rows)))
 
     def drain(self) -> Iterator[dict[int, list[Event]]]:
         """Rounds until every submitted request is done (for scripts and tests)."""
