@@ -54,10 +54,11 @@ class Kept:
 
     def reusable(self, tokens: list[int], least: int = MIN_REUSE) -> int:
         """How many of `tokens` this entry can hand over (0: fewer than `least`)."""
-        n = common_prefix(self.tokens, tokens)
-        if n < len(self.tokens) and not self.cuttable:
-            return 0
-        return n if n >= least else 0
+        return reusable_length(self.tokens, self.cuttable, tokens, least)
+
+    @property
+    def key(self) -> tuple:
+        return self.tokens, self.form, self.cuttable
 
 
 class DiskTier(Protocol):
@@ -72,10 +73,35 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    lo, hi = 0, n  # binary search on the first difference: long chats stay cheap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def reusable_length(held: list[int], cuttable: bool, tokens: list[int], least: int) -> int:
+    """How many of `tokens` an entry holding `held` can hand over: any common prefix
+    where it can be cut back, else only the whole (0: fewer than `least`)."""
+    n = common_prefix(held, tokens)
+    if n < len(held) and not cuttable:
+        return 0
+    return n if n >= least else 0
+
+
+def supersedes(new: tuple, old: tuple) -> bool:
+    """Whether an entry (tokens, form, cuttable) `new` makes `old` needless: the same
+    tokens, or a cuttable one whose tokens begin with `old`'s."""
+    (tokens, form, cuttable), (old_tokens, old_form, _) = new, old
+    if old_form != form:
+        return False
+    if old_tokens == tokens:
+        return True
+    short = len(old_tokens) < len(tokens)
+    return cuttable and short and tokens[: len(old_tokens)] == old_tokens
 
 
 def form_of(cache: list[Any]) -> tuple[str, ...]:
@@ -128,7 +154,7 @@ class PromptCache:
         # batch's cache of that moment alive (every row, full size), not its own row.
         mx.eval([layer.state for layer in cache])
         kept = Kept(list(tokens), cache, cache_bytes(cache), form_of(cache))
-        self.kept = [old for old in self.kept if not _supersedes(kept, old)]
+        self.kept = [old for old in self.kept if not supersedes(kept.key, old.key)]
         self.kept.append(kept)
         self._bound()
 
@@ -187,18 +213,6 @@ class PromptCache:
             self._spill(self.kept.pop(0))
         if self.max_bytes is not None:
             self.evict_to(self.max_bytes)
-
-
-def _supersedes(new: Kept, old: Kept) -> bool:
-    if old.form != new.form:
-        return False
-    if old.tokens == new.tokens:
-        return True
-    return (
-        new.cuttable
-        and len(old.tokens) < len(new.tokens)
-        and (new.tokens[: len(old.tokens)] == old.tokens)
-    )
 
 
 def prefix_copy(kept: Kept, length: int) -> list[Any]:

@@ -31,7 +31,14 @@ from pathlib import Path
 
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from mlxspec.models.prompt_cache import MIN_REUSE, Kept, cache_bytes, common_prefix, prefix_copy
+from mlxspec.models.prompt_cache import (
+    MIN_REUSE,
+    Kept,
+    cache_bytes,
+    prefix_copy,
+    reusable_length,
+    supersedes,
+)
 
 log = logging.getLogger("mlxspec.prompt_cache")
 
@@ -48,10 +55,11 @@ class OnDisk:
     nbytes: int
 
     def reusable(self, tokens: list[int]) -> int:
-        n = common_prefix(self.tokens, tokens)
-        if n < len(self.tokens) and not self.cuttable:
-            return 0
-        return n if n >= MIN_REUSE else 0
+        return reusable_length(self.tokens, self.cuttable, tokens, MIN_REUSE)
+
+    @property
+    def key(self) -> tuple:
+        return self.tokens, self.form, self.cuttable
 
 
 def folder_name(key: str) -> str:
@@ -145,7 +153,10 @@ class DiskCache:
         self.entries[name] = OnDisk(
             path, list(kept.tokens), kept.form, kept.cuttable, path.stat().st_size
         )
-        for other in [e for e in self.entries.values() if _superseded(e, self.entries[name])]:
+        new = self.entries[name]
+        for other in [
+            e for e in self.entries.values() if e is not new and supersedes(new.key, e.key)
+        ]:
             self._remove(other)
         self._bound()
 
@@ -202,13 +213,3 @@ class DiskCache:
         if not self._warned:
             self._warned = True
             log.warning("prompt cache: %s", message)
-
-
-def _superseded(old: OnDisk, new: OnDisk) -> bool:
-    return (
-        old is not new
-        and old.form == new.form
-        and new.cuttable
-        and len(old.tokens) < len(new.tokens)
-        and new.tokens[: len(old.tokens)] == old.tokens
-    )

@@ -29,6 +29,7 @@ from mlxspec.models.prompt_cache import (
     CHECKPOINT_EVERY,
     MIN_REUSE,
     PromptCache,
+    common_prefix,
     copy_cache,
     form_of,
 )
@@ -36,20 +37,6 @@ from mlxspec.models.tree import DraftTree
 
 ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
 PREFILL_CHUNK = 512
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # binary search on the first difference: long chats stay cheap
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def trim_cache(holder, n: int) -> bool:
@@ -93,7 +80,7 @@ def catch_up(
     only the cache: mlx then never runs what the cache does not hold (the LM head over
     every position, the last layer's MLP), 9 % of a 500-token SmolLM2 prefill.
     """
-    reused = common_prefix_len(holder.cached_tokens, tokens[:reusable])
+    reused = common_prefix(holder.cached_tokens, tokens[:reusable])
     surplus = len(holder.cached_tokens) - reused
     if surplus and not (allow_trim and trim_cache(holder, surplus)):
         holder.reset()
@@ -336,7 +323,7 @@ class Target:
         if self.pool is None:
             return
         held = self.cached_tokens
-        own = common_prefix_len(held, tokens)
+        own = common_prefix(held, tokens)
         if own < len(held) and self.snapshot_layers:
             own = 0  # a recurrent state cannot be cut back to the common prefix
         extends = own == len(held)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxspec.drafter.block import BlockDrafter
-from mlxspec.models.target import Target, common_prefix_len
+from mlxspec.models.prompt_cache import common_prefix
+from mlxspec.models.target import Target
 from mlxspec.models.tree import DraftTree, LevelGrower
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
 
@@ -74,7 +75,7 @@ class BlockProposer:
         seq, new = ctx.tokens, ctx.hidden
         m = 0 if new is None else new.shape[0]
         start = len(seq) - 1 - m  # position of new's first row
-        valid = min(self.base + self.fed + self.n_waiting, common_prefix_len(self.tokens, seq))
+        valid = min(self.base + self.fed + self.n_waiting, common_prefix(self.tokens, seq))
         valid = min(valid, start)
         if valid < start or valid < self.base:
             self.reset()

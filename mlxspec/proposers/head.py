@@ -15,7 +15,8 @@ import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
 from mlxspec.drafter.head import Head, head_cache, lm_rows
-from mlxspec.models.target import Target, common_prefix_len
+from mlxspec.models.prompt_cache import common_prefix
+from mlxspec.models.target import Target
 from mlxspec.models.tree import DraftTree, LevelGrower
 from mlxspec.models.tree_attention import rope_positions
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw, full_width
@@ -71,7 +72,7 @@ class HeadProposer:
         seq, new = ctx.tokens, ctx.hidden
         m = 0 if new is None else new.shape[0]
         start = len(seq) - 1 - m  # position of new's first row
-        same = common_prefix_len(self.tokens, seq)
+        same = common_prefix(self.tokens, seq)
         # Rows we hold stay valid for positions before `same` (they depend on tokens 0..p).
         valid = min(self.base + self.n_hidden, same, start)
         if valid < start or valid < self.base:  # a gap: start over from the new rows
