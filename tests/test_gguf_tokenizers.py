@@ -35,15 +35,17 @@ def oracle(architecture: str, metadata: dict):
     return backend
 
 
-def qwen_metadata() -> dict:
-    """Byte tokens plus merges of digits and letters: where the split regex decides."""
+def qwen_metadata(pre: str = "qwen2", unmerged: tuple[str, ...] = ()) -> dict:
+    """Byte tokens plus merges of digits and letters: where the split regex decides.
+    `unmerged`: tokens no merge makes, which only a whole-word vocabulary reaches."""
     alphabet = sorted(ByteLevel.alphabet())
     merges = ["1 2", "12 3", "l l", "ll o", "h e", "he llo", "Ġ w", "Ġw o", "' s", "Ġ Ġ"]
+    merges += ["4 5", "W o"]
     made = [merge.replace(" ", "") for merge in merges]
-    tokens = [*alphabet, *made, "<|endoftext|>"]
+    tokens = [*alphabet, *made, *unmerged, "<|endoftext|>"]
     return {
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.pre": pre,
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": [1] * (len(tokens) - 1) + [3],
         "tokenizer.ggml.merges": merges,
@@ -80,6 +82,56 @@ def test_qwen2_pre_tokenizer_splits_digits_one_by_one_like_transformers():
         assert ours.decode(ids) == text
     # "123" is a token, but qwen2's regex puts each digit apart, so it is never made.
     assert metadata["tokenizer.ggml.tokens"].index("123") not in ours.encode("x 12345")
+
+
+def test_llama3_pre_tokenizer_keeps_digits_in_threes_like_transformers():
+    metadata = qwen_metadata("llama-bpe")
+    ours = tokenizer_from_metadata(metadata)
+    theirs = oracle("llama", metadata)
+    for text in [*TEXTS, "x 12345 y 1234567"]:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == theirs.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ids) == text
+    tokens = metadata["tokenizer.ggml.tokens"]
+    # "12345" is split "123" + "45", both tokens; qwen2's regex would give five digits.
+    assert ours.encode("12345", add_special_tokens=False) == [
+        tokens.index("123"),
+        tokens.index("45"),
+    ]
+
+
+def test_tekken_pre_tokenizer_splits_words_at_capitals_like_transformers():
+    metadata = qwen_metadata("tekken")
+    ours = tokenizer_from_metadata(metadata)
+    theirs = oracle("llama", metadata)
+    for text in [*TEXTS, "helloWorld HELLO wo 12345"]:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == theirs.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ids) == text
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "tekken"])
+def test_llama3_and_tekken_take_a_word_that_is_a_token_whole(pre):
+    """llama-vocab.cpp's ignore_merges: a piece of the split that is itself a token is that
+    token, even where no merge reaches it (tokenizer.json's "ignore_merges": true)."""
+    metadata = qwen_metadata(pre, unmerged=("Ġworld",))
+    ours = tokenizer_from_metadata(metadata)
+    world = metadata["tokenizer.ggml.tokens"].index("Ġworld")
+    assert ours.encode(" world", add_special_tokens=False) == [world]
+    # Qwen's vocabulary merges only: the same token list never gives it.
+    assert world not in tokenizer_from_metadata(qwen_metadata("qwen2", ("Ġworld",))).encode(
+        " world"
+    )
+
+
+def test_llama3_adds_its_begin_token_unless_the_file_says_not_to():
+    metadata = {**qwen_metadata("llama-bpe"), "tokenizer.ggml.bos_token_id": 0}
+    assert tokenizer_from_metadata(metadata).encode("hi")[0] == 0
+    metadata["tokenizer.ggml.add_bos_token"] = False
+    assert tokenizer_from_metadata(metadata).encode("hi")[0] != 0
+    # Qwen's files add no begin token unless they say so (llama.cpp's BPE default).
+    qwen = {**qwen_metadata(), "tokenizer.ggml.bos_token_id": 0}
+    assert tokenizer_from_metadata(qwen).encode("hi")[0] != 0
 
 
 @pytest.mark.parametrize(("architecture", "prefix_space"), [("gemma3", False), ("phi3", True)])

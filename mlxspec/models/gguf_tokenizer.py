@@ -39,10 +39,29 @@ QWEN2_SPLIT = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# LLAMA_VOCAB_PRE_TYPE_LLAMA3's (Llama 3.x, Falcon 3, LFM2...): digits in runs of up to three.
+LLAMA3_SPLIT = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# LLAMA_VOCAB_PRE_TYPE_TEKKEN's (Mistral Nemo, Mistral Small 3), as its tokenizer.json has it:
+# letters split at a capital, one digit at a time.
+TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_PRE_TOKENIZERS = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral"}
+LLAMA3_PRE_TOKENIZERS |= {"midm-2.0", "lfm2"}
 SPLIT_PRE_TOKENIZERS = {
     "qwen2": QWEN2_SPLIT,
     "deepseek-r1-qwen": QWEN2_SPLIT,
+    "tekken": TEKKEN_SPLIT,
+    **dict.fromkeys(LLAMA3_PRE_TOKENIZERS, LLAMA3_SPLIT),
 }
+# llama-vocab.cpp sets `ignore_merges` (a word that is a token is taken whole, before any merge:
+# tokenizer.json's "ignore_merges": true) and `add_bos` for these.
+WHOLE_WORD_PRE_TOKENIZERS = LLAMA3_PRE_TOKENIZERS | {"tekken"}
 
 TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
@@ -70,7 +89,9 @@ def tokenizer_from_metadata(metadata: dict) -> TokenizerWrapper:
         return None if token_id is None else tokens[python_number(token_id)]
 
     bos_token = special("bos_token_id")
-    if bos_token is not None and python_number(metadata.get("tokenizer.ggml.add_bos_token", False)):
+    bos_by_default = metadata.get("tokenizer.ggml.pre") in WHOLE_WORD_PRE_TOKENIZERS
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", bos_by_default)
+    if bos_token is not None and python_number(add_bos):
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos_token} $A",
             pair=f"{bos_token} $A $B",
@@ -110,15 +131,17 @@ def check_tokenizer(metadata: dict) -> None:
 
 def _byte_level_bpe(metadata: dict, tokens: list[str]) -> Tokenizer:
     merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    pre_type = metadata.get("tokenizer.ggml.pre", "default")
     backend = Tokenizer(
         models.BPE(
             vocab={token: token_id for token_id, token in enumerate(tokens)},
             merges=merges,
             fuse_unk=False,
             byte_fallback=False,
+            ignore_merges=pre_type in WHOLE_WORD_PRE_TOKENIZERS,
         )
     )
-    backend.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+    backend.pre_tokenizer = _pre_tokenizer(pre_type)
     backend.decoder = decoders.ByteLevel()
     return backend
 
