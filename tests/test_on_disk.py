@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,29 @@ def test_a_found_name_that_is_not_there_is_one_line(disk):
     result = CliRunner().invoke(main, ["generate", "hi", "-m", "lmstudio:nobody/none"])
     assert result.exit_code != 0 and "no model 'lmstudio:nobody/none'" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("offline", ["1", "0"])
+def test_a_hub_pull_takes_the_copy_already_in_the_hugging_face_cache(disk, offline):
+    """What mlx-lm (or `hf download`) fetched is not fetched again: `pull` and `--model` of
+    the hub id find it in huggingface_hub's cache, offline (this machine reaches no hub)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": offline, "HF_HUB_ETAG_TIMEOUT": "2"}
+    run = [sys.executable, "-m", "mlxspec"]
+    pulled = subprocess.run(
+        [*run, "pull", "someone/tiny-llama"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert pulled.returncode == 0, pulled.stderr
+    assert f"someone/tiny-llama: {disk['snapshot']}" in pulled.stderr + pulled.stdout
+    answer = subprocess.run(
+        [*run, "generate", "one two", "-n", "4", "-p", "none", "-m", "someone/tiny-llama"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert answer.returncode == 0, answer.stderr
+    missing = subprocess.run(
+        [*run, "pull", "someone/not-here"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert "cannot reach the Hugging Face hub to fetch someone/not-here" in missing.stderr

@@ -11,8 +11,9 @@ from mlxspec import device
 from mlxspec.cli.errors import fail_cleanly
 from mlxspec.cli.options import JSON_OPTION, model_option
 from mlxspec.console import say
-from mlxspec.registry.models_toml import load_registry
-from mlxspec.registry.on_disk import found_models
+from mlxspec.registry.found_drafters import drafters_for
+from mlxspec.registry.models_toml import DRAFT, Registry, load_registry
+from mlxspec.registry.on_disk import FoundModel, found_models
 
 
 @click.command()
@@ -53,18 +54,7 @@ def models(as_json):
             }
         )
     found = [
-        {
-            "name": model.name,
-            "source": model.source,
-            "path": str(model.path),
-            "format": model.format,
-            "size_gb": round(model.size_bytes / 1e9, 2),
-            "runnable": model.runnable,
-            "about": model.why,
-            # every model drafts from its prompt and its own history; others need weights
-            "proposers": ["prompt-lookup", "suffix"] if model.runnable else [],
-        }
-        for model in found_models()
+        _found_row(model, on_disk, registry) for on_disk in [found_models()] for model in on_disk
     ]
     if as_json:
         click.echo(
@@ -93,8 +83,47 @@ def models(as_json):
         state = "runs" if model["runnable"] else "cannot run"
         click.echo(f"  {model['name']:<40} {model['format']}, {model['size_gb']} GB, {state}")
         click.echo(f"    {model['source']}: {model['path']} ({model['about']})")
+        if model["drafters"]:
+            best = model["drafters"][0]
+            click.echo(
+                f"    proposers: {', '.join(model['proposers'])} (draft-model: {best['name']}, "
+                f"{best['size_ratio']:.2f}x its size)"
+            )
+        for twin in model["registry_entries"]:
+            click.echo(f"    registry entry {twin}: -m {twin} for its proposers, same weights")
     facts = device.describe()
     click.echo(f"device: {facts['device']}, BLAS: {facts['blas']}, mlx {facts['mlx']}")
+
+
+def _found_row(model: FoundModel, on_disk: list[FoundModel], registry: Registry) -> dict:
+    """A found model as `models` lists it: what it is, and what can draft for it (every
+    model drafts from its prompt and its own history; a smaller one of its vocabulary on
+    this disk too; an entry of the registry naming the same weights has its own)."""
+    drafters = drafters_for(model, on_disk)
+    proposers = ["prompt-lookup", "suffix"] if model.runnable else []
+    if drafters:
+        proposers.append(DRAFT)
+    hub_id = model.name.removeprefix("hf:") if model.name.startswith("hf:") else None
+    twins = [
+        entry.name
+        for entry in registry.entries.values()
+        if model.runnable and entry.target in (hub_id, str(model.path))
+    ]
+    return {
+        "name": model.name,
+        "source": model.source,
+        "path": str(model.path),
+        "format": model.format,
+        "size_gb": round(model.size_bytes / 1e9, 2),
+        "runnable": model.runnable,
+        "about": model.why,
+        "proposers": proposers,
+        "drafters": [
+            {"name": d.name, "size_ratio": round(d.size_bytes / model.size_bytes, 3)}
+            for d in drafters
+        ],
+        "registry_entries": twins,
+    }
 
 
 @click.command()

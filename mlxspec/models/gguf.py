@@ -100,8 +100,11 @@ def is_gguf(path: Path) -> bool:
 def check_gguf(path: Path) -> str:
     """What a GGUF file holds ("llama, Q4_K/Q6_K/F32"), read from its header alone;
     GGUFError where this loader cannot run it (its architecture, its tokenizer)."""
-    metadata = read_gguf_metadata(path)
-    kinds = tensor_types(path)
+    return describe_gguf(read_gguf_metadata(path), tensor_types(path))
+
+
+def describe_gguf(metadata: dict, kinds: dict[str, str]) -> str:
+    """check_gguf of a header already read: its metadata and each tensor's type."""
     model_config(metadata, tensor_names=kinds)
     check_tokenizer(metadata)
     return f"{metadata['general.architecture']}, {'/'.join(sorted(set(kinds.values())))}"

@@ -57,6 +57,12 @@ def read_gguf_metadata(path: Path) -> dict:
     return _metadata(_header(path))
 
 
+def read_gguf_header(path: Path) -> tuple[dict, dict[str, str]]:
+    """(metadata, each tensor's type) from one read of the header."""
+    header = _header(path)
+    return _metadata(header), {tensor.name: _type_name(tensor) for tensor in header.tensors}
+
+
 def _header(path: Path) -> Header:
     try:
         return read_header(path)

@@ -27,7 +27,7 @@ else:  # pragma: no cover - Python 3.10 needs the backport
 
 from mlxspec.decoding.weights_choice import CHOICES
 from mlxspec.paths import config_dir
-from mlxspec.registry.on_disk import resolve_found
+from mlxspec.registry.on_disk import found_drafter, resolve_found
 
 # The folder that holds the mlxspec package: the repository root in a checkout (where the
 # shipped models.toml lives), site-packages once installed. The shipped file's relative paths
@@ -40,6 +40,7 @@ ENV_VAR = "MLXSPEC_MODELS"
 NONE = "none"  # the reserved proposer name meaning "no speculation"
 FALLBACK = "prompt-lookup"  # needs no weights, so every entry gets one
 SUFFIX = "suffix"  # needs no weights either (drafts from the model's history): on every entry
+DRAFT = "draft-model"  # a found model's same-vocabulary drafter, where one is on the disk too
 
 
 class RegistryError(ValueError):
@@ -455,6 +456,9 @@ def reference_entry(reference: str) -> ModelEntry | None:
         return None
     where = _Where(SHIPPED_FILE, reference)
     proposers = {name: _proposer(name, {}, where, "--model") for name in (FALLBACK, SUFFIX)}
+    drafter = found_drafter(reference) if found else None
+    if drafter is not None:  # a smaller model of its vocabulary on this disk
+        proposers[DRAFT] = _proposer(DRAFT, {"draft": str(drafter.path)}, where, "--model")
     return ModelEntry(
         name=reference,
         target=target,

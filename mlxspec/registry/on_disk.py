@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxspec.registry.found_drafters import drafters_for, folder_key, tokens_key
+
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_REGISTRY = "registry.ollama.ai"
 PREFIXES = ("hf:", "lmstudio:", "ollama:")
@@ -37,6 +39,17 @@ class FoundModel:
     size_bytes: int
     runnable: bool
     why: str  # what it is, or why mlxspec cannot run it
+    vocabulary: str | None = None  # found_drafters.tokens_key: which drafters it can take
+
+
+@dataclass(frozen=True)
+class _Place:
+    """A model's name and where it lies, before anything in it is read."""
+
+    name: str
+    path: Path
+    source: str
+    format: str
 
 
 def hf_cache() -> Path:
@@ -57,9 +70,29 @@ def ollama_models() -> Path:
 
 
 def found_models() -> list[FoundModel]:
-    """Every model found in the three places, sorted by name."""
+    """Every model found in the three places, sorted by name, each read for what it is."""
+    return [_inspect(place) for place in _places()]
+
+
+def found_model(name: str) -> FoundModel | None:
+    """The found model of that name, or None."""
+    place = next((place for place in _places() if place.name == name), None)
+    return None if place is None else _inspect(place)
+
+
+def found_drafter(name: str) -> FoundModel | None:
+    """The found model that drafts best for the found model `name` (found_drafters.py), or
+    None where there is none on the disk."""
+    target = found_model(name)
+    if target is None or not target.runnable:
+        return None
+    drafters = drafters_for(target, found_models())
+    return drafters[0] if drafters else None
+
+
+def _places() -> list[_Place]:
     found = [*_hugging_face(hf_cache()), *_lmstudio(lmstudio_models()), *_ollama(ollama_models())]
-    return sorted(found, key=lambda model: model.name)
+    return sorted(found, key=lambda place: place.name)
 
 
 def resolve_found(name: str) -> Path | None:
@@ -67,15 +100,15 @@ def resolve_found(name: str) -> Path | None:
     LookupError naming where it looked for one that is not there."""
     if not name.startswith(PREFIXES):
         return None
-    for model in found_models():
-        if model.name == name:
-            return model.path
+    for place in _places():
+        if place.name == name:
+            return place.path
     source = name.split(":", 1)[0]
     where = {"hf": hf_cache(), "lmstudio": lmstudio_models(), "ollama": ollama_models()}[source]
     raise LookupError(f"no model {name!r} in {where} (`mlxspec models` lists what is found)")
 
 
-def _hugging_face(cache: Path) -> list[FoundModel]:
+def _hugging_face(cache: Path) -> list[_Place]:
     found = []
     for repo in sorted(cache.glob("models--*")) if cache.is_dir() else ():
         ref = repo / "refs" / "main"
@@ -91,7 +124,7 @@ def _hugging_face(cache: Path) -> list[FoundModel]:
     return found
 
 
-def _lmstudio(root: Path) -> list[FoundModel]:
+def _lmstudio(root: Path) -> list[_Place]:
     found = []
     for folder in sorted(root.glob("*/*")) if root.is_dir() else ():
         if folder.is_dir():
@@ -100,7 +133,7 @@ def _lmstudio(root: Path) -> list[FoundModel]:
     return found
 
 
-def _ollama(root: Path) -> list[FoundModel]:
+def _ollama(root: Path) -> list[_Place]:
     found = []
     manifests = root / "manifests"
     for manifest in sorted(manifests.glob("*/*/*/*")) if manifests.is_dir() else ():
@@ -115,11 +148,8 @@ def _ollama(root: Path) -> list[FoundModel]:
             continue
         blob = root / "blobs" / digest.replace(":", "-")
         if blob.is_file():
-            found.append(
-                _gguf_model(
-                    f"ollama:{_ollama_name(registry, namespace, name)}:{tag}", blob, "Ollama"
-                )
-            )
+            name = f"ollama:{_ollama_name(registry, namespace, name)}:{tag}"
+            found.append(_Place(name, blob, "Ollama", "gguf"))
     return found
 
 
@@ -130,14 +160,19 @@ def _ollama_name(registry: str, namespace: str, name: str) -> str:
     return name if namespace == "library" else f"{namespace}/{name}"
 
 
-def _folder_models(name: str, folder: Path, source: str) -> list[FoundModel]:
+def _folder_models(name: str, folder: Path, source: str) -> list[_Place]:
     """An MLX (mlx-lm) folder, or each GGUF file in the folder."""
     if (folder / "config.json").is_file():
-        return [_mlx_model(name, folder, source)]
+        return [_Place(name, folder, source, "mlx")]
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) == 1:
-        return [_gguf_model(name, ggufs[0], source)]
-    return [_gguf_model(f"{name}/{gguf.name}", gguf, source) for gguf in ggufs]
+        return [_Place(name, ggufs[0], source, "gguf")]
+    return [_Place(f"{name}/{gguf.name}", gguf, source, "gguf") for gguf in ggufs]
+
+
+def _inspect(place: _Place) -> FoundModel:
+    read = _mlx_model if place.format == "mlx" else _gguf_model
+    return read(place.name, place.path, place.source)
 
 
 def _size(path: Path) -> int:
@@ -160,15 +195,21 @@ def _mlx_model(name: str, folder: Path, source: str) -> FoundModel:
         + ("" if weights else ", no safetensors weights")
         + ("" if known else f", an architecture mlx-lm has no model for ({kind})")
     )
-    return FoundModel(name, folder, source, "mlx", _size(folder), runnable, why)
+    vocabulary = folder_key(folder) if runnable else None
+    return FoundModel(name, folder, source, "mlx", _size(folder), runnable, why, vocabulary)
 
 
 def _gguf_model(name: str, file: Path, source: str) -> FoundModel:
-    from mlxspec.models.gguf import GGUFError, check_gguf
+    from mlxspec.models.gguf import GGUFError, describe_gguf
+    from mlxspec.models.gguf_reader import read_gguf_header
 
+    vocabulary = None
     try:
-        why = check_gguf(file)
+        metadata, kinds = read_gguf_header(file)
+        why = describe_gguf(metadata, kinds)
         runnable = True
+        tokens = list(metadata.get("tokenizer.ggml.tokens", ()))
+        vocabulary = tokens_key(tokens) if tokens else None
     except (GGUFError, ValueError, OSError) as err:
         why, runnable = str(err), False
-    return FoundModel(name, file, source, "gguf", _size(file), runnable, why)
+    return FoundModel(name, file, source, "gguf", _size(file), runnable, why, vocabulary)
