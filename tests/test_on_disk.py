@@ -128,3 +128,47 @@ def test_a_hub_pull_takes_the_copy_already_in_the_hugging_face_cache(disk, offli
     )
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert "cannot reach the Hugging Face hub to fetch someone/not-here" in missing.stderr
+
+
+def test_lm_studio_and_ollama_folders_can_be_named_in_models_toml(disk, tmp_path, monkeypatch):
+    moved = tmp_path / "external-drive"
+    (tmp_path / "lmstudio").rename(moved)
+    monkeypatch.delenv("MLXSPEC_LMSTUDIO_MODELS")
+    monkeypatch.delenv("OLLAMA_MODELS")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.ollama, no ~/.lmstudio
+    models = tmp_path / "models.toml"
+    models.write_text(f'[places]\nlmstudio = "{moved}"\nollama = "{tmp_path / "ollama"}"\n')
+    monkeypatch.setenv("MLXSPEC_MODELS", str(models))
+    listed = CliRunner().invoke(main, ["models", "--json"])
+    assert listed.exit_code == 0, listed.output
+    facts = json.loads(listed.stdout)
+    assert facts["places"]["LM Studio"] == str(moved)
+    names = {row["name"] for row in facts["found"]}
+    assert {"lmstudio:publisher/Tiny-GGUF", "ollama:tiny:latest"} <= names
+    entry = load_registry().including("ollama:tiny:latest").get("ollama:tiny:latest")
+    assert Path(entry.target) == disk["blob"]
+    models.write_text('[places]\nlmstudios = "/x"\n')
+    wrong = CliRunner().invoke(main, ["models"])
+    assert wrong.exit_code != 0 and "[places] has 'lmstudios'; known keys: lmstudio, ollama" in (
+        wrong.output
+    )
+
+
+def test_lm_studio_is_found_where_its_home_pointer_says(disk, tmp_path, monkeypatch):
+    """LM Studio's app and `lms` read their home from ~/.lmstudio-home-pointer."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("MLXSPEC_LMSTUDIO_MODELS")
+    lm_home = tmp_path / "lm-home"
+    lm_home.mkdir()
+    (tmp_path / "lmstudio").rename(lm_home / "models")
+    (home / ".lmstudio-home-pointer").write_text(f"{lm_home}\n")
+    assert "lmstudio:publisher/Tiny-GGUF" in {model.name for model in found_models()}
+    text = CliRunner().invoke(main, ["models"]).output
+    assert f"LM Studio: {lm_home / 'models'}\n" in text
+    (home / ".lmstudio-home-pointer").unlink()
+    assert not any(model.name.startswith("lmstudio:") for model in found_models())
+    assert f"LM Studio: {home / '.lmstudio' / 'models'} (absent)" in (
+        CliRunner().invoke(main, ["models"]).output
+    )

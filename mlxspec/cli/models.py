@@ -4,6 +4,7 @@ and `pull` (fetching weights)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -53,15 +54,21 @@ def models(as_json):
                 },
             }
         )
-    found = [
-        _found_row(model, on_disk, registry) for on_disk in [found_models()] for model in on_disk
-    ]
+    on_disk = found_models(registry.found_places())
+    where = registry.found_places()
+    places = {
+        "Hugging Face cache": str(where.huggingface),
+        "LM Studio": str(where.lmstudio),
+        "Ollama": str(where.ollama),
+    }
+    found = [_found_row(model, on_disk, registry) for model in on_disk]
     if as_json:
         click.echo(
             json.dumps(
                 {
                     "models": rows,
                     "found": found,
+                    "places": places,
                     "files": [str(f) for f in registry.files],
                     "machine": device.describe(),
                 },
@@ -77,8 +84,9 @@ def models(as_json):
         click.echo(
             f"    proposers: {', '.join(row['proposers'])} (default {row['default_proposer']})"
         )
-    if found:
-        click.echo("on this disk (read where they are; --model takes the name):")
+    click.echo("on this disk (read where they are; --model takes the name), looked in:")
+    for source, folder in places.items():
+        click.echo(f"  {source}: {folder}" + ("" if Path(folder).is_dir() else " (absent)"))
     for model in found:
         state = "runs" if model["runnable"] else "cannot run"
         click.echo(f"  {model['name']:<40} {model['format']}, {model['size_gb']} GB, {state}")

@@ -14,7 +14,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -25,9 +25,18 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 needs the backport
     import tomli as tomllib
 
-from mlxspec.decoding.weights_choice import CHOICES
 from mlxspec.paths import config_dir
-from mlxspec.registry.on_disk import found_drafter, resolve_found
+from mlxspec.registry.on_disk import PLACE_KEYS, Places, found_drafter, resolve_found
+from mlxspec.registry.schema import (
+    DEFAULTS_OPTIONS,
+    ENTRY_OPTIONS,
+    ENTRY_TABLES,
+    FALLBACK,
+    KIND_OPTIONS,
+    REFERENCE,
+    REQUIRED,
+    Option,
+)
 
 # The folder that holds the mlxspec package: the repository root in a checkout (where the
 # shipped models.toml lives), site-packages once installed. The shipped file's relative paths
@@ -38,7 +47,6 @@ _PACKAGE_COPY = PACKAGE / "models.toml"  # in an installed wheel
 SHIPPED_FILE = _PACKAGE_COPY if _PACKAGE_COPY.is_file() else SHIPPED_ROOT / "models.toml"
 ENV_VAR = "MLXSPEC_MODELS"
 NONE = "none"  # the reserved proposer name meaning "no speculation"
-FALLBACK = "prompt-lookup"  # needs no weights, so every entry gets one
 SUFFIX = "suffix"  # needs no weights either (drafts from the model's history): on every entry
 DRAFT = "draft-model"  # a found model's same-vocabulary drafter, where one is on the disk too
 
@@ -51,7 +59,7 @@ class RegistryError(ValueError):
 class ProposerConfig:
     name: str
     kind: str
-    options: Mapping[str, Any]  # validated, defaults filled in (see _KIND_OPTIONS)
+    options: Mapping[str, Any]  # validated, defaults filled in (see KIND_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,12 @@ class Registry:
     default: str
     files: tuple[Path, ...]  # the files that were read, shipped first
     user_file: Path | None = None  # where the user adds entries (None: user_file_path())
+    # The user file's [places]: where LM Studio and Ollama keep models, if not the default.
+    places: Mapping[str, str] = field(default_factory=dict)
+
+    def found_places(self) -> Places:
+        """Where models of other tools are looked for (registry/on_disk.py)."""
+        return Places.here(self.places)
 
     def with_defaults(self, **changes: Any) -> Registry:
         """Every entry with some defaults replaced (command-line flags such as --tree
@@ -142,7 +156,7 @@ class Registry:
         which need no weights."""
         if model is None or model in self.entries:
             return self
-        entry = reference_entry(model)
+        entry = reference_entry(model, self.found_places())
         if entry is None:
             self.get(model)  # raises: the name is not known
         return replace(self, entries=MappingProxyType({**self.entries, model: entry}))
@@ -160,84 +174,6 @@ class _Where:
         return RegistryError(f"{self.source.name} ({self.source}){entry}: {problem}")
 
 
-_REQUIRED = object()
-
-
-@dataclass(frozen=True)
-class _Option:
-    type: type  # int, float, str, list (of strings) or dict (a table)
-    rule: str  # what a valid value is, as a noun phrase for error messages
-    default: Any = _REQUIRED  # None: optional without a value
-    ok: Callable[[Any], bool] = lambda value: True
-    reference: bool = False  # a model reference: local paths resolve against the file
-
-
-def _int(low: int, default: Any = _REQUIRED, note: str = "") -> _Option:
-    return _Option(int, f"an integer >= {low}{note}", default, lambda v: v >= low)
-
-
-_REFERENCE = _Option(
-    str, "a packaged name, a hub repo id (owner/name) or a local path", reference=True
-)
-_ENTRY_OPTIONS = {
-    "target": _REFERENCE,
-    "description": _Option(str, "a string", ""),
-    "default_proposer": _Option(str, "a proposer name or 'none'", FALLBACK),
-}
-_ENTRY_TABLES = ("defaults", "proposers")
-PENALTY_RULE = "a number from -2 to 2 (0 = off)"  # OpenAI's range
-# Defaults are None here so that Defaults' own field defaults apply to what is left out.
-_DEFAULTS_OPTIONS = {
-    "temperature": _Option(float, "a number >= 0", None, lambda v: v >= 0),
-    "top_p": _Option(float, "a number > 0 and <= 1", None, lambda v: 0 < v <= 1),
-    "top_k": _int(0, None, " (0 = off)"),
-    "presence_penalty": _Option(float, PENALTY_RULE, None, lambda v: -2 <= v <= 2),
-    "frequency_penalty": _Option(float, PENALTY_RULE, None, lambda v: -2 <= v <= 2),
-    "max_tokens": _int(1, None),
-    "context": _int(1, None),
-    "tree": _Option(bool, "true or false", None),
-    "tree_nodes": _int(1, None),
-    "history": _Option(bool, "true or false", None),
-    "weights": _Option(str, "'auto', 'quantized' or 'dequantized'", None, lambda v: v in CHOICES),
-    "chat_template_kwargs": _Option(dict, "a table, e.g. { enable_thinking = false }", None),
-}
-_KIND_OPTIONS: dict[str, dict[str, _Option]] = {
-    kind: {**options, "k_max": _int(1, 32)}
-    for kind, options in {
-        "prompt-lookup": {"ngram_max": _int(1, 4), "ngram_min": _int(1, 2)},
-        "suffix": {
-            "spec_factor": _Option(float, "a number > 0", 2.0, lambda v: v > 0),
-            "min_match": _int(1, 2),
-            "seed": _Option(bool, "true or false", False),
-        },
-        "draft-model": {"draft": _REFERENCE, "draft_layers": _int(1, None)},
-        "self-spec": {
-            "layers": _int(1),
-            "exit": _Option(str, "a path or hub repo id of an exit head", None, reference=True),
-        },
-        "head": {"path": _Option(str, "a path or hub repo id of a drafter head", reference=True)},
-        # The model's own MTP layer: `path` defaults to where `mlxspec pull NAME --mtp`
-        # puts it; `source` is the original checkpoint it is pulled from.
-        "mtp": {
-            "path": _Option(str, "a path or hub repo id of MTP weights", None, reference=True),
-            "source": _Option(str, "the original checkpoint (hub repo id)", None, reference=True),
-        },
-        "chain": {"members": _Option(list, "a non-empty list of proposer names", ok=bool)},
-        "lookahead": {"window": _int(1, 5), "ngram": _int(2, 4), "guesses": _int(0, 3)},
-        "medusa": {"path": _Option(str, "a path or hub repo id of Medusa heads", reference=True)},
-        "block": {
-            "path": _Option(
-                str, "a path or hub repo id of a DFlash or DSpark drafter", reference=True
-            ),
-            "format": _Option(
-                str,
-                "'dflash' or 'dspark' (default: read from its config)",
-                None,
-                lambda v: v in ("dflash", "dspark"),
-            ),
-        },
-    }.items()
-}
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+")
@@ -268,7 +204,7 @@ def _table(value: Any, where: _Where, section: str) -> dict[str, Any]:
     return value
 
 
-def _value(value: Any, key: str, spec: _Option, where: _Where, section: str) -> Any:
+def _value(value: Any, key: str, spec: Option, where: _Where, section: str) -> Any:
     """One checked value: type (a bool is not a number), range, then reference resolution."""
     wrong = f"{key} in {section} must be {spec.rule}, got"
     if spec.type is float and type(value) is int:
@@ -308,13 +244,13 @@ def _resolve(reference: str, key: str, where: _Where, section: str) -> str:
             f"local path; write './{reference}' for a path relative to this file"
         )
     if "/" not in reference and not _NAME.fullmatch(reference):
-        raise where.error(f"{key} in {section} must be {_REFERENCE.rule}, got {reference!r}")
+        raise where.error(f"{key} in {section} must be {REFERENCE.rule}, got {reference!r}")
     return reference
 
 
 def _options(
     table: Any,
-    specs: Mapping[str, _Option],
+    specs: Mapping[str, Option],
     where: _Where,
     section: str,
     also_known: Iterable[str] = (),
@@ -329,7 +265,7 @@ def _options(
     for key, spec in specs.items():
         if key in table:
             values[key] = _value(table[key], key, spec, where, section)
-        elif spec.default is _REQUIRED:
+        elif spec.default is REQUIRED:
             raise where.error(f"{section} is missing {key}; add {key} = <{spec.rule}>")
         else:
             values[key] = spec.default
@@ -348,15 +284,15 @@ def _proposer(name: str, table: Any, where: _Where, section: str) -> ProposerCon
     if name == NONE:
         raise where.error(f"{section}: 'none' is reserved for no speculation; rename it")
     table = dict(_table(table, where, section))
-    kind = table.pop("kind", name if name in _KIND_OPTIONS else None)
-    if not isinstance(kind, str) or kind not in _KIND_OPTIONS:
+    kind = table.pop("kind", name if name in KIND_OPTIONS else None)
+    if not isinstance(kind, str) or kind not in KIND_OPTIONS:
         got = "no kind" if kind is None else f"kind {kind!r}"
-        raise where.error(f"{section} has {got}; set kind = one of: {', '.join(_KIND_OPTIONS)}")
-    if name in _KIND_OPTIONS and kind != name:
+        raise where.error(f"{section} has {got}; set kind = one of: {', '.join(KIND_OPTIONS)}")
+    if name in KIND_OPTIONS and kind != name:
         raise where.error(
             f"{section} is named after kind {name!r} but has kind {kind!r}; rename it"
         )
-    options = _options(table, _KIND_OPTIONS[kind], where, section, also_known=("kind",))
+    options = _options(table, KIND_OPTIONS[kind], where, section, also_known=("kind",))
     if kind == "prompt-lookup" and options["ngram_min"] > options["ngram_max"]:
         raise where.error(
             f"ngram_min ({options['ngram_min']}) in {section} must be <= "
@@ -390,17 +326,17 @@ def _entry(name: str, table: Any, source: Path, base: ModelEntry | None = None) 
     where = _Where(source, name)
     _check_name(name, "model", where)
     extends = base is not None and "target" not in _table(table, where, table_header(name))
-    entry_options = _ENTRY_OPTIONS
+    entry_options = ENTRY_OPTIONS
     if extends:
         inherited = {
             "target": base.target,
             "description": base.description,
             "default_proposer": base.default_proposer,
         }
-        entry_options = {k: replace(v, default=inherited[k]) for k, v in _ENTRY_OPTIONS.items()}
-    values = _options(table, entry_options, where, table_header(name), also_known=_ENTRY_TABLES)
+        entry_options = {k: replace(v, default=inherited[k]) for k, v in ENTRY_OPTIONS.items()}
+    values = _options(table, entry_options, where, table_header(name), also_known=ENTRY_TABLES)
     defaults = _options(
-        table.get("defaults", {}), _DEFAULTS_OPTIONS, where, table_header(name, "defaults")
+        table.get("defaults", {}), DEFAULTS_OPTIONS, where, table_header(name, "defaults")
     )
     proposer_tables = _table(table.get("proposers", {}), where, table_header(name, "proposers"))
     proposers = dict(base.proposers) if extends else {}
@@ -437,12 +373,12 @@ def _looks_like_path(reference: str) -> bool:
     return reference.startswith(("/", "~", ".")) or reference.endswith(".gguf")
 
 
-def reference_entry(reference: str) -> ModelEntry | None:
+def reference_entry(reference: str, places: Places | None = None) -> ModelEntry | None:
     """An entry named after a model reference typed on the command line (None: it is
     no reference). A path must exist: a missing one says so, instead of being looked
     for on the hub."""
     try:
-        found = resolve_found(reference)  # hf:, lmstudio:, ollama: (models on this disk)
+        found = resolve_found(reference, places)  # hf:, lmstudio:, ollama: (on this disk)
     except LookupError as err:
         raise RegistryError(str(err)) from None
     path = found or Path(reference).expanduser()
@@ -456,7 +392,7 @@ def reference_entry(reference: str) -> ModelEntry | None:
         return None
     where = _Where(SHIPPED_FILE, reference)
     proposers = {name: _proposer(name, {}, where, "--model") for name in (FALLBACK, SUFFIX)}
-    drafter = found_drafter(reference) if found else None
+    drafter = found_drafter(reference, places) if found else None
     if drafter is not None:  # a smaller model of its vocabulary on this disk
         proposers[DRAFT] = _proposer(DRAFT, {"draft": str(drafter.path)}, where, "--model")
     return ModelEntry(
@@ -481,8 +417,9 @@ def parse_registry_text(
     except tomllib.TOMLDecodeError as exc:
         raise where.error(f"invalid TOML: {exc}; fix the syntax there") from None
     for key in document:
-        if key not in ("default", "models"):
-            raise where.error(f"unknown top-level key {key!r}; known keys: default, models")
+        if key not in ("default", "models", "places"):
+            raise where.error(f"unknown top-level key {key!r}; known keys: default, models, places")
+    places_table(document, where)
     default = document.get("default")
     if default is not None and not isinstance(default, str):
         raise where.error(f"default must be a model name (a string), got {_toml_type(default)}")
@@ -490,6 +427,17 @@ def parse_registry_text(
     base = base or {}
     entries = {name: _entry(name, table, source, base.get(name)) for name, table in models.items()}
     return entries, default
+
+
+def places_table(document: Mapping[str, Any], where: _Where) -> dict[str, str]:
+    """`[places]`: each a folder path (`~` allowed), for the keys on_disk.PLACE_KEYS names."""
+    table = _table(document.get("places", {}), where, "[places]")
+    for key, value in table.items():
+        if key not in PLACE_KEYS:
+            raise where.error(f"[places] has {key!r}; known keys: {', '.join(PLACE_KEYS)}")
+        if not isinstance(value, str) or not value:
+            raise where.error(f"[places] {key} must be a folder path (a string)")
+    return dict(table)
 
 
 def user_file_path() -> Path:
@@ -527,8 +475,10 @@ def load_registry(user_file: Path | None = None) -> Registry:
     entries, default = parse_registry_file(SHIPPED_FILE)
     default_source, files = SHIPPED_FILE, [SHIPPED_FILE]
     user = _user_file(user_file)
+    places: dict[str, str] = {}
     if user is not None:
         user_entries, user_default = parse_registry_file(user, entries)
+        places = places_table(tomllib.loads(user.read_text(encoding="utf-8")), _Where(user))
         entries.update(user_entries)  # same name: replaced, or extended when it has no target
         files.append(user)
         if user_default is not None:
@@ -539,4 +489,6 @@ def load_registry(user_file: Path | None = None) -> Registry:
         raise _Where(default_source).error(
             f"default = {default!r} names no entry; use one of: {', '.join(entries)}"
         )
-    return Registry(MappingProxyType(entries), default, tuple(files), user or user_file_path())
+    return Registry(
+        MappingProxyType(entries), default, tuple(files), user or user_file_path(), places
+    )

@@ -7,12 +7,14 @@ Where each looks, as the tools themselves lay their folders out:
 - Hugging Face: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`;
   `models--ORG--NAME/snapshots/REVISION/` (huggingface_hub's cache layout), the revision
   `refs/main` names.
-- LM Studio: `$MLXSPEC_LMSTUDIO_MODELS`, else `~/.lmstudio/models` (its default
-  "models directory"), `PUBLISHER/NAME/` holding an MLX folder or `.gguf` files.
+- LM Studio: `$MLXSPEC_LMSTUDIO_MODELS`, else `{home}/models` (its default "models
+  directory"), home being what `~/.lmstudio-home-pointer` names, else `~/.lmstudio`;
+  `PUBLISHER/NAME/` holding an MLX folder or `.gguf` files.
 - Ollama: `$OLLAMA_MODELS` (Ollama's own variable), else `~/.ollama/models`; a manifest
   `manifests/REGISTRY/NAMESPACE/NAME/TAG` (JSON, its layers) names the GGUF blob of the layer
   `application/vnd.ollama.image.model`, at `blobs/sha256-DIGEST`.
-A folder that does not exist is not scanned.
+The user's models.toml may name LM Studio's and Ollama's folders in `[places]` (`lmstudio`,
+`ollama`), which the variables override. A folder that does not exist is not scanned.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +55,30 @@ class _Place:
     format: str
 
 
+# models.toml's [places]. Not the Hugging Face cache: huggingface_hub, mlx-lm and mlxspec's
+# own pulls all follow $HF_HUB_CACHE / $HF_HOME, so a second setting could only disagree.
+PLACE_KEYS = ("lmstudio", "ollama")
+
+
+@dataclass(frozen=True)
+class Places:
+    """Where the three tools keep models: each tool's own variable first, then the user's
+    models.toml `[places]` (LM Studio's and Ollama's), then where the tool puts them."""
+
+    huggingface: Path
+    lmstudio: Path
+    ollama: Path
+
+    @classmethod
+    def here(cls, configured: Mapping[str, str] | None = None) -> Places:
+        given = {key: Path(value).expanduser() for key, value in (configured or {}).items()}
+        return cls(
+            hf_cache(),
+            lmstudio_models(given.get("lmstudio")),
+            ollama_models(given.get("ollama")),
+        )
+
+
 def hf_cache() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"])
@@ -59,52 +86,71 @@ def hf_cache() -> Path:
     return Path(home) / "hub" if home else Path.home() / ".cache" / "huggingface" / "hub"
 
 
-def lmstudio_models() -> Path:
+def lmstudio_models(configured: Path | None = None) -> Path:
+    """LM Studio's models folder: `{home}/models`, its home named by `~/.lmstudio-home-pointer`
+    where LM Studio moved it (the file its app and `lms` CLI read), else `~/.lmstudio`, else
+    the older `~/.cache/lm-studio`."""
     given = os.environ.get("MLXSPEC_LMSTUDIO_MODELS")
-    return Path(given) if given else Path.home() / ".lmstudio" / "models"
+    if given or configured:
+        return Path(given) if given else configured
+    pointer = Path.home() / ".lmstudio-home-pointer"
+    try:
+        lines = pointer.read_text(encoding="utf-8").strip().splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    homes = [Path(lines[0].strip())] if lines else []
+    homes += [Path.home() / ".lmstudio", Path.home() / ".cache" / "lm-studio"]
+    home = next((home for home in homes if (home / "models").is_dir()), homes[-2])
+    return home / "models"
 
 
-def ollama_models() -> Path:
+def ollama_models(configured: Path | None = None) -> Path:
     given = os.environ.get("OLLAMA_MODELS")
-    return Path(given) if given else Path.home() / ".ollama" / "models"
+    return Path(given) if given else configured or Path.home() / ".ollama" / "models"
 
 
-def found_models() -> list[FoundModel]:
+def found_models(places: Places | None = None) -> list[FoundModel]:
     """Every model found in the three places, sorted by name, each read for what it is."""
-    return [_inspect(place) for place in _places()]
+    return [_inspect(place) for place in _places(places)]
 
 
-def found_model(name: str) -> FoundModel | None:
+def found_model(name: str, places: Places | None = None) -> FoundModel | None:
     """The found model of that name, or None."""
-    place = next((place for place in _places() if place.name == name), None)
+    place = next((place for place in _places(places) if place.name == name), None)
     return None if place is None else _inspect(place)
 
 
-def found_drafter(name: str) -> FoundModel | None:
+def found_drafter(name: str, places: Places | None = None) -> FoundModel | None:
     """The found model that drafts best for the found model `name` (found_drafters.py), or
     None where there is none on the disk."""
-    target = found_model(name)
+    target = found_model(name, places)
     if target is None or not target.runnable:
         return None
-    drafters = drafters_for(target, found_models())
+    drafters = drafters_for(target, found_models(places))
     return drafters[0] if drafters else None
 
 
-def _places() -> list[_Place]:
-    found = [*_hugging_face(hf_cache()), *_lmstudio(lmstudio_models()), *_ollama(ollama_models())]
+def _places(places: Places | None) -> list[_Place]:
+    places = places or Places.here()
+    found = [
+        *_hugging_face(places.huggingface),
+        *_lmstudio(places.lmstudio),
+        *_ollama(places.ollama),
+    ]
     return sorted(found, key=lambda place: place.name)
 
 
-def resolve_found(name: str) -> Path | None:
+def resolve_found(name: str, places: Places | None = None) -> Path | None:
     """The path of a found model's name (None: the name has none of the prefixes);
     LookupError naming where it looked for one that is not there."""
     if not name.startswith(PREFIXES):
         return None
-    for place in _places():
+    places = places or Places.here()
+    for place in _places(places):
         if place.name == name:
             return place.path
-    source = name.split(":", 1)[0]
-    where = {"hf": hf_cache(), "lmstudio": lmstudio_models(), "ollama": ollama_models()}[source]
+    source = {"hf": "huggingface"}.get(name.split(":", 1)[0], name.split(":", 1)[0])
+    where = getattr(places, source)
     raise LookupError(f"no model {name!r} in {where} (`mlxspec models` lists what is found)")
 
 
