@@ -86,6 +86,8 @@ def test_models_lists_what_each_place_holds_and_whether_it_runs(disk):
 def test_a_found_model_runs_by_its_name_where_it_lies(disk):
     entry = load_registry().including("ollama:tiny:latest").get("ollama:tiny:latest")
     assert Path(entry.target) == disk["blob"]
+    # no tag is `latest`, as Ollama takes it
+    assert Path(load_registry().including("ollama:tiny").get("ollama:tiny").target) == disk["blob"]
     args = ["generate", "one two one two", "-n", "6", "-p", "none", "--raw", "--json"]
     by_name = CliRunner().invoke(main, [*args, "-m", "ollama:tiny:latest"])
     by_path = CliRunner().invoke(main, [*args, "-m", str(disk["source"])])

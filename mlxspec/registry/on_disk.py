@@ -116,6 +116,7 @@ def found_models(places: Places | None = None) -> list[FoundModel]:
 
 def found_model(name: str, places: Places | None = None) -> FoundModel | None:
     """The found model of that name, or None."""
+    name = _canonical(name)
     place = next((place for place in _places(places) if place.name == name), None)
     return None if place is None else _inspect(place)
 
@@ -147,11 +148,18 @@ def resolve_found(name: str, places: Places | None = None) -> Path | None:
         return None
     places = places or Places.here()
     for place in _places(places):
-        if place.name == name:
+        if place.name == _canonical(name):
             return place.path
     source = {"hf": "huggingface"}.get(name.split(":", 1)[0], name.split(":", 1)[0])
     where = getattr(places, source)
     raise LookupError(f"no model {name!r} in {where} (`mlxspec models` lists what is found)")
+
+
+def _canonical(name: str) -> str:
+    """`ollama:qwen3` is `ollama:qwen3:latest`, as `ollama run qwen3` takes it."""
+    if name.startswith("ollama:") and ":" not in name.removeprefix("ollama:"):
+        return f"{name}:latest"
+    return name
 
 
 def _hugging_face(cache: Path) -> list[_Place]:
