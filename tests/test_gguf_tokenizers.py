@@ -35,6 +35,14 @@ def oracle(architecture: str, metadata: dict):
     return backend
 
 
+def assert_encodes_as_transformers(ours, theirs, texts: list[str]) -> None:
+    """The same ids as transformers' tokenizer, and decoded back to the text."""
+    for text in texts:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == theirs.encode(text, add_special_tokens=False).ids, text
+        assert ours.decode(ids) == text
+
+
 def qwen_metadata(pre: str = "qwen2", unmerged: tuple[str, ...] = ()) -> dict:
     """Byte tokens plus merges of digits and letters: where the split regex decides.
     `unmerged`: tokens no merge makes, which only a whole-word vocabulary reaches."""
@@ -87,11 +95,7 @@ def test_qwen2_pre_tokenizer_splits_digits_one_by_one_like_transformers():
 def test_llama3_pre_tokenizer_keeps_digits_in_threes_like_transformers():
     metadata = qwen_metadata("llama-bpe")
     ours = tokenizer_from_metadata(metadata)
-    theirs = oracle("llama", metadata)
-    for text in [*TEXTS, "x 12345 y 1234567"]:
-        ids = ours.encode(text, add_special_tokens=False)
-        assert ids == theirs.encode(text, add_special_tokens=False).ids, text
-        assert ours.decode(ids) == text
+    assert_encodes_as_transformers(ours, oracle("llama", metadata), [*TEXTS, "x 12345 y 1234567"])
     tokens = metadata["tokenizer.ggml.tokens"]
     # "12345" is split "123" + "45", both tokens; qwen2's regex would give five digits.
     assert ours.encode("12345", add_special_tokens=False) == [
@@ -103,11 +107,8 @@ def test_llama3_pre_tokenizer_keeps_digits_in_threes_like_transformers():
 def test_tekken_pre_tokenizer_splits_words_at_capitals_like_transformers():
     metadata = qwen_metadata("tekken")
     ours = tokenizer_from_metadata(metadata)
-    theirs = oracle("llama", metadata)
-    for text in [*TEXTS, "helloWorld HELLO wo 12345"]:
-        ids = ours.encode(text, add_special_tokens=False)
-        assert ids == theirs.encode(text, add_special_tokens=False).ids, text
-        assert ours.decode(ids) == text
+    texts = [*TEXTS, "helloWorld HELLO wo 12345"]
+    assert_encodes_as_transformers(ours, oracle("llama", metadata), texts)
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "tekken"])
