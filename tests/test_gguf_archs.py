@@ -37,9 +37,10 @@ def logits(model, tokens) -> np.ndarray:
     return np.array(model(mx.array([tokens])).astype(mx.float32))
 
 
-def rounded_source(arch: str, qtype: str):
-    """tiny_source(arch) with each matrix as the file holds it: the reference for its logits."""
-    source = tiny_source(arch)
+def rounded_source(arch: str, qtype: str, extra: dict | None = None):
+    """tiny_source(arch, extra=extra) with each matrix as the file holds it: the reference for
+    its logits."""
+    source = tiny_source(arch, extra=extra)
     kind = GGMLQuantizationType[qtype]
 
     def rounded(value):

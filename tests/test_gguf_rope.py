@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from lossless import assert_lossless, plain_greedy
 from mlx_lm.models.cache import BatchKVCache
-from test_gguf_archs import CPU_LIKE_COST, TOLERANCE, logits
+from test_gguf_archs import CPU_LIKE_COST, TOLERANCE, logits, rounded_source
 from tiny_gguf import tiny_source, write_arch_gguf
 
 from mlxspec.decoding.engine import Engine, GenerationSettings
@@ -118,8 +118,10 @@ def test_a_llama3_q8_0_file_kept_quantized_keeps_its_factors(tmp_path):
     floats, _, _ = load_gguf(path, dequantize=True)
     kept, _, config = load_gguf(path, dequantize=False)
     assert config["quantization"]["bits"] == 8
+    source = rounded_source("llama", "Q8_0", extra=LLAMA3)
     for prompt in PROMPTS:
         np.testing.assert_allclose(logits(kept, prompt), logits(floats, prompt), atol=1e-3)
+        assert relative_error(logits(floats, prompt), logits(source, prompt)) < TOLERANCE
 
 
 def test_prompt_lookup_on_a_llama3_file_is_plain_greedy(tmp_path):
