@@ -16,7 +16,9 @@ from test_gguf_archs import CPU_LIKE_COST, TOLERANCE, logits, rounded_source
 from tiny_gguf import tiny_source, write_arch_gguf
 
 from mlxspec.decoding.engine import Engine, GenerationSettings
+from mlxspec.drafter import distill
 from mlxspec.events import Done
+from mlxspec.models.anatomy import split_decoder
 from mlxspec.models.gguf import GGUFError, check_gguf, load_gguf, model_config
 from mlxspec.models.gguf_reader import read_gguf_metadata
 from mlxspec.proposers import PromptLookup
@@ -154,6 +156,14 @@ def test_batched_rows_of_a_llama3_file_answer_as_each_alone(tmp_path):
         alone = logits(model, row + [[5], [7]][index])[0]
         assert relative_error(prefill[index, pad:], alone[:-1]) < TOLERANCE
         assert relative_error(step[index, -1], alone[-1]) < TOLERANCE
+
+
+def test_a_llama3_file_is_no_distilled_draft_model_it_could_not_save(tmp_path):
+    """Saved as mlx-lm's config.json, its rope factors would be lost on loading back."""
+    path = write_arch_gguf(tmp_path / "tiny-llama3.gguf", "llama", extra=LLAMA3)
+    model, _, _ = load_gguf(path, dequantize=True)
+    with pytest.raises(ValueError, match="rope_freqs cannot be saved in mlx-lm's format"):
+        distill.ModelStudent(model, split_decoder(model), 1, mx.arange(8))
 
 
 def _llama_metadata(tmp_path, **keys) -> dict:
