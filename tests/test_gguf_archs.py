@@ -37,9 +37,10 @@ def logits(model, tokens) -> np.ndarray:
     return np.array(model(mx.array([tokens])).astype(mx.float32))
 
 
-def rounded_source(arch: str, qtype: str):
-    """tiny_source(arch) with each matrix as the file holds it: the reference for its logits."""
-    source = tiny_source(arch)
+def rounded_source(arch: str, qtype: str, extra: dict | None = None):
+    """tiny_source(arch, extra=extra) with each matrix as the file holds it: the reference for
+    its logits."""
+    source = tiny_source(arch, extra=extra)
     kind = GGMLQuantizationType[qtype]
 
     def rounded(value):
@@ -111,7 +112,9 @@ def test_an_architecture_it_cannot_map_is_one_line_naming_the_supported_ones():
     assert "gemma3, llama, mistral3, phi3, qwen2, qwen3" in message
 
 
-def test_phi3_long_context_rope_factors_are_refused_in_one_line(tmp_path):
-    metadata = {"general.architecture": "phi3"}
-    with pytest.raises(GGUFError, match=r"^GGUF phi3 with long-context rope factors"):
-        model_config(metadata, tensor_names={"rope_factors_long.weight"})
+def test_a_rope_scaling_type_it_cannot_map_is_refused_in_one_line():
+    """Phi-3's LongRoPE factors, Llama 3's, YaRN and linear map (tests/test_gguf_rope.py);
+    another type stays one line naming it."""
+    metadata = {"general.architecture": "phi3", "phi3.rope.scaling.type": "dynamic"}
+    with pytest.raises(GGUFError, match=r"^GGUF phi3 with dynamic rope scaling is not supported$"):
+        model_config(metadata, tensor_names=set())

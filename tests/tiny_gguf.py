@@ -1,8 +1,11 @@
 """Tiny random llama GGUF files, written with the `gguf` package (llama.cpp's own writer),
-quantized as llama.cpp does (Q4_0, Q4_1, Q8_0), with the byte tokenizer in the metadata."""
+quantized as llama.cpp does (Q4_0, Q4_1, Q8_0), with the byte tokenizer in the metadata; and
+tiny models of the other architectures, rope scaling included, as llama.cpp's converter
+writes them."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -124,10 +127,17 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.nd
     )
 
 
-def tiny_source(arch: str, seed: int = 0):
-    """The mlx-lm model a tiny `arch` GGUF is written from (Gemma 3 tied, as Google ships it)."""
+def source_config(arch: str, extra: dict | None = None) -> dict:
+    """The HF-style config of tiny_source(arch), with `extra` (e.g. a `rope_scaling`)."""
     family, config = ARCH_SOURCES[arch]
-    model = tiny_model(family, seed=seed, config={**config, "vocab_size": len(gguf_tokens())})
+    return {**config, "vocab_size": len(gguf_tokens()), **(extra or {})}
+
+
+def tiny_source(arch: str, seed: int = 0, extra: dict | None = None):
+    """The mlx-lm model a tiny `arch` GGUF is written from (Gemma 3 tied, as Google ships it);
+    `extra`: config keys over the architecture's own (a rope scaling)."""
+    family = ARCH_SOURCES[arch][0]
+    model = tiny_model(family, seed=seed, config=source_config(arch, extra))
     if family == "gemma3_text":
         model.sanitize({})  # no lm_head: the embeddings are the head, as in Gemma 3's checkpoints
     # A fresh model's norms are all alike (ones, or Gemma's zeros): made different, a norm
@@ -173,16 +183,88 @@ def _write_metadata(writer: GGUFWriter, arch: str, args) -> None:
         writer.add_sliding_window(0)
 
 
-def write_arch_gguf(path: Path, arch: str, qtype: str = "F32", seed: int = 0) -> Path:
-    """tiny_source(arch) as llama.cpp converts it: names from gguf-py's own tensor map, llama's
-    Q/K permuted, Gemma's norms stored plus one, matrices in `qtype` (F32, F16 or a quant)."""
+def _llama3_rope_freqs(hparams: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.generate_extra_tensors (conversion/llama.py), copied with numpy
+    for torch: Llama 3's factor per rotated pair, from HF's `rope_scaling` (llama3). The
+    converter reads the original context from the top-level hparams, default 8192 (Llama
+    3.1's value, which its config keeps under rope_scaling): the tiny sources carry it at both
+    places."""
+    rope_params = hparams["rope_scaling"]
+    base = hparams.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor = rope_params.get("factor", 8.0)
+    low_freq_factor = rope_params.get("low_freq_factor", 1.0)
+    high_freq_factor = rope_params.get("high_freq_factor", 4.0)
+    old_context_len = hparams.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    rope_factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(rope_factors, dtype=np.float32)
+
+
+def _write_rope_scaling(writer: GGUFWriter, arch: str, hparams: dict, head_dim: int) -> None:
+    """The rope scaling of HF's `rope_scaling` as the converter writes it: linear and YaRN as
+    keys (TextModel.set_gguf_parameters; Gemma3Model writes linear alike), Llama 3's factors
+    as `rope_freqs` (LlamaModel), LongRoPE's as `rope_factors_long`/`_short` with the
+    attention factor (Phi3MiniModel.generate_extra_tensors)."""
     import gguf
 
-    source = tiny_source(arch, seed)
+    scaling = hparams.get("rope_scaling")
+    if not scaling:
+        return
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if arch == "phi3":
+        original = hparams["original_max_position_embeddings"]
+        scale = hparams["max_position_embeddings"] / original
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(attn_factor)
+        for kind, factors in (("LONG", "long_factor"), ("SHORT", "short_factor")):
+            name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[f"ROPE_FACTORS_{kind}"]]
+            writer.add_tensor(f"{name}.weight", np.array(scaling[factors], dtype=np.float32))
+    elif rope_type == "llama3" and arch in PERMUTED:
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS]
+        writer.add_tensor(f"{name}.weight", _llama3_rope_freqs(hparams, head_dim))
+    elif rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    elif rope_type == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        if (beta_fast := scaling.get("beta_fast")) is not None:
+            writer.add_rope_scaling_yarn_beta_fast(beta_fast)
+        if (beta_slow := scaling.get("beta_slow")) is not None:
+            writer.add_rope_scaling_yarn_beta_slow(beta_slow)
+    else:
+        raise ValueError(f"no converter path for {arch} with {rope_type} rope scaling")
+
+
+def write_arch_gguf(
+    path: Path, arch: str, qtype: str = "F32", seed: int = 0, extra: dict | None = None
+) -> Path:
+    """tiny_source(arch, seed, extra) as llama.cpp converts it: names from gguf-py's own tensor
+    map, llama's Q/K permuted, Gemma's norms stored plus one, matrices in `qtype` (F32, F16 or
+    a quant), its rope scaling as the converter writes it."""
+    import gguf
+
+    source = tiny_source(arch, seed, extra)
     args = source.args
     tokens = gguf_tokens()
     writer = GGUFWriter(str(path), arch)
     _write_metadata(writer, arch, args)
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    _write_rope_scaling(writer, arch, source_config(arch, extra), head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
     writer.add_token_list(tokens)

@@ -26,6 +26,7 @@ from mlxspec.drafter.data import Shard
 from mlxspec.drafter.head import lm_rows
 from mlxspec.drafter.train import Batch, HeldOutChoices, check_layers, held_out
 from mlxspec.models.anatomy import Decoder, split_decoder
+from mlxspec.models.gguf_rope import FrequencyFactorRoPE
 from mlxspec.models.loading import LoadedModel
 from mlxspec.proposers.draft_model import check_same_vocabulary, truncated_model
 
@@ -45,6 +46,13 @@ class ModelStudent:
     """The truncated target as a `Student` of `train`: layers and final norm learn."""
 
     def __init__(self, model: nn.Module, decoder: Decoder, layers: int, vocab: mx.array):
+        if any(isinstance(m, FrequencyFactorRoPE) for _, m in model.named_modules()):
+            # mlx-lm's config.json has no place for a GGUF's own rope factors: reloaded, the
+            # saved draft would rotate by plain rope, not the one it was trained with.
+            raise ValueError(
+                "a draft model of a GGUF with Llama 3 rope_freqs cannot be saved in mlx-lm's "
+                "format; train another kind (e.g. --kind head)"
+            )
         check_layers(layers, len(decoder.layers))
         # Its own modules: truncated_model shares the target's (a draft only reads them),
         # and training (and set_dtype) must not change the target's layers and norm.

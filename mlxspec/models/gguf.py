@@ -4,8 +4,9 @@ architecture and a matching tokenizer.
 `mx.load` already parses GGUF: it returns the tensors (Q4_0/Q4_1/Q8_0 blocks come back as
 MLX affine `weight`/`scales`/`biases` triplets, group size 32) and the metadata; the
 K-quants and the other llama.cpp quants come through gguf_reader.py in the same shape. The names
-and hyper-parameters of each architecture map through gguf_arch.py, the tokenizer is rebuilt from
-the `tokenizer.*` metadata by gguf_tokenizer.py; this module puts them together.
+and hyper-parameters of each architecture map through gguf_arch.py (its rope scaling through
+gguf_rope.py), the tokenizer is rebuilt from the `tokenizer.*` metadata by gguf_tokenizer.py;
+this module puts them together.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from mlxspec.models.gguf_reader import (
     read_gguf_metadata,
     tensor_types,
 )
+from mlxspec.models.gguf_rope import ROPE_TENSORS, use_rope_freqs, with_rope_factors
 from mlxspec.models.gguf_tokenizer import (
     TOKEN_TYPE_CONTROL,
     check_tokenizer,
@@ -62,10 +64,11 @@ def load_gguf(path: Path, *, dequantize: bool) -> tuple[nn.Module, TokenizerWrap
     except UnreadableGGUF as err:
         raise GGUFError(str(err)) from None
     architecture = architecture_of(metadata)
-    config = model_config(metadata, tensor_names=tensors)
+    config = with_rope_factors(model_config(metadata, tensor_names=tensors), tensors)
     weights, bits_by_module = _mlx_lm_weights(tensors, architecture, dequantize=dequantize)
     module = importlib.import_module(f"mlx_lm.models.{architecture.model_type}")
     model = module.Model(module.ModelArgs.from_dict(config))
+    use_rope_freqs(model, config, tensors)
     if hasattr(model, "sanitize"):  # Gemma 3 ties its head here, where lm_head is absent
         weights = model.sanitize(weights)
     if bits_by_module:
@@ -129,6 +132,8 @@ def _mlx_lm_weights(
     weights = {}
     bits_by_module = {}
     for name, tensor in tensors.items():
+        if name in ROPE_TENSORS:
+            continue  # read into the model's rope (gguf_rope)
         gguf_module, _, part = name.rpartition(".")
         if part == "bias":  # Qwen 2's q/k/v biases (a quantized matrix's own are "biases")
             weights[f"{mlx_lm_name(gguf_module, architecture)}.bias"] = tensor.astype(mx.float32)

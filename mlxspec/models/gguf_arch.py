@@ -7,7 +7,8 @@ Mistral interleaved for its rope), `conversion/gemma.py` (`Gemma3Model`: every `
 stored with Gemma's +1 added, out-of-vocabulary embedding rows dropped), `conversion/phi.py`
 (`Phi3MiniModel`: fused `attn_qkv` and gate-up `ffn_up`), `conversion/qwen.py`,
 `gguf-py/gguf/constants.py` and `tensor_mapping.py` (the names), and `src/llama-model.cpp`
-(Gemma 3's fixed sliding pattern of 6, local rope base 10,000 and query scale).
+(Gemma 3's fixed sliding pattern of 6, local rope base 10,000 and query scale). Rope scaling:
+gguf_rope.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+from mlxspec.models.gguf_rope import rope_scaling
 
 
 class GGUFError(ValueError):
@@ -100,12 +103,10 @@ class Architecture:
     norm_offset: float = 0.0
 
 
-def _common(get: Metadata, tensor_names: Container[str]) -> dict:
-    """What every supported architecture writes alike (TextModel.set_gguf_parameters)."""
-    if "rope_freqs.weight" in tensor_names or get.has("rope.scaling.type"):
-        raise GGUFError(
-            f"GGUF {get.architecture} with rope scaling (e.g. Llama 3.1) is not supported yet"
-        )
+def _common(get: Metadata, tensor_names: Container[str], rope: Container[str]) -> dict:
+    """What every supported architecture writes alike (TextModel.set_gguf_parameters); `rope`:
+    the rope scaling kinds its mlx-lm model takes (gguf_rope.rope_scaling)."""
+    scaling = rope_scaling(get, tensor_names, rope)
     if get.has("attention.temperature_scale"):
         raise GGUFError(f"GGUF {get.architecture} attention temperature scaling is not supported")
     hidden_size = get("embedding_length")
@@ -123,6 +124,7 @@ def _common(get: Metadata, tensor_names: Container[str]) -> dict:
         "max_position_embeddings": get("context_length"),
         "rope_theta": get("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensor_names,
+        **scaling,
     }
 
 
@@ -133,7 +135,8 @@ def _full_rotary(get: Metadata, config: dict) -> dict:
 
 
 def _llama_config(get: Metadata, tensor_names: Container[str]) -> dict:
-    config = _full_rotary(get, _common(get, tensor_names))
+    # Llama 3's `rope_freqs` factors are set on the built model (gguf_rope.use_rope_freqs).
+    config = _full_rotary(get, _common(get, tensor_names, ("llama3", "linear", "yarn")))
     # llama.cpp's converter permutes the rows of Q and K so that each rotated pair is adjacent
     # (the original Meta layout), which is what MLX's "traditional" RoPE rotates. Using the flag
     # instead of un-permuting keeps the file's (possibly quantized) tensors untouched; the two
@@ -144,7 +147,8 @@ def _llama_config(get: Metadata, tensor_names: Container[str]) -> dict:
 def _qwen_config(model_type: str):
     def config(get: Metadata, tensor_names: Container[str]) -> dict:
         # Qwen is converted without the permute (TextModel, not LlamaModel): HF's halves rope.
-        return {**_full_rotary(get, _common(get, tensor_names)), "model_type": model_type}
+        config = _common(get, tensor_names, ("linear", "yarn"))
+        return {**_full_rotary(get, config), "model_type": model_type}
 
     return config
 
@@ -156,7 +160,9 @@ GEMMA3_27B_LAYERS = 62  # the one size whose queries are scaled by hidden/heads,
 
 
 def _gemma3_config(get: Metadata, tensor_names: Container[str]) -> dict:
-    config = _full_rotary(get, _common(get, tensor_names))
+    # A linear factor (Gemma 3 4B+): mlx-lm's gemma3_text, like llama.cpp, scales only the
+    # global layers' rope.
+    config = _full_rotary(get, _common(get, tensor_names, ("linear",)))
     if get.has("final_logit_softcapping") or get.has("attn_logit_softcapping"):
         raise GGUFError("GGUF gemma3 with logit soft-capping is not supported")
     pattern = get("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
@@ -177,9 +183,8 @@ def _gemma3_config(get: Metadata, tensor_names: Container[str]) -> dict:
 
 
 def _phi3_config(get: Metadata, tensor_names: Container[str]) -> dict:
-    if "rope_factors_long.weight" in tensor_names:
-        raise GGUFError("GGUF phi3 with long-context rope factors (LongRoPE) is not supported yet")
-    config = _common(get, tensor_names)
+    # LongRoPE (Phi-3.5, Phi-4-mini): its factors are read in with the tensors.
+    config = _common(get, tensor_names, ("longrope",))
     head_dim = config.pop("head_dim")  # mlx-lm's Phi-3 takes hidden_size // heads
     return {
         **config,
