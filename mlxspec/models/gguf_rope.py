@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-if TYPE_CHECKING:
-    from mlxspec.models.gguf_arch import Metadata
+from mlxspec.models.gguf_metadata import GGUFError, Metadata
 
 ROPE_FREQS = "rope_freqs.weight"
 LONG_FACTORS = "rope_factors_long.weight"
@@ -90,10 +88,7 @@ def _scaling_kind(get: Metadata, tensor_names: Container[str]) -> str | None:
     return named or "linear"
 
 
-def _error(message: str) -> ValueError:
-    """A GGUFError (gguf_arch, which imports this module, defines it)."""
-    from mlxspec.models.gguf_arch import GGUFError
-
+def _error(message: str) -> GGUFError:
     return GGUFError(message)
 
 

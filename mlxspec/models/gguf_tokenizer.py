@@ -27,7 +27,7 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
-from mlxspec.models.gguf_arch import GGUFError, python_number
+from mlxspec.models.gguf_metadata import GGUFError, python_number
 
 # How llama.cpp splits text before BPE, by `tokenizer.ggml.pre` (see its llama-vocab.cpp).
 # "smollm" (like starcoder) puts every digit on its own, then applies GPT-2's regex: exactly
