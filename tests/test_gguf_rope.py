@@ -7,14 +7,18 @@ line naming it."""
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from lossless import assert_lossless, plain_greedy
 from mlx_lm.models.cache import BatchKVCache
 from test_gguf_archs import CPU_LIKE_COST, TOLERANCE, logits, rounded_source
 from tiny_gguf import tiny_source, write_arch_gguf
 
+from mlxspec.cli import main
 from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.drafter import distill
 from mlxspec.events import Done
@@ -231,3 +235,22 @@ def test_rope_scaling_mlx_lm_cannot_match_is_refused_in_one_line(arch, keys, ten
         model_config(metadata, tensor_names=set(tensors))
     assert refusal in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_a_file_shaped_like_llama_3_1_answers_through_the_cli(tmp_path):
+    """Llama 3.1/3.2/3.3's files: `rope_freqs`, the `llama-bpe` pre-tokenizer and a begin
+    token added by default (llama-vocab.cpp). Both were refused before; now the file is
+    listed as runnable, starts each prompt with its begin token, and prompt lookup through
+    `generate` gives plain decoding's tokens."""
+    path = write_arch_gguf(tmp_path / "llama-3.1-tiny.gguf", "llama", extra=LLAMA3, pre="llama-bpe")
+    assert check_gguf(path).startswith("llama, ")
+    _, tokenizer, _ = load_gguf(path, dequantize=True)
+    assert tokenizer.encode("one two")[0] == 0  # the begin token, not written as add_bos
+    args = ["generate", "one two three one two three one two", "-n", "24", "--raw", "--json"]
+    answers = {}
+    for proposer in ("prompt-lookup", "none"):
+        run = CliRunner().invoke(main, [*args, "-m", str(path), "-p", proposer])
+        assert run.exit_code == 0, run.output
+        answers[proposer] = json.loads(run.stdout.splitlines()[-1])
+    assert answers["prompt-lookup"]["token_ids"] == answers["none"]["token_ids"]
+    assert answers["none"]["record"]["prompt_tokens"] == len(tokenizer.encode(args[1]))

@@ -251,11 +251,18 @@ def _write_rope_scaling(writer: GGUFWriter, arch: str, hparams: dict, head_dim: 
 
 
 def write_arch_gguf(
-    path: Path, arch: str, qtype: str = "F32", seed: int = 0, extra: dict | None = None
+    path: Path,
+    arch: str,
+    qtype: str = "F32",
+    seed: int = 0,
+    extra: dict | None = None,
+    pre: str | None = None,
 ) -> Path:
     """tiny_source(arch, seed, extra) as llama.cpp converts it: names from gguf-py's own tensor
     map, llama's Q/K permuted, Gemma's norms stored plus one, matrices in `qtype` (F32, F16 or
-    a quant), its rope scaling as the converter writes it."""
+    a quant), its rope scaling as the converter writes it. `pre`: the pre-tokenizer named
+    (default: Qwen's for Qwen, else GPT-2's); token 0 is then the begin token, as Llama 3's
+    files name one."""
     import gguf
 
     source = tiny_source(arch, seed, extra)
@@ -266,7 +273,9 @@ def write_arch_gguf(
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     _write_rope_scaling(writer, arch, source_config(arch, extra), head_dim)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "default")
+    writer.add_tokenizer_pre(pre or ("qwen2" if arch.startswith("qwen") else "default"))
+    if pre is not None:
+        writer.add_bos_token_id(0)
     writer.add_token_list(tokens)
     writer.add_token_types([TOKEN_TYPE_CONTROL if t == EOS else 1 for t in tokens])
     writer.add_token_merges(["Ġ Ġ"])
