@@ -54,8 +54,8 @@ def models(as_json):
                 },
             }
         )
-    on_disk = found_models(registry.found_places())
     where = registry.found_places()
+    on_disk = found_models(where)
     places = {
         "Hugging Face cache": str(where.huggingface),
         "LM Studio": str(where.lmstudio),

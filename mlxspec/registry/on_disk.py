@@ -98,10 +98,10 @@ def lmstudio_models(configured: Path | None = None) -> Path:
         lines = pointer.read_text(encoding="utf-8").strip().splitlines()
     except (OSError, UnicodeDecodeError):
         lines = []
+    default = Path.home() / ".lmstudio"
     homes = [Path(lines[0].strip())] if lines else []
-    homes += [Path.home() / ".lmstudio", Path.home() / ".cache" / "lm-studio"]
-    home = next((home for home in homes if (home / "models").is_dir()), homes[-2])
-    return home / "models"
+    homes += [default, Path.home() / ".cache" / "lm-studio"]
+    return next((home for home in homes if (home / "models").is_dir()), default) / "models"
 
 
 def ollama_models(configured: Path | None = None) -> Path:
@@ -114,20 +114,14 @@ def found_models(places: Places | None = None) -> list[FoundModel]:
     return [_inspect(place) for place in _places(places)]
 
 
-def found_model(name: str, places: Places | None = None) -> FoundModel | None:
-    """The found model of that name, or None."""
-    name = _canonical(name)
-    place = next((place for place in _places(places) if place.name == name), None)
-    return None if place is None else _inspect(place)
-
-
 def found_drafter(name: str, places: Places | None = None) -> FoundModel | None:
     """The found model that drafts best for the found model `name` (found_drafters.py), or
     None where there is none on the disk."""
-    target = found_model(name, places)
+    on_disk = found_models(places)
+    target = next((model for model in on_disk if model.name == _canonical(name)), None)
     if target is None or not target.runnable:
         return None
-    drafters = drafters_for(target, found_models(places))
+    drafters = drafters_for(target, on_disk)
     return drafters[0] if drafters else None
 
 
