@@ -30,8 +30,8 @@ from mlxspec.models.gguf_arch import (
 from mlxspec.models.gguf_reader import (
     UnreadableGGUF,
     read_gguf,
+    read_gguf_header,
     read_gguf_metadata,
-    tensor_types,
 )
 from mlxspec.models.gguf_rope import ROPE_TENSORS, use_rope_freqs, with_rope_factors
 from mlxspec.models.gguf_tokenizer import (
@@ -103,7 +103,7 @@ def is_gguf(path: Path) -> bool:
 def check_gguf(path: Path) -> str:
     """What a GGUF file holds ("llama, Q4_K/Q6_K/F32"), read from its header alone;
     GGUFError where this loader cannot run it (its architecture, its tokenizer)."""
-    return describe_gguf(read_gguf_metadata(path), tensor_types(path))
+    return describe_gguf(*read_gguf_header(path))
 
 
 def describe_gguf(metadata: dict, kinds: dict[str, str]) -> str:
