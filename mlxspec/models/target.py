@@ -32,6 +32,7 @@ from mlxspec.models.prompt_cache import (
     common_prefix,
     copy_cache,
     form_of,
+    reusable_length,
 )
 from mlxspec.models.tree import DraftTree
 
@@ -323,9 +324,8 @@ class Target:
         if self.pool is None:
             return
         held = self.cached_tokens
-        own = common_prefix(held, tokens)
-        if own < len(held) and self.snapshot_layers:
-            own = 0  # a recurrent state cannot be cut back to the common prefix
+        # A recurrent state cannot be cut back to the common prefix: the pool's own rule.
+        own = reusable_length(held, not self.snapshot_layers, tokens, least=0)
         extends = own == len(held)
         if extends and self.pool.reusable(tokens, self.form, least=1) <= own:
             return
