@@ -411,6 +411,14 @@ def parse_registry_text(
 ) -> tuple[dict[str, ModelEntry], str | None]:
     """The entries and the `default` (None if unset) of one models.toml's text; entries
     without a target extend those of the same name in `base`."""
+    entries, default, _ = _parse_document(text, source, base)
+    return entries, default
+
+
+def _parse_document(
+    text: str, source: Path, base: Mapping[str, ModelEntry] | None
+) -> tuple[dict[str, ModelEntry], str | None, dict[str, str]]:
+    """parse_registry_text's entries and default, and the file's `[places]`."""
     where = _Where(source)
     try:
         document = tomllib.loads(text)
@@ -419,14 +427,14 @@ def parse_registry_text(
     for key in document:
         if key not in ("default", "models", "places"):
             raise where.error(f"unknown top-level key {key!r}; known keys: default, models, places")
-    places_table(document, where)
+    places = places_table(document, where)
     default = document.get("default")
     if default is not None and not isinstance(default, str):
         raise where.error(f"default must be a model name (a string), got {_toml_type(default)}")
     models = _table(document.get("models", {}), where, "[models]")
     base = base or {}
     entries = {name: _entry(name, table, source, base.get(name)) for name, table in models.items()}
-    return entries, default
+    return entries, default, places
 
 
 def places_table(document: Mapping[str, Any], where: _Where) -> dict[str, str]:
@@ -463,11 +471,14 @@ def parse_registry_file(
     path: Path, base: Mapping[str, ModelEntry] | None = None
 ) -> tuple[dict[str, ModelEntry], str | None]:
     """`parse_registry_text` of a file; one that cannot be read is one line too."""
+    return parse_registry_text(_read(path), path, base)
+
+
+def _read(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise _Where(path).error(f"cannot read it ({exc}); check the file") from None
-    return parse_registry_text(text, path, base)
 
 
 def load_registry(user_file: Path | None = None) -> Registry:
@@ -477,8 +488,7 @@ def load_registry(user_file: Path | None = None) -> Registry:
     user = _user_file(user_file)
     places: dict[str, str] = {}
     if user is not None:
-        user_entries, user_default = parse_registry_file(user, entries)
-        places = places_table(tomllib.loads(user.read_text(encoding="utf-8")), _Where(user))
+        user_entries, user_default, places = _parse_document(_read(user), user, entries)
         entries.update(user_entries)  # same name: replaced, or extended when it has no target
         files.append(user)
         if user_default is not None:
