@@ -156,6 +156,33 @@ def test_lm_studio_and_ollama_folders_can_be_named_in_models_toml(disk, tmp_path
     )
 
 
+def test_lm_studio_is_found_where_its_models_directory_setting_says(disk, tmp_path, monkeypatch):
+    """LM Studio's My Models tab moves its models folder by writing `downloadsFolder` into
+    its settings.json: in its home (current releases) or in Electron's app data (older
+    ones; LMSPLS's launchLMS.cmd rewrites that key there). A setting naming no folder
+    here, or a torn file, leaves the default."""
+    home = tmp_path / "home"
+    (home / ".lmstudio" / "models").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("MLXSPEC_LMSTUDIO_MODELS")
+    moved = tmp_path / "external-drive" / "models"
+    moved.parent.mkdir()
+    (tmp_path / "lmstudio").rename(moved)
+    settings = home / ".lmstudio" / "settings.json"
+    settings.write_text(json.dumps({"downloadsFolder": str(moved), "theme": "dark"}))
+    assert "lmstudio:publisher/Tiny-GGUF" in {model.name for model in found_models()}
+    assert f"LM Studio: {moved}\n" in CliRunner().invoke(main, ["models"]).output
+    settings.write_text(json.dumps({"downloadsFolder": str(tmp_path / "unplugged")}))
+    assert not any(model.name.startswith("lmstudio:") for model in found_models())
+    settings.write_text('{"downloadsFolder": ')  # torn
+    assert not any(model.name.startswith("lmstudio:") for model in found_models())
+    settings.unlink()
+    app_data = home / "Library" / "Application Support" / "LM Studio"
+    app_data.mkdir(parents=True)
+    (app_data / "settings.json").write_text(json.dumps({"downloadsFolder": str(moved)}))
+    assert "lmstudio:publisher/Tiny-GGUF" in {model.name for model in found_models()}
+
+
 def test_lm_studio_is_found_where_its_home_pointer_says(disk, tmp_path, monkeypatch):
     """LM Studio's app and `lms` read their home from ~/.lmstudio-home-pointer."""
     home = tmp_path / "home"

@@ -7,9 +7,10 @@ Where each looks, as the tools themselves lay their folders out:
 - Hugging Face: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`;
   `models--ORG--NAME/snapshots/REVISION/` (huggingface_hub's cache layout), the revision
   `refs/main` names.
-- LM Studio: `$MLXSPEC_LMSTUDIO_MODELS`, else `{home}/models` (its default "models
-  directory"), home being what `~/.lmstudio-home-pointer` names, else `~/.lmstudio`;
-  `PUBLISHER/NAME/` holding an MLX folder or `.gguf` files.
+- LM Studio: `$MLXSPEC_LMSTUDIO_MODELS`, else the "Models Directory" set in its app
+  (`downloadsFolder` in `{home}/settings.json`, or in the older app-data settings.json),
+  else `{home}/models` (its default), home being what `~/.lmstudio-home-pointer` names,
+  else `~/.lmstudio`; `PUBLISHER/NAME/` holding an MLX folder or `.gguf` files.
 - Ollama: `$OLLAMA_MODELS` (Ollama's own variable), else `~/.ollama/models`; a manifest
   `manifests/REGISTRY/NAMESPACE/NAME/TAG` (JSON, its layers) names the GGUF blob of the layer
   `application/vnd.ollama.image.model`, at `blobs/sha256-DIGEST`.
@@ -87,9 +88,10 @@ def hf_cache() -> Path:
 
 
 def lmstudio_models(configured: Path | None = None) -> Path:
-    """LM Studio's models folder: `{home}/models`, its home named by `~/.lmstudio-home-pointer`
-    where LM Studio moved it (the file its app and `lms` CLI read), else `~/.lmstudio`, else
-    the older `~/.cache/lm-studio`."""
+    """LM Studio's models folder: the "Models Directory" its app was told to use (its
+    settings.json's `downloadsFolder`), else `{home}/models`, its home named by
+    `~/.lmstudio-home-pointer` where LM Studio moved it (the file its app and `lms` CLI
+    read), else `~/.lmstudio`, else the older `~/.cache/lm-studio`."""
     given = os.environ.get("MLXSPEC_LMSTUDIO_MODELS")
     if given or configured:
         return Path(given) if given else configured
@@ -101,7 +103,34 @@ def lmstudio_models(configured: Path | None = None) -> Path:
     default = Path.home() / ".lmstudio"
     homes = [Path(lines[0].strip())] if lines else []
     homes += [default, Path.home() / ".cache" / "lm-studio"]
+    home = next((home for home in homes if home.is_dir()), default)
+    chosen = _lmstudio_models_setting(home)
+    if chosen is not None:
+        return chosen
     return next((home for home in homes if (home / "models").is_dir()), default) / "models"
+
+
+# Where LM Studio's app keeps settings.json: its home (current releases), else Electron's
+# per-user data folder (older ones: macOS, Linux).
+LMSTUDIO_APP_DATA = (
+    Path("Library") / "Application Support" / "LM Studio",
+    Path(".config") / "LM Studio",
+)
+
+
+def _lmstudio_models_setting(home: Path) -> Path | None:
+    """The folder LM Studio's "Models Directory" setting names (`downloadsFolder` in its
+    settings.json, what the My Models tab changes), where it exists; None where it was
+    never changed, names nothing on this disk, or the file cannot be read."""
+    for folder in [home, *(Path.home() / data for data in LMSTUDIO_APP_DATA)]:
+        try:
+            settings = json.loads((folder / "settings.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        chosen = settings.get("downloadsFolder") if isinstance(settings, dict) else None
+        if isinstance(chosen, str) and chosen and Path(chosen).expanduser().is_dir():
+            return Path(chosen).expanduser()
+    return None
 
 
 def ollama_models(configured: Path | None = None) -> Path:
