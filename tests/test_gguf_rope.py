@@ -119,6 +119,64 @@ def test_a_rope_scaled_file_loads_to_its_source_logits(tmp_path, case):
     assert check_gguf(path).startswith(f"{arch}, ")
 
 
+NORM_ROPE = {"llama"}  # llama.cpp's LLAMA_ROPE_TYPE_NORM; qwen2 and qwen3 are NEOX
+
+
+def llama_cpp_yarn(x: np.ndarray, metadata: dict, arch: str) -> np.ndarray:
+    """x (positions, head_dim) rotated as llama.cpp rotates it for a YaRN file, written here
+    from its C, not from mlx-lm: `ggml_rope_yarn_corr_dims` (start floor(corr_dim(beta_fast)),
+    end ceil(corr_dim(beta_slow)), beta_fast 32 and beta_slow 1 where the file names none),
+    `rope_yarn_ramp`, `rope_yarn` (theta_interp = theta / factor, mixed with theta by the ramp
+    at ext_factor 1, cos and sin times 1 + 0.1 ln(factor)), on the pairs of the architecture's
+    rope type (`llama_model_rope_type`): llama's NORM pairs (2i, 2i + 1), over the q and k
+    rows the converter permuted for it, else NEOX's (i, i + d/2)."""
+    get = lambda key, default=None: metadata.get(f"{arch}.{key}", default)  # noqa: E731
+    dims, base = x.shape[1], get("rope.freq_base")
+    factor, original = get("rope.scaling.factor"), get("rope.scaling.original_context_length")
+    beta_fast, beta_slow = (
+        get("rope.scaling.yarn_beta_fast", 32.0),
+        get("rope.scaling.yarn_beta_slow", 1.0),
+    )
+
+    def corr_dim(rotations: float) -> float:
+        return dims * np.log(original / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    low = max(0.0, np.floor(corr_dim(beta_fast)))
+    high = min(dims - 1.0, np.ceil(corr_dim(beta_slow)))
+    pair = np.arange(dims // 2)
+    ramp = 1 - np.clip((pair - low) / max(0.001, high - low), 0, 1)
+    theta_extrap = base ** (-2.0 * pair / dims)
+    theta = (theta_extrap / factor) * (1 - ramp) + theta_extrap * ramp
+    angle = np.arange(len(x))[:, None] * theta[None, :]
+    scale = 1 + 0.1 * np.log(factor)
+    cos, sin = np.cos(angle) * scale, np.sin(angle) * scale
+    if arch in NORM_ROPE:
+        first, second = x[:, 0::2], x[:, 1::2]
+        turned = np.empty_like(x)
+        turned[:, 0::2], turned[:, 1::2] = first * cos - second * sin, first * sin + second * cos
+        return turned
+    first, second = x[:, : dims // 2], x[:, dims // 2 :]
+    return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=1)
+
+
+@pytest.mark.parametrize(
+    "case", [case for case in sorted(SCALINGS) if case.endswith(("yarn", "betas"))]
+)
+def test_a_yarn_file_rotates_as_llama_cpp_rotates_it(tmp_path, case):
+    """The rope a YaRN file loads with turns each position as llama.cpp's own kernel would,
+    well past the original context: the check above compares with mlx-lm's reading of the
+    source's HF config, this one with llama.cpp's reading of the file."""
+    arch, extra = SCALINGS[case]
+    path = write_arch_gguf(tmp_path / f"tiny-{case}.gguf", arch, extra=extra)
+    model, _, _ = load_gguf(path, dequantize=True)
+    rope = model.layers[0].self_attn.rope
+    metadata = read_gguf_metadata(path)
+    x = np.random.default_rng(3).standard_normal((1024, rope.dims))
+    got = np.array(rope(mx.array(x, dtype=mx.float32)[None, None])[0, 0])
+    expected = llama_cpp_yarn(x, metadata, arch)
+    assert relative_error(got, expected) < 1e-4, case
+
+
 def test_a_llama3_q8_0_file_kept_quantized_keeps_its_factors(tmp_path):
     path = write_arch_gguf(tmp_path / "tiny-llama3.Q8_0.gguf", "llama", "Q8_0", extra=LLAMA3)
     floats, _, _ = load_gguf(path, dequantize=True)
