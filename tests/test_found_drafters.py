@@ -129,3 +129,24 @@ def test_a_registry_entry_naming_the_same_weights_is_pointed_to(disk, tmp_path, 
     assert rows[BIG]["registry_entries"] == []
     text = CliRunner().invoke(main, ["models"]).output
     assert "registry entry tiny-hub: -m tiny-hub for its proposers, same weights" in text
+
+
+def test_a_draft_models_first_cost_is_what_its_step_reads_not_its_parameter_count():
+    """Before a draft is timed its cost is guessed from the models: the bytes a step reads
+    (what bounds it), not a count of parameters that reads a 4-bit model's packed words as
+    one for eight weights. A bfloat16 draft for the same model in 4 bits (bfloat16 scales,
+    groups of 64) reads 2 / (0.5 + 4/64) = 3.6x its bytes; the count said 6.4x."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from tiny_models import tiny_model
+
+    from mlxspec.registry.runtime import draft_cost_hint
+
+    def in_bfloat16():
+        model = tiny_model("llama")
+        model.set_dtype(mx.bfloat16)
+        return model
+
+    target = in_bfloat16()
+    nn.quantize(target, group_size=64, bits=4)
+    assert draft_cost_hint(in_bfloat16(), target) == pytest.approx(2 / (0.5 + 4 / 64), rel=0.05)

@@ -15,8 +15,6 @@ from importlib import metadata
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from mlxspec import device
 
@@ -77,10 +75,6 @@ def measure_bandwidth(n_bytes: int | None = None, repeats: int = BANDWIDTH_REPEA
         mx.eval(data.sum())
         best = min(best, time.perf_counter() - start)
     return data.nbytes / best
-
-
-def weight_bytes(model: nn.Module) -> int:
-    return sum(value.nbytes for _, value in tree_flatten(model.parameters()))
 
 
 def roofline(weights: int, bandwidth: float, plain_speed: float | None) -> dict:

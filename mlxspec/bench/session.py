@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxspec.bench import BenchError
-from mlxspec.bench.machine import describe_machine, measure_bandwidth, weight_bytes
+from mlxspec.bench.machine import describe_machine, measure_bandwidth
 from mlxspec.bench.methods import Method, parse_methods, with_trees
 from mlxspec.bench.plot import require_matplotlib, save_plot
 from mlxspec.bench.report import document, markdown
@@ -19,7 +19,7 @@ from mlxspec.bench.run import Bench, Progress, Run
 from mlxspec.bench.runners import Stream
 from mlxspec.bench.suites import REPLAYED, BenchPrompt, load_suite, read_prompts
 from mlxspec.registry.models_toml import ModelEntry
-from mlxspec.registry.runtime import Runtime, parameter_count
+from mlxspec.registry.runtime import Runtime, parameter_count, weight_bytes
 
 QUICK_REPEATS, REPEATS = 1, 3
 REPLAY_METHODS = "prompt-lookup,suffix"  # what a replayed suite compares with plain

@@ -57,6 +57,18 @@ def parameter_count(model: nn.Module) -> int:
     return sum(value.size for _, value in tree_flatten(model.parameters()))
 
 
+def weight_bytes(model: nn.Module) -> int:
+    return sum(value.nbytes for _, value in tree_flatten(model.parameters()))
+
+
+def draft_cost_hint(draft: nn.Module, target: nn.Module) -> float:
+    """A draft token's cost in target steps before any is measured: the ratio of the bytes
+    each step reads, what bounds a decode step. (A count of parameters reads a 4-bit model's
+    packed words as 1 for 8 weights: a bfloat16 draft for a 4-bit target looked 1.8x
+    dearer than it is, and the adaptive policy drafted too little until it had timed one.)"""
+    return weight_bytes(draft) / weight_bytes(target)
+
+
 def proposer_downloads(config: ProposerConfig) -> list[tuple[str, list[str] | None]]:
     """The weights a proposer fetches when first used, as (reference, hub file patterns):
     what `mlxspec pull` fetches ahead, so that an entry pulled once drafts offline."""
@@ -207,8 +219,7 @@ class Runtime:
             model = draft.model
         if config.options.get("draft_layers"):
             model = truncated_model(model, config.options["draft_layers"])
-        # Before measuring, guess a draft token's cost from the parameter ratio.
-        cost_hint = parameter_count(model) / parameter_count(self.loaded.model)
+        cost_hint = draft_cost_hint(model, self.loaded.model)
         return DraftModel(model, config.name, config.options["k_max"], cost_hint=cost_hint)
 
 
