@@ -119,6 +119,10 @@ def test_a_rope_scaled_file_loads_to_its_source_logits(tmp_path, case):
     assert check_gguf(path).startswith(f"{arch}, ")
 
 
+def is_yarn(extra: dict) -> bool:
+    return extra["rope_scaling"].get("rope_type") == "yarn"
+
+
 NORM_ROPE = {"llama"}  # llama.cpp's LLAMA_ROPE_TYPE_NORM; qwen2 and qwen3 are NEOX
 
 
@@ -160,7 +164,7 @@ def llama_cpp_yarn(x: np.ndarray, metadata: dict, arch: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "case", [case for case in sorted(SCALINGS) if case.endswith(("yarn", "betas"))]
+    "case", [case for case, (_, extra) in sorted(SCALINGS.items()) if is_yarn(extra)]
 )
 def test_a_yarn_file_rotates_as_llama_cpp_rotates_it(tmp_path, case):
     """The rope a YaRN file loads with turns each position as llama.cpp's own kernel would,
