@@ -103,8 +103,7 @@ def lmstudio_models(configured: Path | None = None) -> Path:
     default = Path.home() / ".lmstudio"
     homes = [Path(lines[0].strip())] if lines else []
     homes += [default, Path.home() / ".cache" / "lm-studio"]
-    home = next((home for home in homes if home.is_dir()), default)
-    chosen = _lmstudio_models_setting(home)
+    chosen = _lmstudio_models_setting(next((h for h in homes if h.is_dir()), default))
     if chosen is not None:
         return chosen
     return next((home for home in homes if (home / "models").is_dir()), default) / "models"
@@ -128,8 +127,10 @@ def _lmstudio_models_setting(home: Path) -> Path | None:
         except (OSError, UnicodeDecodeError, ValueError):
             continue
         chosen = settings.get("downloadsFolder") if isinstance(settings, dict) else None
-        if isinstance(chosen, str) and chosen and Path(chosen).expanduser().is_dir():
-            return Path(chosen).expanduser()
+        if isinstance(chosen, str) and chosen:
+            moved = Path(chosen).expanduser()
+            if moved.is_dir():
+                return moved
     return None
 
 
