@@ -31,6 +31,19 @@ class PromptTooLong(GenerationError):
         self.prompt_tokens, self.context = prompt_tokens, context
 
 
+class NoFimTokens(GenerationError):
+    """A fill-in-the-middle request to a model that has no FIM tokens: each dialect says it
+    in its own shape (a 400; Ollama's `insert` capability is absent)."""
+
+    def __init__(self, model: str):
+        super().__init__(
+            f"{model} has no fill-in-the-middle tokens, so it cannot complete between a "
+            "prefix and a suffix; use a code model with FIM tokens (Qwen2.5-Coder, "
+            "StarCoder2, DeepSeek-Coder, CodeLlama, Codestral, CodeGemma) or send no suffix"
+        )
+        self.model = model
+
+
 class GrammarError(GenerationError):
     """A grammar the engine cannot enforce: its message names what is wrong."""
 

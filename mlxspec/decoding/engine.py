@@ -37,11 +37,12 @@ from mlxspec.decoding.weights_choice import WeightsChoice, weights_record
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
 from mlxspec.markup.chat_template import encode_chat
 from mlxspec.markup.conversation import Conversation
+from mlxspec.markup.fim import FimLayout, Infill, InfillBudget, encode_infill, find_layout
 from mlxspec.models.prompt_cache import PromptCache
 from mlxspec.models.target import Target
 from mlxspec.models.tree import DraftTree, best_size, chain, keep_best
 from mlxspec.proposers.base import ProposalContext, Proposer
-from mlxspec.settings import GenerationError, GenerationSettings, PromptTooLong
+from mlxspec.settings import GenerationError, GenerationSettings, NoFimTokens, PromptTooLong
 from mlxspec.structured.grammar import COMPILE_SECONDS, QUICK_SECONDS, Constraint, Grammar
 from mlxspec.suffix.store import HistoryStore
 
@@ -60,10 +61,12 @@ class Engine:
         history: HistoryStore | None = None,
         weights: WeightsChoice | None = None,
         prompt_cache: PromptCache | None = None,
+        fim: tuple[str, str] = ("auto", "auto"),
     ):
         """`prompt_cache`: where earlier prompts' caches are kept, for this engine's
         requests alone and its batch's rows alike (default: one bounded by a share of
-        the device's memory, `batch.memory.prompt_cache_bytes`)."""
+        the device's memory, `batch.memory.prompt_cache_bytes`); `fim`: models.toml's `fim`
+        and `fim_order`, how the fill-in-the-middle layout is found (markup/fim.py)."""
         self.name, self.tokenizer = name, tokenizer
         if prompt_cache is None:
             prompt_cache = PromptCache(max_bytes=prompt_cache_bytes(None))
@@ -81,6 +84,11 @@ class Engine:
         self.history = history  # fed every finished request (prompt + output)
         self._policies: dict[tuple[str, int | None], Policy] = {}
         self.vocab_size = len(tokenizer.get_vocab())
+        self.fim: FimLayout | None = find_layout(tokenizer, *fim)
+        # A FIM model's pad and file separators end a completion wherever it writes one,
+        # as in llama.cpp: past them it would fill another hole or start another file.
+        for token_id in self.fim.end_ids if self.fim else ():
+            tokenizer.add_eos_token(str(token_id))
 
     @property
     def verify_cost(self) -> VerifyCost:
@@ -154,6 +162,14 @@ class Engine:
             raise GenerationError("messages must not be empty")
         return encode_chat(self.tokenizer, conversation, generation_prompt=True)
 
+    def encode_infill(self, infill: Infill, settings: GenerationSettings) -> list[int]:
+        """A fill-in-the-middle request's token ids in the model's own FIM layout, each part
+        within its share of the context; GenerationError for a model with no FIM tokens."""
+        if self.fim is None:
+            raise NoFimTokens(self.name)
+        budget = InfillBudget(settings.context, settings.max_tokens)
+        return encode_infill(self.tokenizer, self.fim, infill, budget)
+
     def stream(
         self,
         prompt: str | list[int] | list[dict] | Conversation,
@@ -181,7 +197,7 @@ class Engine:
 
     def check_request(
         self,
-        prompt: str | list[int] | list[dict] | Conversation,
+        prompt: str | list[int] | list[dict] | Conversation | Infill,
         settings: GenerationSettings,
         proposer: str | None,
     ) -> tuple[list[int], int]:
@@ -189,6 +205,8 @@ class Engine:
         wrong with the request."""
         if isinstance(prompt, str):
             prompt_tokens = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Infill):
+            prompt_tokens = self.encode_infill(prompt, settings)
         elif isinstance(prompt, Conversation) or (prompt and isinstance(prompt[0], dict)):
             prompt_tokens = self.encode_chat(prompt)
         else:

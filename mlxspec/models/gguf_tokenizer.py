@@ -107,6 +107,12 @@ def tokenizer_from_metadata(metadata: dict) -> TokenizerWrapper:
         # Decoding must give back the exact text, as mlx-lm's streaming detokenizer does.
         clean_up_tokenization_spaces=False,
     )
+    # The FIM tokens the file names, for markup/fim.py (which else finds them by their text).
+    hf_tokenizer.gguf_fim_token_ids = {
+        key: python_number(metadata[f"tokenizer.ggml.{key}_token_id"])
+        for key in ("fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
+        if f"tokenizer.ggml.{key}_token_id" in metadata
+    }
     # Chat models end a turn with an end-of-turn token the metadata may name apart from EOS.
     end_of_turn = metadata.get("tokenizer.ggml.eot_token_id")
     extra_eos = [] if end_of_turn is None else [python_number(end_of_turn)]

@@ -79,6 +79,10 @@ class Defaults:
     # Extra arguments of the chat template (e.g. {"enable_thinking": False}); a request's
     # own chat_template_kwargs win key by key; --chat-template-args
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # Fill-in-the-middle (markup/fim.py): the layout found from the model's tokens ("auto"),
+    # none, or a family's tokens; the order: the family's, prefix first or suffix first
+    fim: str = "auto"
+    fim_order: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ class Runtime:
             history=history_store(entry.name),
             weights=self.weights,
             prompt_cache=prompt_cache_for(entry.name, entry.target, held_weights(loaded.model)),
+            fim=(entry.defaults.fim, entry.defaults.fim_order),
         )
 
     def proposer(self, name: str | None) -> str:

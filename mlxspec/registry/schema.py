@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxspec.decoding.weights_choice import CHOICES
+from mlxspec.markup.fim import FAMILIES, ORDERS
 
 FALLBACK = "prompt-lookup"  # needs no weights, so every entry gets one
 
@@ -52,6 +53,13 @@ DEFAULTS_OPTIONS = {
     "history": Option(bool, "true or false", None),
     "weights": Option(str, "'auto', 'quantized' or 'dequantized'", None, lambda v: v in CHOICES),
     "chat_template_kwargs": Option(dict, "a table, e.g. { enable_thinking = false }", None),
+    "fim": Option(
+        str,
+        f"'auto', 'none' or a fill-in-the-middle layout ({', '.join(FAMILIES)})",
+        None,
+        lambda v: v in ("auto", "none", *FAMILIES),
+    ),
+    "fim_order": Option(str, "'auto', 'psm' or 'spm'", None, lambda v: v in ("auto", *ORDERS)),
 }
 KIND_OPTIONS: dict[str, dict[str, Option]] = {
     kind: {**options, "k_max": integer(1, 32)}
