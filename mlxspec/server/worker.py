@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlxspec.decoding.engine import Engine, GenerationError, GenerationSettings
 from mlxspec.events import OUTPUT_EVENTS, Done, Event
 from mlxspec.markup.conversation import Conversation
+from mlxspec.markup.fim import Infill
 from mlxspec.markup.output_parser import AnswerReader
 from mlxspec.server.errors import ApiError, refused
 from mlxspec.server.providers import ModelProvider, OpenModel
@@ -51,7 +52,7 @@ class Generation:
     """Everything the worker needs to run one request."""
 
     model: str
-    prompt: str | list[int] | Conversation  # a Conversation's answer is read into parts
+    prompt: str | list[int] | Conversation | Infill  # a Conversation's answer is read into parts
     settings: GenerationSettings
     proposer: str | None  # None: the model's default
     # What the answer must match, made the settings' grammar once the model is open
@@ -388,7 +389,11 @@ def queue_full(why: str, retry: int) -> ApiError:
 
 
 def prompt_bytes(prompt: object) -> int:
-    """What a queued prompt holds: its text (a conversation's messages and tools)."""
+    """What a queued prompt holds: its text (a conversation's messages and tools, an
+    infill's prefix, suffix and extra files)."""
+    if isinstance(prompt, Infill):
+        texts = [prompt.prefix, prompt.suffix, prompt.prompt, *(f.text for f in prompt.extra)]
+        return sum(len(text) for text in texts)
     if isinstance(prompt, Conversation):
         return sum(len(str(message.get("content") or "")) for message in prompt.messages) + len(
             str(prompt.tools or "")
