@@ -137,6 +137,9 @@ class RunRecord:
     cache_strategy: str = "trim"
     finish_reason: str = "length"
     stop_string: str | None = None  # the stop string that ended the output, if one did
+    # An inline completion's own end, where one cut it: "indent" (a less indented line),
+    # "time" (a line written after the decoding time allowed); see GenerationSettings.
+    limit: str | None = None
     # Greedy speculative choices whose best two logits were within NEAR_TIE (see
     # `lossless`): where rounding alone could have picked another token than plain decoding.
     near_ties: int = 0

@@ -102,6 +102,11 @@ class GenerationSettings:
     logprobs: int | None = None
     # What the generated text must match (structured output); None: anything.
     grammar: Grammar | None = None
+    # Inline completion's ends (llama.cpp's n_indent, t_max_predict_ms): a later line less
+    # indented than this ends the text; past this many seconds of decoding, the first
+    # finished line does (a suggestion that comes late is never seen).
+    min_indent: int = 0
+    line_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

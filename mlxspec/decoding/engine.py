@@ -267,6 +267,8 @@ class Engine:
             history=settings.history,
             top_logprobs=settings.logprobs,
             constraint=self.constraint(settings.grammar, QUICK_SECONDS),
+            min_indent=settings.min_indent,
+            line_seconds=settings.line_seconds,
         )
 
     def finish(self, run: RequestRun) -> Done:

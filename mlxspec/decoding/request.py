@@ -43,6 +43,8 @@ class RequestRun:
         history: bool = True,
         top_logprobs: int | None = None,
         constraint: Constraint | None = None,
+        min_indent: int = 0,
+        line_seconds: float | None = None,
     ):
         self.tokenizer, self.record = tokenizer, record
         # The grammar the output must match, its state after every produced token.
@@ -63,7 +65,8 @@ class RequestRun:
         self.rng = np.random.default_rng(seed)
         self.scorer = TokenScorer(sampling)
         self.eos = set(tokenizer.eos_token_ids)
-        self.text = TextStream(tokenizer, stop)
+        self.text = TextStream(tokenizer, stop, min_indent)
+        self.line_seconds = line_seconds
         self.sequence = list(prompt_tokens)  # ends with the pending token
         self.produced: list[int] = []  # generated, EOS excluded
         self.emitted: list[int] = []  # released as output: produced, cut at a stop string
@@ -236,6 +239,8 @@ class RequestRun:
         yield from _events(pieces, placed)
         if self.text.stopped:
             self.finished = "stop"
+        elif self.finished is None and self._out_of_time():
+            self.finished, self.record.limit = "stop", "time"
         round_seconds = time.perf_counter() - round_start + draft_seconds
         plain_steps = 1.0
         if price is not None:
@@ -252,11 +257,19 @@ class RequestRun:
             plain_steps,
         )
 
+    def _out_of_time(self) -> bool:
+        """A line is written and decoding has taken longer than `line_seconds`."""
+        if self.line_seconds is None or self.first_token_at is None:
+            return False
+        late = time.perf_counter() - self.first_token_at > self.line_seconds
+        return late and "\n" in self.text.text[: self.text.released]
+
     def done(self) -> Done:
         if hasattr(self.proposer, "annotate"):  # e.g. drafts from history vs the request
             self.proposer.annotate(self.record)
         self.record.finish_reason = self.finished
         self.record.stop_string = self.text.matched
+        self.record.limit = self.text.limit or self.record.limit
         self.record.completion_tokens = len(self.emitted)
         self.record.decode_seconds = time.perf_counter() - self.first_token_at
         logprobs = None if self.top_logprobs is None else tuple(self.emitted_logprobs)

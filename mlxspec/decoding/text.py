@@ -19,18 +19,22 @@ class Piece:
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), min_indent: int = 0):
+        """`min_indent`: inline completion's end of a block (llama.cpp's `n_indent`): a line
+        after the first that starts less indented ends the text where its code begins."""
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
         self.stop = [s for s in stop if s]
+        self.min_indent = min_indent
         self.text = ""  # all text so far, held-back part included
         self.released = 0  # characters already handed out
         self._pending: list[Piece] = []
         self.matched: str | None = None  # the stop string that ended the text, once one has
+        self.limit: str | None = None  # "indent" where the indentation ended it
 
     @property
     def stopped(self) -> bool:
-        return self.matched is not None
+        return self.matched is not None or self.limit is not None
 
     def add(self, kind: str, token: int) -> None:
         self.detokenizer.add_token(token)
@@ -57,6 +61,9 @@ class TextStream:
             found = self.text.find(stop, max(0, self.released - len(stop) + 1))
             if found != -1 and found < cut:
                 cut, self.matched = found, stop
+        dedent = self._dedent()
+        if dedent is not None and dedent < cut:
+            cut, self.matched, self.limit = dedent, None, "indent"
         if not self.stopped and not final:
             cut -= self._held_back()
         out, position = [], self.released
@@ -76,6 +83,25 @@ class TextStream:
             self.text = self.text[:cut]
         self.released = position
         return out
+
+    def _dedent(self) -> int | None:
+        """Where the first line after the first that is indented less than `min_indent`
+        has its code begin (None: no such line yet; a line of only blanks is not judged)."""
+        if self.min_indent <= 0:
+            return None
+        # Lines that ended before what was released were judged then.
+        start = self.text.rfind("\n", 0, self.released + 1)
+        if start == -1:
+            start = self.text.find("\n")
+        while start != -1:
+            code = start + 1
+            while code < len(self.text) and self.text[code] in " \t":
+                code += 1
+            if code < len(self.text) and self.text[code] != "\n":
+                if code - start - 1 < self.min_indent:
+                    return code
+            start = self.text.find("\n", start + 1)
+        return None
 
     def _held_back(self) -> int:
         """Length of the longest text suffix that is a proper prefix of a stop string."""

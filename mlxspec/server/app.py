@@ -1,9 +1,9 @@
 """The FastAPI app: each API dialect's routes over one generation worker.
 
 The app picks the worker (one at a time, batched, sharded), and serves health and the
-model list; a dialect's routes (openai/, anthropic/, responses/) validate a request, turn it
-into a `Generation`, and relay its answer's parts through `Answering` (answering.py), which
-cancels a generation whose client went away.
+model list; a dialect's routes (openai/, anthropic/, responses/, llamacpp/) validate a
+request, turn it into a `Generation`, and relay its answer's parts through `Answering`
+(answering.py), which cancels a generation whose client went away.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from mlxspec.server.anthropic.translate import error_body
 from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError, install_error_handlers
 from mlxspec.server.limits import ServerLimits
+from mlxspec.server.llamacpp import llamacpp_router
 from mlxspec.server.openai.routes import openai_router
 from mlxspec.server.providers import ModelInfo, ModelProvider, find_model
 from mlxspec.server.responses.routes import responses_router
@@ -164,6 +165,8 @@ def create_app(
     api.include_router(anthropic_router(provider, worker, limits))
     api.include_router(responses_router(provider, worker, limits, ResponseStore()))
     app.include_router(api)
+    # llama.cpp's own paths have no /v1 (llama.vim, llama.vscode, Tabby call /infill)
+    app.include_router(llamacpp_router(provider, worker, limits), dependencies=guarded)
     return app
 
 

@@ -83,6 +83,7 @@ class Reply:
 
     chat: bool
     model: str
+    echo: str = ""  # a text completion's prompt, given back before it (`echo`)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -137,7 +138,7 @@ class Reply:
                     for call in answer.tool_calls
                 ]
         else:
-            choice = self._choice(text, record.finish_reason, streamed=False)
+            choice = self._choice(self.echo + text, record.finish_reason, streamed=False)
         choice["logprobs"] = rendered_logprobs(logprobs, self.chat)
         return {
             **self._envelope(streamed=False),
@@ -147,9 +148,15 @@ class Reply:
         }
 
     def opening_chunk(self) -> dict | None:
-        """Chat streams announce the assistant's role before any text."""
+        """Chat streams announce the assistant's role before any text; an echoed text
+        completion starts with its prompt."""
         if not self.chat:
-            return None
+            if not self.echo:
+                return None
+            return {
+                **self._envelope(streamed=True),
+                "choices": [self._choice(self.echo, None, True)],
+            }
         chunk = {**self._envelope(streamed=True), "choices": [self._choice("", None, True)]}
         chunk["choices"][0]["delta"]["role"] = "assistant"
         return chunk

@@ -43,17 +43,22 @@ def openai_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
         info = find_model(provider, body.model)
         prompt, constraint = body.prompt_input(), await checked_constraint(body.answer_constraint)
         generation = new_generation(body, info, prompt, provider, limits, None, constraint)
-        return await _respond(request, worker, generation, body, chat=False)
+        return await _respond(request, worker, generation, body, chat=False, echo=body.echoed())
 
     return router
 
 
 async def _respond(
-    request: Request, worker: Worker, generation: Generation, body: GenerationRequest, chat: bool
+    request: Request,
+    worker: Worker,
+    generation: Generation,
+    body: GenerationRequest,
+    chat: bool,
+    echo: str = "",
 ):
     """Queue the generation; answer with JSON, or stream (at once when it must wait)."""
     answering = await Answering.start(request, worker, generation, stream=body.stream)
-    reply = Reply(chat=chat, model=generation.model)
+    reply = Reply(chat=chat, model=generation.model, echo=echo)
     if body.stream:
         stream = _sse(answering, reply, body)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)

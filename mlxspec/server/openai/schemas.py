@@ -21,6 +21,7 @@ from pydantic import (
 
 from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.markup.conversation import Conversation
+from mlxspec.markup.fim import Infill
 from mlxspec.server.errors import ApiError
 from mlxspec.server.openai.logprobs import MAX_COMPLETION_LOGPROBS
 from mlxspec.server.request_body import GenerationRequest, NonEmptyText, TokenId, effort_kwargs
@@ -237,9 +238,25 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_COMPLETION_LOGPROBS, description="Alternatives per token (legacy)."
     )
+    suffix: str | None = Field(
+        None,
+        description="The text after the completion (fill-in-the-middle, with the model's "
+        "FIM tokens); empty or omitted: a plain completion of the prompt.",
+    )
+    echo: bool = Field(False, description="Give back the prompt before the completion.")
 
     def alternatives(self) -> int | None:
         return self.logprobs
+
+    @model_validator(mode="after")
+    def _echo_alone(self) -> CompletionRequest:
+        """OpenAI's rules: an inserted completion is not echoed, and the prompt's own
+        logprobs, which echo would owe, are not computed here."""
+        if self.echo and self.suffix:
+            raise ValueError("echo: not supported with suffix (an insertion is not echoed)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: not supported with logprobs (the prompt's are not scored)")
+        return self
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -253,14 +270,40 @@ class CompletionRequest(GenerationRequest):
                 "or a non-empty list of token ids (integers >= 0)"
             ) from None
 
-    def prompt_input(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
-            if len(self.prompt) > 1:
+    def echoed(self) -> str:
+        """What `echo` gives back before the completion: the prompt's text ("": no echo)."""
+        if not self.echo:
+            return ""
+        prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
+        if not isinstance(prompt, str):
+            raise ApiError(
+                400,
+                "echo: send the prompt as text to have it echoed, not token ids",
+                code="invalid_value",
+                param="echo",
+            )
+        return prompt
+
+    def prompt_input(self) -> str | list[int] | Infill:
+        """The prompt as the engine takes it: text, token ids, or, with a `suffix`, the
+        text before and after the hole (`Infill`)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
+            if len(prompt) > 1:
                 raise ApiError(
                     400,
-                    f"prompt: send one prompt per request, not {len(self.prompt)}",
+                    f"prompt: send one prompt per request, not {len(prompt)}",
                     code="invalid_value",
                     param="prompt",
                 )
-            return self.prompt[0]
-        return self.prompt
+            prompt = prompt[0]
+        if not self.suffix:
+            return prompt
+        if not isinstance(prompt, str):
+            raise ApiError(
+                400,
+                "prompt: with a suffix, send the text before the hole, not token ids",
+                code="invalid_value",
+                param="prompt",
+            )
+        return Infill(prefix=prompt, suffix=self.suffix)
