@@ -36,7 +36,8 @@ def llamacpp_router(provider: ModelProvider, worker: Worker, limits: ServerLimit
     slots: dict[int, Answering] = {}  # the running request of each id_slot
 
     async def respond(body: LlamaCppRequest, request: Request):
-        info = find_model(provider, body.model)
+        # llama.vim sends `"model": ""` unless told a name: the server's model, as llama.cpp
+        info = find_model(provider, body.model or None)
         prompt = body.prompt_input()
         asked = body.model_copy(update={"n": 1, "max_tokens": body.granted_tokens()})
         generation = new_generation(asked, info, prompt, provider, limits, body.top_k)
