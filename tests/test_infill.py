@@ -9,6 +9,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -386,3 +387,33 @@ def test_fim_requests_to_a_model_without_fim_tokens_are_refused_by_name(base_url
         client.completions.create(model="tiny", prompt="a", suffix="b", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="echo: not supported with suffix"):
         client.completions.create(model="coder", prompt="a", suffix="b", echo=True)
+
+
+# --- editors' own requests, replayed ------------------------------------------------------
+
+EDITORS = json.loads((Path(__file__).parent / "data" / "editors" / "llamacpp.json").read_text())
+
+
+@pytest.mark.parametrize("client", [name for name in EDITORS if not name.startswith("_")])
+def test_editors_llama_cpp_requests_are_served_as_llama_cpp_serves_them(base_url, client):
+    """Each editor's body as its source builds it, to the model with FIM tokens: a result
+    object (a list of them for n_cmpl), or llama.cpp's stream of chunks ending in one."""
+    path, text = EDITORS[client]["path"], json.dumps(EDITORS[client]["body"])
+    for name, code in (("PREFIX", PREFIX), ("SUFFIX", SUFFIX)):
+        text = text.replace(name, json.dumps(code)[1:-1])
+    body = {**json.loads(text), "model": "coder"}
+    if not body.get("stream"):
+        reply = httpx.post(f"{base_url}{path}", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        results = reply.json() if isinstance(reply.json(), list) else [reply.json()]
+        assert len(results) == body.get("n_cmpl", 1)
+        assert all(result["stop"] is True and "content" in result for result in results)
+        if body["n_predict"] == 0:
+            assert results[0]["content"] == "" and results[0]["tokens_predicted"] == 0
+        return
+    with httpx.stream("POST", f"{base_url}{path}", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        events = [json.loads(line[5:]) for line in reply.iter_lines() if line.startswith("data:")]
+    assert events[-1]["stop"] is True and "timings" in events[-1]
+    text = "".join(event["content"] for event in events)
+    assert not any(marker in text for marker in QWEN_FIM)

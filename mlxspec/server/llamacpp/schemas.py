@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mlxspec.markup.fim import ExtraFile, Infill
 from mlxspec.server.errors import ApiError
 from mlxspec.server.request_body import GenerationRequest, TokenId
 
+MAX_STOP_STRINGS = 32
 # llama.cpp's default n_predict is -1 (until the context is full); here the model's default
 # max_tokens applies then, as for a request of any dialect that names none.
 UNLIMITED = -1
@@ -35,6 +36,9 @@ class LlamaCppRequest(GenerationRequest):
     """`/completion`'s body; `/infill` adds the hole's parts (InfillRequest)."""
 
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] = ""
+    # Continue sends a FIM model's nine markers as stop strings; Tabby a random u64 seed.
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = Field(None, ge=0, description="Any size: taken modulo 2**63.")
     n_predict: int = Field(UNLIMITED, ge=UNLIMITED, description="-1: the model's default.")
     top_k: int | None = Field(None, ge=0)
     n_indent: int = Field(0, ge=0, description="End at a line indented less than this.")
@@ -50,11 +54,16 @@ class LlamaCppRequest(GenerationRequest):
 
     @model_validator(mode="before")
     @classmethod
-    def _llama_names(cls, data: Any) -> Any:
-        """llama.cpp's `n` for `n_cmpl`; `n_probs` refused rather than ignored."""
+    def _no_probs(cls, data: Any) -> Any:
+        """`n_probs` refused rather than ignored: the answer would lack what was asked."""
         if isinstance(data, dict) and isinstance(data.get("n_probs"), int) and data["n_probs"]:
             raise ValueError("n_probs: token probabilities are not served here; send 0")
         return data
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, seed: int | None) -> int | None:
+        return None if seed is None else seed % 2**63
 
     @property
     def completions(self) -> int:
