@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mlxspec.markup.fim import ExtraFile, Infill
 from mlxspec.server.errors import ApiError
@@ -38,7 +38,7 @@ class LlamaCppRequest(GenerationRequest):
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] = ""
     # Continue sends a FIM model's nine markers as stop strings; Tabby a random u64 seed.
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = Field(None, ge=0, description="Any size: taken modulo 2**63.")
+    seed: int | None = Field(None, ge=0, description="Any size (a u64 from Tabby).")
     n_predict: int = Field(UNLIMITED, ge=UNLIMITED, description="-1: the model's default.")
     top_k: int | None = Field(None, ge=0)
     n_indent: int = Field(0, ge=0, description="End at a line indented less than this.")
@@ -59,11 +59,6 @@ class LlamaCppRequest(GenerationRequest):
         if isinstance(data, dict) and isinstance(data.get("n_probs"), int) and data["n_probs"]:
             raise ValueError("n_probs: token probabilities are not served here; send 0")
         return data
-
-    @field_validator("seed")
-    @classmethod
-    def _seed_in_range(cls, seed: int | None) -> int | None:
-        return None if seed is None else seed % 2**63
 
     @property
     def completions(self) -> int:
