@@ -241,6 +241,7 @@ def main() -> None:
     parser.add_argument("--proposers", default="none,prompt-lookup")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weights", default=None, help="auto, quantized or dequantized")
+    parser.add_argument("--fim-order", default=None, help="psm or spm (default: the model's)")
     parser.add_argument("--out", type=Path, default=None, help="write every row as JSON")
     args = parser.parse_args()
     # a fresh history and prompt-cache folder: nothing learned before this run is read
@@ -249,7 +250,8 @@ def main() -> None:
     from mlxspec.server import RegistryProvider, create_app
     from mlxspec.server.background import serving_in_thread
 
-    registry = load_registry().including(args.model).with_defaults(weights=args.weights)
+    registry = load_registry().including(args.model)
+    registry = registry.with_defaults(weights=args.weights, fim_order=args.fim_order)
     provider = RegistryProvider(registry, args.model, notify=lambda m: print(m, file=sys.stderr))
     proposers = args.proposers.split(",")
     filler = re.sub(r"\s+", " ", (source_files()[0]).read_text())

@@ -9,6 +9,7 @@ import json
 import re
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -35,7 +36,7 @@ from mlxspec.markup.fim import (
 )
 from mlxspec.proposers import PromptLookup
 from mlxspec.registry.models_toml import Defaults
-from mlxspec.server import ModelInfo
+from mlxspec.server import ModelInfo, ServerLimits
 from mlxspec.settings import NoFimTokens
 
 QWEN_FIM = [t for t in FIM_FAMILIES["qwen"] if t]  # prefix, suffix, middle, pad, repo, sep
@@ -417,3 +418,23 @@ def test_editors_llama_cpp_requests_are_served_as_llama_cpp_serves_them(base_url
     assert events[-1]["stop"] is True and "timings" in events[-1]
     text = "".join(event["content"] for event in events)
     assert not any(marker in text for marker in QWEN_FIM)
+
+
+def test_batched_infills_are_each_their_plain_greedy_answer():
+    """Four holes at once through the continuous batch (one target pass a round for all):
+    each completion is what plain greedy decoding writes for it alone."""
+    holes = [(f"# {word} {word} {word}\nx = '", f"'\n# {word} {word}\n") for word in "abcd"]
+    with serving(FimProvider(), limits=ServerLimits(max_batch=4)) as url:
+
+        def complete(hole):
+            body = {"input_prefix": hole[0], "input_suffix": hole[1], "n_predict": 24}
+            body |= {"model": "coder", "mlxspec": {"k": 3}}
+            return httpx.post(f"{url}/infill", json=body, timeout=120).json()
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(complete, holes))
+    for hole, result in zip(holes, results):
+        expected = answer(fim_engine(), Infill(*hole), "none", max_tokens=24)
+        assert result["content"] == expected.text
+    assert max(len(result["x_mlxspec"]["batch_sizes"]) for result in results) > 2
+    assert sum(result["timings"]["draft_n"] for result in results) > 0
