@@ -207,6 +207,21 @@ def report(rows: list[dict], proposers: list[str]) -> str:
                 f"{percentile([r['ttft'] for r in runs], 0.5):.2f} | "
                 f"{tokens / sum(seconds):.1f} | {kept} | {base / sum(seconds):.2f}x |"
             )
+    if "llama.cpp" in rows[0]:
+        out += ["", "| class | llama.cpp plain s | llama.cpp n-gram s | its ratio | ours |"]
+        out.append("|---|---|---|---|---|")
+        for kind in CLASSES:
+            of_class = [row for row in rows if row["class"] == kind]
+            if not of_class:
+                continue
+            theirs = [sum(row["llama.cpp"][m] for row in of_class) for m in ("plain", "ngram")]
+            ours = sum(row[plain]["seconds"] for row in of_class) / sum(
+                row[proposers[-1]]["seconds"] for row in of_class
+            )
+            out.append(
+                f"| {kind} | {theirs[0]:.2f} | {theirs[1]:.2f} | {theirs[0] / theirs[1]:.2f}x | "
+                f"{ours:.2f}x |"
+            )
     keys = [row["keystroke"] for row in rows]
     ratios = [k["ttft"] / k["fresh_ttft"] for k in keys]
     cold = statistics.median(row["cold_prefill_s"] for row in rows)
@@ -234,6 +249,45 @@ def report(rows: list[dict], proposers: list[str]) -> str:
     return "\n".join(out)
 
 
+# llama.cpp's own speculation without a draft model: its n-gram lookup over the context
+# (`--spec-type ngram-simple`, its prompt lookup), at most 16 drafts a round.
+LLAMA_CPP_SPEC = ["--spec-type", "ngram-simple", "--spec-draft-n-max", "16"]
+
+
+def llama_cpp_seconds(binary: str, model: str, hs: list[dict], spec: list[str]) -> list[float]:
+    """llama.cpp's `llama-server` on the same holes, the same way (warm-up first, then the
+    completion), 2 threads; seconds per hole. A benchmark's yardstick, never a dependency."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [binary, "-m", model, "--port", str(port), "-t", "2", "-c", "8192", *spec]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=900) as client:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("llama-server did not start")
+                time.sleep(0.5)
+            seconds = []
+            greedy = {"samplers": ["top_k"], "top_k": 1}  # llama.vim's chain samples
+            for h in hs:
+                post(client, "/infill", infill_body(h, None, n_predict=0))
+                seconds.append(post(client, "/infill", infill_body(h, None) | greedy)[1])
+            return seconds
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a FIM model: a .gguf file or folder")
@@ -243,6 +297,9 @@ def main() -> None:
     parser.add_argument("--weights", default=None, help="auto, quantized or dequantized")
     parser.add_argument("--fim-order", default=None, help="psm or spm (default: the model's)")
     parser.add_argument("--out", type=Path, default=None, help="write every row as JSON")
+    parser.add_argument(
+        "--llama-server", default=None, help="llama.cpp's llama-server: its plain and n-gram"
+    )
     args = parser.parse_args()
     # a fresh history and prompt-cache folder: nothing learned before this run is read
     os.environ["MLXSPEC_DATA"] = tempfile.mkdtemp(prefix="mlxspec-fim-")
@@ -261,6 +318,12 @@ def main() -> None:
             for index, h in enumerate(holes(args.holes, args.seed)):
                 rows.append(run_hole(client, h, proposers, filler))
                 print(f"{index + 1}: {h['class']} {h['file']}:{h['line']}", file=sys.stderr)
+    if args.llama_server:
+        hs = holes(args.holes, args.seed)
+        plain = llama_cpp_seconds(args.llama_server, args.model, hs, [])
+        spec = llama_cpp_seconds(args.llama_server, args.model, hs, LLAMA_CPP_SPEC)
+        for row, plain_s, spec_s in zip(rows, plain, spec):
+            row["llama.cpp"] = {"plain": plain_s, "ngram": spec_s}
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     print(report(rows, proposers))
