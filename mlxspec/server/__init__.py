@@ -11,7 +11,8 @@ read into), `generations` (a request checked against the model and the limits), 
 thread that runs generations: one at a time, batched, on ranks), `providers` (where models
 come from), `limits`, `errors` (each route's dialect's error shape), `origin_guard` (only
 the user reaches the server: Host and Origin checked), `listen` (the socket, bound first),
-`background` (the server on a thread, for in-process clients).
+`background` (the server on a thread, for in-process clients), `lone_surrogates` (half an
+emoji read as U+FFFD).
 """
 
 from mlxspec.server.app import create_app, run_server

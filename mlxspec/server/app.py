@@ -26,6 +26,7 @@ from mlxspec.server.anthropic.translate import error_body
 from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError, install_error_handlers, shape_finder
 from mlxspec.server.limits import ServerLimits
+from mlxspec.server.lone_surrogates import SurrogateRepair
 from mlxspec.server.openai.routes import openai_router
 from mlxspec.server.origin_guard import OriginGuard
 from mlxspec.server.providers import ModelInfo, ModelProvider, find_model
@@ -140,6 +141,7 @@ def create_app(
     app.state.worker = worker
     shape = shape_finder({"/v1/messages": error_body})
     install_error_handlers(app, shape)
+    app.add_middleware(SurrogateRepair)  # inside the limit: it reads the body whole
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     # Added last, so it runs first: a request the user did not send is refused unread.
     app.add_middleware(
