@@ -11,7 +11,7 @@ import httpx
 import pytest
 from test_server import HELLO, TinyProvider, serving
 
-from mlxspec.server.origin_guard import is_loopback, split_host
+from mlxspec.server.origin_guard import OriginGuard, is_loopback, split_host
 
 WEB_UI = "http://localhost:3000"
 CHAT_BODY = {"model": "tiny", "messages": HELLO, "max_tokens": 2, "temperature": 0}
@@ -121,3 +121,21 @@ def test_a_host_header_is_split_into_name_and_port(header, expected):
 def test_loopback_is_known_by_name_and_by_address():
     assert all(map(is_loopback, ["localhost", "127.0.0.1", "127.0.0.2", "::1", "[::1]"]))
     assert not any(map(is_loopback, ["0.0.0.0", "192.168.1.5", "attacker.example", "::"]))
+
+
+@pytest.mark.parametrize(
+    "host, server, served",
+    [
+        ("192.168.1.5:8000", ("192.168.1.5", 8000), True),  # a LAN client, by address
+        ("localhost:8000", ("192.168.1.5", 8000), False),  # loopback names: loopback only
+        ("127.0.0.1:8000", ("::ffff:127.0.0.1", 8000), True),  # IPv4 on a `::` socket
+        ("[::1]:8000", ("::1", 8000), True),
+        ("testserver", ("testserver", 80), True),  # no port: http's own
+        ("attacker.example:8000", ("127.0.0.1", 8000), False),
+        ("attacker.example", ("127.0.0.1", 80), False),
+        ("localhost", None, True),  # a Unix socket
+        ("attacker.example", None, False),
+    ],
+)
+def test_a_host_is_served_where_it_names_the_connections_own_address(host, server, served):
+    assert OriginGuard(app=None).host_allowed(host, server) is served

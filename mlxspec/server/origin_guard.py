@@ -38,6 +38,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def unmapped(address: str) -> str:
+    """An address as clients name it: an IPv4 client of a dual-stack socket (`--host ::`)
+    arrives as ::ffff:127.0.0.1, and says 127.0.0.1."""
+    address = address.lower().strip("[]")
+    try:
+        mapped = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    ipv4 = getattr(mapped, "ipv4_mapped", None)
+    return str(ipv4) if ipv4 is not None else address
+
+
 def split_host(authority: str) -> tuple[str, int | None]:
     """'Example.org:8000' -> ('example.org', 8000); '[::1]:80' -> ('::1', 80); a port that
     is not a number -> port -1 (matches nothing)."""
@@ -114,7 +126,7 @@ class OriginGuard:
             return True
         if server is None:  # a Unix socket: only this machine can reach it
             return is_loopback(name)
-        own_name, own_port = server[0].lower().strip("[]"), server[1]
+        own_name, own_port = unmapped(server[0]), server[1]
         if (80 if port is None else port) != own_port:  # no port in Host: http's own
             return False
         return name == own_name or (is_loopback(own_name) and name in LOOPBACK_NAMES)
