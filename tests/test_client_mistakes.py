@@ -5,15 +5,20 @@ every dialect). A real uvicorn server over test_server's tiny llamas."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from test_server import TinyProvider, serving
 
+import mlxspec.server.generations
 import mlxspec.structured.grammar
 from mlxspec.server import ServerLimits
+from mlxspec.server.errors import ApiError
+from mlxspec.server.generations import checked_constraint
 from mlxspec.server.lone_surrogates import replace_lone_surrogates
 from mlxspec.settings import GrammarError
 
@@ -106,6 +111,26 @@ def test_a_grammar_that_fails_in_the_batch_is_a_400(base_url, monkeypatch):
     response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert "over its budget" in message_of(response)
+
+
+def test_a_check_that_waits_for_a_thread_is_not_timed_for_it(monkeypatch):
+    """Under a crowd every thread of the pool may be busy: the schema check's time bound
+    counts from when it runs, so a request is not refused for the server's queue (a soak
+    of 256 clients had one without any schema refused so). A check over the bound is."""
+    monkeypatch.setattr(mlxspec.server.generations, "COMPILE_SECONDS", 0.3)
+
+    async def checked_behind_a_busy_pool(check_seconds: float):
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+        busy = loop.run_in_executor(None, time.sleep, 0.7)  # the pool's one thread
+        try:
+            return await checked_constraint(lambda: time.sleep(check_seconds))
+        finally:
+            await busy
+
+    assert asyncio.run(checked_behind_a_busy_pool(0.0)) is None
+    with pytest.raises(ApiError, match="took over 0.3 s"):
+        asyncio.run(checked_behind_a_busy_pool(0.7))
 
 
 LONE = '"a\\ud800b"'  # a JSON string with half a surrogate pair in it
