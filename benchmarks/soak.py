@@ -194,6 +194,7 @@ def main() -> None:
                 ] = answer_of(kind, reply)
         counts: Counter = Counter()
         differing: list[str] = []
+        failures: list[str] = []
         memory = {"start": resident_mb(pid)}
         deadline = time.monotonic() + args.minutes * 60
         halfway = time.monotonic() + args.minutes * 30
@@ -230,6 +231,8 @@ def main() -> None:
                             outcome = f"refused {retry} Retry-After"
                         elif reply.status_code != 200:
                             outcome = f"failed {reply.status_code}"
+                            with lock:  # what the server said, to find why
+                                failures.append(f"{kind} {path}: {reply.text[:300]}")
                         else:
                             outcome = "served"
                             key = (
@@ -268,6 +271,7 @@ def main() -> None:
         "outcomes": dict(counts),
         "differing": len(differing),
         "differing_kinds": dict(Counter(differing)),
+        "failures": failures[:10],
         "resident_mb": memory,
         "health_after": {k: health.get(k) for k in ("active", "waiting", "busy")},
     }

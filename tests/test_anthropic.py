@@ -556,6 +556,23 @@ def test_count_tokens_counts_tools_and_the_thinking_switch(scripted):
     assert count(tools=[GET_WEATHER], tool_choice={"type": "none"}).input_tokens == bare
 
 
+def test_count_tokens_renders_with_the_models_template_defaults():
+    """A model whose registry entry turns thinking off by default (`chat_template_kwargs`):
+    count_tokens counts the prompt the message is given, as its usage reports it."""
+    provider = ScriptedProvider(template_kwargs={"enable_thinking": False})
+    with serving(provider, preload="qwen3-calls") as url:
+        client = anthropic.Anthropic(base_url=url, api_key="-", max_retries=0, timeout=60)
+        answer = client.messages.create(model="qwen3-calls", max_tokens=1, messages=CITIES)
+        given = answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
+        counted = client.messages.count_tokens(model="qwen3-calls", messages=CITIES)
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        with_thinking = client.messages.count_tokens(
+            model="qwen3-calls", messages=CITIES, thinking=thinking
+        )
+    assert counted.input_tokens == given
+    assert with_thinking.input_tokens != given  # the default changes the prompt
+
+
 def test_sampling_settings_reach_the_engine(client):
     """Recent SDKs have no temperature, top_p or top_k arguments: they go in extra_body."""
     sampling = {"temperature": 0.5, "top_p": 0.9, "top_k": 5}

@@ -434,3 +434,38 @@ def test_a_drafted_end_is_kept_only_where_the_grammar_may_end():
     constraint.take(byte_tokenizer().encode("abc", add_special_tokens=False))
     kept, _, refused = constraint.prune([eos], [0])
     assert kept == [1] and refused is None
+
+
+def test_forced_tokens_carry_one_hot_rows_in_the_drafters_q(monkeypatch):
+    """Sampling, a grammar that forces tokens, and a draft model that drafts on after them:
+    the round's q has a row per drafted token, the forced ones' one-hot at their token
+    (they were not drawn, they were the only choice), the drafter's after them. Rejection
+    sampling reads q by position: a missing row shifts every law after it."""
+    import mlxspec.batch.scheduler
+
+    tokenizer = byte_tokenizer()
+    model = tiny_model("llama", seed=5, sharpness=8.0)
+    draft = DraftModel(tiny_model("llama", seed=5, sharpness=8.0), k_max=4)
+    engine = Engine(model, tokenizer, "llama", [draft], verify_cost=VerifyCost({1: 1.0}, 1.0))
+    rounds = []
+    original = mlxspec.batch.scheduler.draft_after
+
+    def recorded(run, proposer, ctx, chosen, forced, k):
+        situation, drafted = original(run, proposer, ctx, chosen, forced, k)
+        if situation is not None:  # the drafter drafted on after the forced tokens
+            rounds.append((list(forced), drafted))
+        return situation, drafted
+
+    monkeypatch.setattr(mlxspec.batch.scheduler, "draft_after", recorded)
+    grammar = Grammar("regex", "abc[a-z]{2}xyz[a-z]{3}")
+    for seed in range(3):
+        sampling = SamplingSettings(temperature=1.0, seed=seed)
+        settings = GenerationSettings(max_tokens=20, k=4, grammar=grammar, sampling=sampling)
+        last_done(engine.stream([40, 41, 42, 43], settings, "draft-model"))
+    assert rounds, "no round drafted after forced tokens: the path is untested"
+    for forced, drafted in rounds:
+        assert drafted.probs is not None
+        assert drafted.probs.shape[0] == len(drafted.tokens)
+        rows = np.array(drafted.probs[: len(forced)])
+        assert (rows.argmax(axis=-1) == forced).all() and (rows.max(axis=-1) == 1).all()
+        assert rows.sum() == len(forced)

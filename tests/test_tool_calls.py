@@ -207,6 +207,9 @@ def streamed(client, model: str, messages=ASK, **extra) -> dict:
                 assert call.function.name is None
                 calls[call.index]["arguments"] += call.function.arguments
     assert len(finishes) == 1, finishes
+    # `index` is the call's place in the message's `tool_calls` array: clients write each
+    # delta into the array at it, so the first call is 0, with no holes.
+    assert sorted(calls) == list(range(len(calls))), sorted(calls)
     made = [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
     return {
         "reasoning": reasoning,

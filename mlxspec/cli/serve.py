@@ -43,6 +43,19 @@ ROW_FLOOR_OPTION = click.option(
     help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 (env: MLXSPEC_API_KEY).",
 )
 @click.option(
+    "--allowed-hosts",
+    default="",
+    help="Comma-separated names a client may reach the server by besides the address it "
+    "listens on (and localhost on loopback), e.g. 'mybox.lan' behind a LAN name or a proxy; "
+    "'*': any. Other Host headers get 403 (DNS rebinding). See docs/serving.md.",
+)
+@click.option(
+    "--cors-origins",
+    default="",
+    help="Comma-separated web origins whose pages may call the API from a browser, e.g. "
+    "'http://localhost:3000' for a web UI; '*': any. Other Origin headers get 403.",
+)
+@click.option(
     "--max-waiting",
     default=None,
     type=click.IntRange(min=1),
@@ -102,6 +115,8 @@ def serve(
     host,
     port,
     api_key,
+    allowed_hosts,
+    cors_origins,
     max_waiting,
     max_queue_wait,
     max_tokens_limit,
@@ -143,6 +158,7 @@ def serve(
         create_app,
         run_server,
     )
+    from mlxspec.server.origin_guard import is_loopback
 
     registry = load_registry().including(model)
     registry = registry.with_defaults(
@@ -177,8 +193,30 @@ def serve(
         row_floor=ROW_FLOOR if row_floor is None else row_floor,
         kv_memory=kv_memory,
     )
-    app = create_app(provider, api_key=api_key, limits=limits, preload=provider.default, ranks=rank)
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        say(f"warning: listening on {host} without --api-key: anyone who can reach it can use it")
+    hosts = _listed(allowed_hosts) + ([] if _unspecified(host) else [host])
+    app = create_app(
+        provider,
+        api_key=api_key,
+        limits=limits,
+        preload=provider.default,
+        ranks=rank,
+        allowed_hosts=hosts,
+        cors_origins=_listed(cors_origins),
+    )
+    if not is_loopback(host) and not api_key:
+        say(
+            f"warning: listening on {host} without --api-key: anyone who can reach this "
+            "address can run prompts on this machine and read stored responses"
+        )
     say(f"serving {provider.default} at http://{host}:{port}/v1")
     run_server(app, host, port, sock, shutdown_timeout)
+
+
+def _listed(option: str) -> list[str]:
+    """'a, b,' -> ['a', 'b']."""
+    return [item.strip() for item in option.split(",") if item.strip()]
+
+
+def _unspecified(host: str) -> bool:
+    """0.0.0.0 or ::, every address of the machine: no name a client would send."""
+    return host.strip("[]") in ("0.0.0.0", "::", "")

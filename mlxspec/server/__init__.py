@@ -9,8 +9,10 @@ key check; it mounts each dialect's routes), `request_body` (what every dialect'
 read into), `generations` (a request checked against the model and the limits), `answering`
 (a generation's answer parts, for every dialect), `worker`, `batch_worker` and `sharded` (the
 thread that runs generations: one at a time, batched, on ranks), `providers` (where models
-come from), `limits`, `errors` (each route's dialect's error shape), `listen` (the socket,
-bound first), `background` (the server on a thread, for in-process clients).
+come from), `limits`, `errors` (each route's dialect's error shape), `origin_guard` (only
+the user reaches the server: Host and Origin checked), `listen` (the socket, bound first),
+`background` (the server on a thread, for in-process clients), `lone_surrogates` (half an
+emoji read as U+FFFD).
 """
 
 from mlxspec.server.app import create_app, run_server

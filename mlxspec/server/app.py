@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Annotated
 
@@ -23,10 +24,12 @@ from mlxspec.processes import stop_signals
 from mlxspec.server.anthropic.routes import anthropic_router
 from mlxspec.server.anthropic.translate import error_body
 from mlxspec.server.batch_worker import BatchedWorker
-from mlxspec.server.errors import ApiError, install_error_handlers
+from mlxspec.server.errors import ApiError, install_error_handlers, shape_finder
 from mlxspec.server.limits import ServerLimits
 from mlxspec.server.llamacpp import llamacpp_router
+from mlxspec.server.lone_surrogates import SurrogateRepair
 from mlxspec.server.openai.routes import openai_router
+from mlxspec.server.origin_guard import OriginGuard
 from mlxspec.server.providers import ModelInfo, ModelProvider, find_model
 from mlxspec.server.responses.routes import responses_router
 from mlxspec.server.responses.store import ResponseStore
@@ -92,9 +95,13 @@ def create_app(
     limits: ServerLimits = DEFAULT_LIMITS,
     preload: str | None = None,
     ranks: RankSession | None = None,
+    allowed_hosts: Sequence[str] = (),
+    cors_origins: Sequence[str] = (),
 ) -> FastAPI:
     """An app serving `provider`'s models; `preload` loads one before the first request.
-    `ranks`: this is rank 0 of a sharded target (the other ranks follow its requests)."""
+    `ranks`: this is rank 0 of a sharded target (the other ranks follow its requests).
+    `allowed_hosts`, `cors_origins`: names and web origins served besides the server's own
+    address (origin_guard.py)."""
     if ranks is not None:
         from mlxspec.server.sharded import ShardedBatchedWorker, ShardedWorker
 
@@ -133,8 +140,14 @@ def create_app(
 
     app = FastAPI(title="mlxspec", version=mlxspec.__version__, lifespan=lifespan)
     app.state.worker = worker
-    install_error_handlers(app, {"/v1/messages": error_body})
+    shape = shape_finder({"/v1/messages": error_body})
+    install_error_handlers(app, shape)
+    app.add_middleware(SurrogateRepair)  # inside the limit: it reads the body whole
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    # Added last, so it runs first: a request the user did not send is refused unread.
+    app.add_middleware(
+        OriginGuard, allowed_hosts=allowed_hosts, cors_origins=cors_origins, shape=shape
+    )
     guarded = [Depends(key_check(api_key))] if api_key else []
     api = APIRouter(prefix="/v1", dependencies=guarded)
 

@@ -232,7 +232,7 @@ class BatchedWorker(Worker):
         for request_id, error in scheduler.failed.items():
             log.error("request %d failed: %r", request_id, error)
             if job := self._jobs.pop(request_id, None):
-                job.post(_internal_error())
+                job.post(_failure_heard(job, error))
                 job.end()
         scheduler.failed.clear()
         for request_id, events in out.items():
@@ -251,6 +251,15 @@ class BatchedWorker(Worker):
             job.end()
         self._jobs.clear()
         self._scheduler = None  # its rows went with it
+
+
+def _failure_heard(job: Job, error: Exception) -> ApiError:
+    """What the client hears of its request's failure in the batch: the engine's refusal
+    (a grammar that did not compile, or not in time) is a 400, as when it runs alone,
+    while nothing was answered yet; anything else is the server's."""
+    if isinstance(error, GenerationError) and job.reader is None:
+        return refused(error)
+    return _internal_error()
 
 
 def _alone_reason(scheduler: Scheduler, proposer: str, settings) -> str | None:

@@ -114,12 +114,21 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{param}: {reason}", code="invalid_value", param=param)
 
 
-def install_error_handlers(app: FastAPI, shapes: Mapping[str, ErrorShape] = {}) -> None:
-    """Every error as JSON; `shapes`: a path prefix -> the shape of errors on its routes."""
+def shape_finder(shapes: Mapping[str, ErrorShape]) -> Callable[[str], ErrorShape | None]:
+    """`shapes`: a path prefix -> the shape of errors on its routes; gives a path's shape
+    (None: OpenAI's)."""
+
+    def shape(path: str) -> ErrorShape | None:
+        return next((found for prefix, found in shapes.items() if path.startswith(prefix)), None)
+
+    return shape
+
+
+def install_error_handlers(app: FastAPI, shape_of: Callable[[str], ErrorShape | None]) -> None:
+    """Every error as JSON, each route's in the shape `shape_of(path)` gives."""
 
     def shape(request: Request) -> ErrorShape | None:
-        path = request.url.path
-        return next((found for prefix, found in shapes.items() if path.startswith(prefix)), None)
+        return shape_of(request.url.path)
 
     @app.exception_handler(ApiError)
     async def refused(request: Request, exc: ApiError) -> JSONResponse:

@@ -23,7 +23,7 @@ from pydantic import (
 
 from mlxspec.sampling import MAX_CONTEXT_SIZE
 from mlxspec.server.errors import ApiError
-from mlxspec.structured.answer import AnswerConstraint, grammar_problem
+from mlxspec.structured.answer import AnswerConstraint, grammar_problem, tool_schema_problem
 from mlxspec.structured.grammar import Grammar
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
@@ -124,6 +124,17 @@ class ResponseFormat(BaseModel):
                 problem += "; remove it, or set strict to false to have it ignored"
             raise ApiError(400, f"{param}: {problem}", code="invalid_value", param=param)
         return grammar
+
+
+def check_forced_schemas(schemas: list[tuple[str, dict[str, Any] | None]]) -> None:
+    """ApiError (400) naming the field of the first forced tool whose parameters schema
+    cannot be compiled; `schemas`: (the field, in the dialect's names; its schema or None).
+    Checked here, as the body is read, rather than where the grammar compiles (on the
+    generation thread, where a failure would read as the server's)."""
+    for param, schema in schemas:
+        problem = None if schema is None else tool_schema_problem(schema)
+        if problem is not None:
+            raise ApiError(400, f"{param}: {problem}", code="invalid_value", param=param)
 
 
 class GenerationRequest(Lenient):

@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from mlxspec.markup.harmony import CHANNEL, END, MESSAGE, START
 from mlxspec.markup.output_parser import AnswerFormat, answer_format
 from mlxspec.settings import JSON_OPTIONS, Grammar, GrammarError
-from mlxspec.structured.forced_tools import ForcedTools, Spelling, literal, tool_calls_rules
+from mlxspec.structured.forced_tools import (
+    LENIENT,
+    ForcedTools,
+    Spelling,
+    literal,
+    tool_calls_rules,
+)
 from mlxspec.structured.grammar import CACHED_GRAMMARS, error_line
 from mlxspec.structured.native_calls import slashes
 
@@ -88,6 +94,13 @@ def grammar_problem(grammar: Grammar) -> str | None:
     except (GrammarError, ValueError) as err:
         return str(err).strip().splitlines()[0]
     return error_line(error) if error else None
+
+
+def tool_schema_problem(parameters: dict) -> str | None:
+    """Why a forced tool's `parameters` cannot be compiled (one line), or None: checked as
+    the forced call compiles them (leniently, see forced_tools.py), but before the request
+    waits for its model, so the client hears which tool's schema is wrong."""
+    return grammar_problem(Grammar.json_schema({"x-guidance": LENIENT, **parameters}))
 
 
 def _reasoning_rules(form: AnswerFormat, spell: Spelling) -> str:

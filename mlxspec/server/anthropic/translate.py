@@ -31,6 +31,7 @@ from mlxspec.server.request_body import (
     GenerationRequest,
     Lenient,
     MlxspecOptions,
+    check_forced_schemas,
     effort_kwargs,
 )
 from mlxspec.structured.answer import AnswerConstraint
@@ -308,6 +309,13 @@ def answer_constraint(body: CountTokensRequest) -> AnswerConstraint | None:
     if not names or not set(names) <= set(known):
         what = f"no tool named {names[0]!r} is in tools" if names else "tools are empty"
         raise ApiError(400, f"tool_choice: {what}", code="invalid_value", param="tool_choice")
+    check_forced_schemas(
+        [
+            (f"tools[{index}].input_schema", tool.input_schema)
+            for index, tool in enumerate(body.tools or ())
+            if tool.runs_here and tool.name in names
+        ]
+    )
     forced = ForcedTools(names, parallel=not choice.disable_parallel_tool_use)
     return AnswerConstraint(tools=forced, param="tool_choice")
 

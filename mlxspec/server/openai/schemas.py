@@ -24,7 +24,13 @@ from mlxspec.markup.conversation import Conversation
 from mlxspec.markup.fim import Infill
 from mlxspec.server.errors import ApiError
 from mlxspec.server.openai.logprobs import MAX_COMPLETION_LOGPROBS
-from mlxspec.server.request_body import GenerationRequest, NonEmptyText, TokenId, effort_kwargs
+from mlxspec.server.request_body import (
+    GenerationRequest,
+    NonEmptyText,
+    TokenId,
+    check_forced_schemas,
+    effort_kwargs,
+)
 from mlxspec.structured.answer import AnswerConstraint
 from mlxspec.structured.forced_tools import ForcedTools
 
@@ -224,6 +230,13 @@ class ChatRequest(GenerationRequest):
         if not names or not set(names) <= known:
             what = f"no tool named {names[0]!r} is in tools" if names else "tools are empty"
             raise ApiError(400, f"tool_choice: {what}", code="invalid_value", param="tool_choice")
+        check_forced_schemas(
+            [
+                (f"tools[{index}].function.parameters", tool.function.parameters)
+                for index, tool in enumerate(self.tools or ())
+                if tool.function.name in names
+            ]
+        )
         # One call unless more are asked for: a forced choice is one call (SmolLM2 made
         # the same call twice, then began a third).
         return ForcedTools(names, parallel=self.parallel_tool_calls is True)

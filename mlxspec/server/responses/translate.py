@@ -28,7 +28,7 @@ from mlxspec.markup.conversation import (
     ToolCallStarted,
 )
 from mlxspec.server.errors import ApiError
-from mlxspec.server.request_body import GenerationRequest, effort_kwargs
+from mlxspec.server.request_body import GenerationRequest, check_forced_schemas, effort_kwargs
 from mlxspec.server.responses.schemas import (
     AllowedTools,
     ContentPart,
@@ -225,6 +225,13 @@ def answer_constraint(body: ResponsesRequest, offered: Tools) -> AnswerConstrain
     if names:
         if text_format is not None and text_format.type != "text":
             raise _bad("text.format", "a forced tool_choice already sets the answer's form")
+        check_forced_schemas(
+            [
+                (f"tools[{index}].parameters", spec.parameters)
+                for index, spec in enumerate(body.tools or ())
+                if spec.type == "function" and spec.name in names
+            ]
+        )
         forced = ForcedTools(names, parallel=body.parallel_tool_calls is True)
         return AnswerConstraint(tools=forced, param="tool_choice")
     if text_format is None:
