@@ -144,6 +144,7 @@ LAYERS: dict[str, int] = {
     "mlxspec.server.openai": 7,
     "mlxspec.server.anthropic": 7,
     "mlxspec.server.responses": 7,
+    "mlxspec.server.ollama": 7,
     "mlxspec.server.": 6,  # the core every dialect shares (the dot: not the door above)
     "mlxspec.distributed": 5,
     "mlxspec.registry": 4,

@@ -1,9 +1,9 @@
 """The FastAPI app: each API dialect's routes over one generation worker.
 
 The app picks the worker (one at a time, batched, sharded), and serves health and the
-model list; a dialect's routes (openai/, anthropic/, responses/) validate a request, turn it
-into a `Generation`, and relay its answer's parts through `Answering` (answering.py), which
-cancels a generation whose client went away.
+model list; a dialect's routes (openai/, anthropic/, responses/, ollama/) validate a
+request, turn it into a `Generation`, and relay its answer's parts through `Answering`
+(answering.py), which cancels a generation whose client went away.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
+from fastapi.responses import PlainTextResponse
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 import mlxspec
@@ -25,6 +26,8 @@ from mlxspec.server.anthropic.translate import error_body
 from mlxspec.server.batch_worker import BatchedWorker
 from mlxspec.server.errors import ApiError, install_error_handlers
 from mlxspec.server.limits import ServerLimits
+from mlxspec.server.ollama.replies import error_body as ollama_error
+from mlxspec.server.ollama.routes import ollama_router
 from mlxspec.server.openai.routes import openai_router
 from mlxspec.server.providers import ModelInfo, ModelProvider, find_model
 from mlxspec.server.responses.routes import responses_router
@@ -132,7 +135,7 @@ def create_app(
 
     app = FastAPI(title="mlxspec", version=mlxspec.__version__, lifespan=lifespan)
     app.state.worker = worker
-    install_error_handlers(app, {"/v1/messages": error_body})
+    install_error_handlers(app, {"/v1/messages": error_body, "/api/": ollama_error})
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     guarded = [Depends(key_check(api_key))] if api_key else []
     api = APIRouter(prefix="/v1", dependencies=guarded)
@@ -152,6 +155,11 @@ def create_app(
             "kv_memory": getattr(worker, "kv_memory_use", None),
         }
 
+    @app.get("/", include_in_schema=False)
+    async def ollama_probe() -> PlainTextResponse:
+        """Ollama's clients probe the bare address for this text before anything else."""
+        return PlainTextResponse("Ollama is running")
+
     @api.get("/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(info) for info in provider.models.values()]}
@@ -164,6 +172,8 @@ def create_app(
     api.include_router(anthropic_router(provider, worker, limits))
     api.include_router(responses_router(provider, worker, limits, ResponseStore()))
     app.include_router(api)
+    # Ollama's API has no /v1: its clients add /api/... to the bare address (port 11434)
+    app.include_router(ollama_router(provider, worker, limits), dependencies=guarded)
     return app
 
 

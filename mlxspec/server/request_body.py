@@ -126,6 +126,26 @@ class ResponseFormat(BaseModel):
         return grammar
 
 
+class FunctionSpec(BaseModel):
+    """A tool the model may call, in OpenAI's function form (Ollama's too)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: NonEmptyText
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema object.")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
 class GenerationRequest(Lenient):
     """What chat and text completions share."""
 

@@ -23,7 +23,13 @@ from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.markup.conversation import Conversation
 from mlxspec.server.errors import ApiError
 from mlxspec.server.openai.logprobs import MAX_COMPLETION_LOGPROBS
-from mlxspec.server.request_body import GenerationRequest, NonEmptyText, TokenId, effort_kwargs
+from mlxspec.server.request_body import (
+    GenerationRequest,
+    NonEmptyText,
+    TokenId,
+    Tool,
+    effort_kwargs,
+)
 from mlxspec.structured.answer import AnswerConstraint
 from mlxspec.structured.forced_tools import ForcedTools
 
@@ -33,24 +39,6 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
-
-
-class FunctionSpec(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    name: NonEmptyText
-    description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema object.")
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionSpec
-
-    def for_template(self) -> dict[str, Any]:
-        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
 class CalledFunction(BaseModel):

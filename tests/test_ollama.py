@@ -1,0 +1,381 @@
+"""Ollama's dialect (`/api/*`) with the official `ollama` Python client against `serve` on
+loopback: list, show, chat (streamed and whole), generate, generate with `suffix` (fill in
+the middle: the greedy answer is plain greedy decoding of the same FIM prompt, with and
+without speculation), `format`, tools and thinking; and the request shapes of the editors
+that speak it (Continue, Zed, VS Code Copilot), replayed from fixtures in tests/data/.
+
+The models: tiny random llamas; "coder" has StarCoder's FIM tokens in its vocabulary (the
+byte tokenizer with `<fim_prefix>`, `<fim_suffix>`, `<fim_middle>` added), so its FIM
+layout is found from its tokens as a real coder model's is; "tiny" has none. Tools and
+thinking use the scripted models of test_tool_calls.py over real chat templates.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import ollama
+import pytest
+from test_server import RecordingEngine, serving
+from test_tool_calls import ScriptedProvider
+from test_units import CPU_LIKE_COST
+from tiny_models import FAMILIES, VOCAB, byte_tokenizer, tiny_model
+from tool_examples import ASK, CALLED, WEATHER
+
+from mlxspec.decoding.engine import GenerationSettings
+from mlxspec.events import Done
+from mlxspec.markup.fim import Infill
+from mlxspec.proposers import DraftModel, PromptLookup, truncated_model
+from mlxspec.registry.models_toml import Defaults
+from mlxspec.server import ModelInfo, ServerLimits
+
+DATA = Path(__file__).parent / "data" / "ollama"
+FIM_PIECES = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+SEEDS = {"tiny": 1, "coder": 7}
+PREFIX = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    "
+SUFFIX = "\n\n\ndef sub(a, b):\n    return a - b\n"
+PREDICT = 24
+GREEDY = {"temperature": 0, "num_predict": PREDICT}
+# Bounded: a random model's answer ends within a few dozen byte tokens.
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "maximum": 9}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def engine_of(name: str) -> RecordingEngine:
+    """Prompt lookup and a draft model (the target's first two layers) as proposers."""
+    pieces = FIM_PIECES if name == "coder" else ()
+    config = {**FAMILIES["llama"], "vocab_size": VOCAB + len(pieces)}
+    model = tiny_model("llama", seed=SEEDS[name], config=config)
+    draft = DraftModel(truncated_model(model, 2), name="draft", k_max=4)
+    return RecordingEngine(
+        model, byte_tokenizer(pieces), name, [PromptLookup(), draft], verify_cost=CPU_LIKE_COST
+    )
+
+
+class Runtime:
+    def __init__(self, name: str):
+        self.engine = engine_of(name)
+
+    def proposer(self, name: str | None) -> str:
+        return "prompt-lookup" if name is None else name
+
+
+class Provider:
+    """The FIM model (the default) and one without FIM tokens."""
+
+    default = "coder"
+
+    def __init__(self):
+        defaults = Defaults(max_tokens=32, context=1024)
+        self.models = {
+            name: ModelInfo(name, ("prompt-lookup", "draft", "none"), defaults) for name in SEEDS
+        }
+        self.opened: list[Runtime] = []
+
+    def check(self, name: str, proposer: str | None) -> None:
+        pass
+
+    def open(self, name: str) -> Runtime:
+        self.opened.append(Runtime(name))
+        return self.opened[-1]
+
+
+@pytest.fixture(scope="module")
+def provider() -> Provider:
+    return Provider()
+
+
+@pytest.fixture(scope="module")
+def base_url(provider) -> Iterator[str]:
+    with serving(provider, preload="coder") as url:
+        yield url
+
+
+@pytest.fixture()
+def client(base_url) -> ollama.Client:
+    return ollama.Client(host=base_url, timeout=60)
+
+
+def plain(name: str, prompt, max_tokens: int = PREDICT) -> Done:
+    """Plain greedy decoding (no proposer) by the engine alone; an Infill as its token ids."""
+    engine = engine_of(name)
+    settings = GenerationSettings(max_tokens=max_tokens, context=1024)
+    if isinstance(prompt, Infill):
+        prompt = engine.encode_infill(prompt, settings)
+    events = engine.stream(prompt, settings, "none")
+    return next(event for event in events if isinstance(event, Done))
+
+
+def ndjson(response: httpx.Response) -> list[dict]:
+    """Each line of the body one JSON object, as Ollama's clients read it."""
+    lines = response.text.split("\n")
+    assert lines[-1] == "", "the stream ends with a newline"
+    return [json.loads(text) for text in lines[:-1]]
+
+
+def valid_city(value: object) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"city", "days"}
+        and value["city"] in ("Paris", "Rome")
+        and type(value["days"]) is int
+        and value["days"] <= 9
+    )
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+# --- The model endpoints ---------------------------------------------------------------
+
+
+def assert_zed_listing(listing: dict) -> None:
+    """What Zed's `LocalModelListing` requires, with its types (serde fails otherwise)."""
+    for key in ("name", "modified_at", "digest"):
+        assert isinstance(listing[key], str), key
+    assert isinstance(listing["size"], int)
+    details = listing["details"]
+    for key in ("format", "family", "parameter_size", "quantization_level"):
+        assert isinstance(details[key], str), key
+    assert all(isinstance(family, str) for family in details["families"])
+
+
+def test_tags_lists_every_model_as_zed_and_the_client_parse_it(base_url, client):
+    listed = httpx.get(f"{base_url}/api/tags").json()["models"]
+    assert [entry["name"] for entry in listed] == list(SEEDS)
+    for entry in listed:
+        assert_zed_listing(entry)
+        assert entry["model"] == entry["name"]
+    resident = next(entry for entry in listed if entry["name"] == "coder")
+    assert resident["size"] > 0 and resident["details"]["family"] == "llama"
+    assert [model.model for model in client.list().models] == list(SEEDS)
+
+
+def test_version_show_and_ps_say_what_copilot_and_continue_read(client):
+    assert version_tuple(client._client.get("/api/version").json()["version"]) >= (0, 6, 4)
+    shown = client.show("coder")
+    arch = shown.modelinfo["general.architecture"]
+    assert arch == "llama" and shown.modelinfo[f"{arch}.context_length"] == 1024
+    assert shown.modelinfo["general.basename"] == "coder"
+    assert "insert" in shown.capabilities and "completion" in shown.capabilities
+    assert ".Suffix" in shown.template and "<fim_suffix>" in shown.template
+    assert "num_ctx" in shown.parameters
+    assert client.generate(model="tiny", prompt="").done_reason == "load"
+    assert [model.name for model in client.ps().models] == ["tiny"]
+    assert "insert" not in client.show("tiny").capabilities  # it has no FIM tokens
+
+
+# --- Chat and generate -----------------------------------------------------------------
+
+HELLO = [{"role": "user", "content": "one two one two"}]
+
+
+def test_chat_whole_and_streamed_say_what_plain_greedy_says(client):
+    expected = plain("tiny", HELLO).text
+    whole = client.chat(model="tiny", messages=HELLO, options=GREEDY, stream=False)
+    assert whole.message.role == "assistant" and whole.message.content == expected
+    assert whole.done and whole.done_reason == "length" and whole.eval_count == PREDICT
+    assert whole.prompt_eval_count > 0 and whole.total_duration >= whole.eval_duration >= 0
+    lines = list(client.chat(model="tiny", messages=HELLO, options=GREEDY, stream=True))
+    assert [line.done for line in lines] == [False] * (len(lines) - 1) + [True]
+    assert "".join(line.message.content for line in lines) == expected
+    assert lines[-1].eval_count == PREDICT and lines[-1].prompt_eval_duration is not None
+
+
+def test_a_stream_is_one_compact_json_object_a_line(base_url):
+    body = {"model": "tiny", "messages": HELLO, "options": GREEDY}
+    response = httpx.post(f"{base_url}/api/chat", json=body, timeout=60)
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    lines = ndjson(response)
+    assert len(lines) > 2 and lines[-1]["done"] is True
+    assert all(set(line) >= {"model", "created_at", "message", "done"} for line in lines)
+    final = lines[-1]
+    for key in ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration"):
+        assert isinstance(final[key], int), key
+    assert final["eval_count"] == PREDICT and isinstance(final["eval_duration"], int)
+
+
+def test_generate_raw_and_templated(client):
+    raw = client.generate(model="tiny", prompt="one two one", raw=True, options=GREEDY)
+    assert raw.response == plain("tiny", "one two one").text
+    templated = client.generate(model="tiny", prompt="one two one two", options=GREEDY)
+    assert templated.response == plain("tiny", HELLO).text
+
+
+@pytest.mark.parametrize("proposer", [None, "none", "prompt-lookup", "draft"])
+def test_generate_with_a_suffix_fills_the_middle_as_plain_greedy_does(base_url, provider, proposer):
+    """The answer is plain greedy decoding of the FIM prompt, token for token, whatever
+    drafts; the engine was handed the prefix and the suffix, not the prefix alone."""
+    body = {"model": "coder", "prompt": PREFIX, "suffix": SUFFIX, "options": GREEDY}
+    if proposer is not None:
+        body["mlxspec"] = {"proposer": proposer}
+    lines = ndjson(httpx.post(f"{base_url}/api/generate", json=body, timeout=60))
+    expected = plain("coder", Infill(PREFIX, SUFFIX))
+    assert "".join(line["response"] for line in lines) == expected.text
+    assert lines[-1]["eval_count"] == len(expected.token_ids) == PREDICT
+    run = provider.opened[-1].engine.runs[-1]
+    assert run["prompt"] == Infill(PREFIX, SUFFIX)
+    assert run["events"][-1].token_ids == expected.token_ids
+    if proposer not in (None, "none"):
+        assert lines[-1]["x_mlxspec"]["speculative"] is True
+
+
+def test_the_client_fills_the_middle_whole_and_streamed(client):
+    expected = plain("coder", Infill(PREFIX, SUFFIX)).text
+    whole = client.generate(
+        model="coder", prompt=PREFIX, suffix=SUFFIX, options=GREEDY, stream=False
+    )
+    assert whole.response == expected and whole.done_reason == "length"
+    parts = client.generate(
+        model="coder", prompt=PREFIX, suffix=SUFFIX, options=GREEDY, stream=True
+    )
+    assert "".join(part.response for part in parts) == expected
+
+
+def test_a_model_without_fim_tokens_refuses_a_suffix_with_a_400(base_url, client):
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.generate(model="tiny", prompt=PREFIX, suffix=SUFFIX)
+    assert refused.value.status_code == 400 and "fill-in-the-middle" in refused.value.error
+    body = {"model": "tiny", "prompt": PREFIX, "suffix": SUFFIX}
+    response = httpx.post(f"{base_url}/api/generate", json=body, timeout=60)
+    assert response.status_code == 400 and list(response.json()) == ["error"]
+
+
+@pytest.mark.parametrize("route", ["chat", "generate"])
+def test_a_format_schema_makes_a_valid_answer(client, route):
+    options = {"temperature": 0, "num_predict": 80}
+    if route == "chat":
+        content = client.chat(
+            model="tiny", messages=HELLO, format=CITY, options=options
+        ).message.content
+    else:
+        content = client.generate(
+            model="tiny", prompt="one two", format=CITY, options=options
+        ).response
+    assert valid_city(json.loads(content)), content
+
+
+@pytest.mark.parametrize(
+    "route, body, status, says",
+    [
+        ("generate", {"model": "nope", "prompt": "x"}, 404, "unknown model"),
+        ("chat", {"model": "nope", "messages": HELLO}, 404, "unknown model"),
+        ("generate", {"model": "tiny", "prompt": "x", "images": ["aGk="]}, 400, "images"),
+        ("chat", {"model": "tiny", "messages": [{**HELLO[0], "images": ["aGk="]}]}, 400, "images"),
+        (
+            "generate",
+            {"model": "tiny", "prompt": "x", "template": "{{ .Prompt }}"},
+            400,
+            "template",
+        ),
+        ("generate", {"model": "tiny", "prompt": "x", "context": [1, 2]}, 400, "context"),
+        ("generate", {"model": "tiny", "prompt": "x", "raw": True, "system": "s"}, 400, "system"),
+        (
+            "generate",
+            {"model": "tiny", "prompt": "x", "options": {"temperature": "hot"}},
+            400,
+            "temperature",
+        ),
+        ("generate", {"model": "tiny", "prompt": "x", "format": "xml"}, 400, "format"),
+        ("show", {"model": "nope"}, 404, "unknown model"),
+    ],
+)
+def test_errors_come_in_ollamas_shape(base_url, route, body, status, says):
+    response = httpx.post(f"{base_url}/api/{route}", json=body, timeout=60)
+    assert response.status_code == status
+    assert list(response.json()) == ["error"] and says in response.json()["error"]
+
+
+def test_an_unknown_route_is_a_404_in_ollamas_shape(base_url):
+    response = httpx.post(f"{base_url}/api/embed", json={"model": "tiny", "input": "x"})
+    assert response.status_code == 404 and list(response.json()) == ["error"]
+
+
+def test_the_api_key_guards_ollamas_routes_too():
+    with serving(Provider(), api_key="sesame") as url:
+        refused = httpx.get(f"{url}/api/tags")
+        assert refused.status_code == 401 and list(refused.json()) == ["error"]
+        listed = ollama.Client(host=url, headers={"Authorization": "Bearer sesame"}).list()
+        assert [model.model for model in listed.models] == list(SEEDS)
+
+
+# --- Tools and thinking ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def scripted_url() -> Iterator[str]:
+    with serving(ScriptedProvider(), limits=ServerLimits(max_batch=1)) as url:
+        yield url
+
+
+def test_tool_calls_come_with_object_arguments_whole_and_streamed(scripted_url):
+    client = ollama.Client(host=scripted_url, timeout=60)
+    asked = dict(model="qwen3-calls", messages=ASK, tools=[WEATHER], options={"temperature": 0})
+    whole = client.chat(**asked, stream=False)
+    made = [
+        (call.function.name, dict(call.function.arguments)) for call in whole.message.tool_calls
+    ]
+    assert made == CALLED and whole.message.thinking.strip() == "The user asks for two cities."
+    lines = list(client.chat(**asked, stream=True))
+    streamed = [
+        (call.function.name, dict(call.function.arguments))
+        for line in lines
+        for call in line.message.tool_calls or ()
+    ]
+    assert streamed == CALLED and lines[-1].done
+    assert "".join(line.message.thinking or "" for line in lines) == whole.message.thinking
+    shown = client.show("qwen3-calls")
+    assert {"tools", "thinking"} <= set(shown.capabilities)
+
+
+def test_a_history_with_ollamas_tool_calls_and_results_is_answered(scripted_url):
+    """Ollama's calls carry no id and their arguments as an object; a result names its
+    tool (`tool_name`): each is tied to the call it answers."""
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "tool_name": "get_weather", "content": "18C, sunny"},
+    ]
+    body = {"model": "qwen3-answers", "messages": history, "stream": False}
+    response = httpx.post(f"{scripted_url}/api/chat", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["message"]["content"] == "It is 18C and sunny."
+
+
+def test_a_tool_result_answers_the_call_it_names():
+    from mlxspec.server.ollama.schemas import ChatRequest
+
+    request = ChatRequest.model_validate(
+        {
+            "messages": [
+                *ASK,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"function": {"name": "get_time", "arguments": {}}},
+                        {"function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+                    ],
+                },
+                {"role": "tool", "tool_name": "get_weather", "content": "9C"},
+                {"role": "tool", "content": "noon"},
+            ]
+        }
+    )
+    messages = request.conversation({}).messages
+    calls = messages[1]["tool_calls"]
+    assert calls[1]["function"]["arguments"] == {"city": "Rome"}
+    assert (messages[2]["tool_call_id"], messages[2]["name"]) == (calls[1]["id"], "get_weather")
+    assert (messages[3]["tool_call_id"], messages[3]["name"]) == (calls[0]["id"], "get_time")
