@@ -13,6 +13,10 @@ thinking use the scripted models of test_tool_calls.py over real chat templates.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -379,3 +383,119 @@ def test_a_tool_result_answers_the_call_it_names():
     assert calls[1]["function"]["arguments"] == {"city": "Rome"}
     assert (messages[2]["tool_call_id"], messages[2]["name"]) == (calls[1]["id"], "get_weather")
     assert (messages[3]["tool_call_id"], messages[3]["name"]) == (calls[0]["id"], "get_time")
+
+
+# --- Editors' requests, replayed --------------------------------------------------------
+#
+# Each fixture (tests/data/ollama/) holds the requests an editor sends, in the order it sends
+# them, as its source writes them (the file and functions are named in the fixture), and
+# what the editor reads of each answer: the checks below read it the same way.
+
+# Continue's parse of each `parameters` line (its Ollama constructor)
+CONTINUE_PARAMETER = re.compile(r'^(\S+)\s+((?:".*")|\S+)$')
+
+
+def read_tags_names(response: httpx.Response) -> None:
+    assert [model["name"] for model in response.json()["models"]] == list(SEEDS)
+
+
+def read_tags_zed(response: httpx.Response) -> None:
+    for listing in response.json()["models"]:
+        assert_zed_listing(listing)
+
+
+def read_show_continue(response: httpx.Response) -> None:
+    shown = response.json()
+    assert ".Suffix" in shown["template"]  # how Continue decides the model fills the middle
+    lines = shown["parameters"].split("\n")
+    assert all(CONTINUE_PARAMETER.match(line) for line in lines), lines
+    assert int(CONTINUE_PARAMETER.match(lines[0]).group(2)) == 1024
+
+
+def read_show_zed(response: httpx.Response) -> None:
+    assert all(isinstance(capability, str) for capability in response.json()["capabilities"])
+
+
+def read_show_copilot(response: httpx.Response) -> None:
+    info = response.json()["model_info"]
+    assert isinstance(info[f"{info['general.architecture']}.context_length"], int)
+    assert isinstance(info["general.basename"], str)
+    assert isinstance(response.json()["capabilities"], list)
+
+
+def read_version(response: httpx.Response) -> None:
+    assert version_tuple(response.json()["version"]) >= (0, 6, 4)
+
+
+def read_generate_stream(response: httpx.Response) -> None:
+    lines = ndjson(response)
+    assert all(isinstance(line["response"], str) for line in lines) and lines[-1]["done"]
+
+
+def read_chat_stream(response: httpx.Response) -> None:
+    lines = ndjson(response)
+    for line in lines:
+        assert isinstance(line["model"], str) and isinstance(line["created_at"], str)
+        assert line["message"]["role"] == "assistant"
+        assert isinstance(line["message"]["content"], str)
+    assert [line["done"] for line in lines] == [False] * (len(lines) - 1) + [True]
+    assert isinstance(lines[-1]["eval_count"], int)
+
+
+def read_chat_whole(response: httpx.Response) -> None:
+    body = response.json()
+    assert body["done"] is True and isinstance(body["message"]["content"], str)
+
+
+def read_openai_stream(response: httpx.Response) -> None:
+    events = [text for text in response.text.split("\n\n") if text.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and json.loads(events[0][6:])["model"] == "tiny"
+
+
+READS = {
+    name.removeprefix("read_").replace("_", "-"): read
+    for name, read in globals().items()
+    if name.startswith("read_")
+}
+
+
+@pytest.mark.parametrize("editor", ["continue", "zed", "copilot"])
+def test_an_editors_requests_replay(base_url, provider, editor):
+    fixture = json.loads((DATA / f"{editor}.json").read_text())
+    for step in fixture["steps"]:
+        response = httpx.request(
+            step["method"], base_url + step["path"], json=step.get("body"), timeout=60
+        )
+        assert response.status_code == 200, (step["path"], response.text)
+        READS[step["reads"]](response)
+        if step.get("body", {}).get("suffix"):  # the engine was asked to fill the middle
+            run = provider.opened[-1].engine.runs[-1]
+            assert run["prompt"] == Infill(step["body"]["prompt"], step["body"]["suffix"])
+
+
+# --- The official JS client (npm) ---------------------------------------------------------
+#
+# Run where `ollama` from npm is installed: MLXSPEC_OLLAMA_JS names the folder that holds its
+# node_modules (`npm install ollama` there); the suite never downloads it.
+
+
+def test_the_js_client_lists_shows_chats_and_fills_the_middle(base_url):
+    folder = os.environ.get("MLXSPEC_OLLAMA_JS")
+    node = shutil.which("node")
+    if not folder or node is None or not (Path(folder) / "node_modules" / "ollama").is_dir():
+        pytest.skip("set MLXSPEC_OLLAMA_JS to a folder where `npm install ollama` ran")
+    script = Path(folder) / "js_client.mjs"  # beside node_modules, so its import resolves
+    shutil.copy(DATA / "js_client.mjs", script)
+    done = subprocess.run(
+        [node, str(script), base_url, PREFIX, SUFFIX, str(PREDICT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    read = json.loads(done.stdout)
+    filled = plain("coder", Infill(PREFIX, SUFFIX)).text
+    assert read["names"] == list(SEEDS) and "insert" in read["capabilities"]
+    assert read["chat"] == plain("tiny", HELLO).text
+    assert read["filled"] == read["whole"] == filled
+    assert read["refused"]["status"] == 400 and "fill-in-the-middle" in read["refused"]["error"]
