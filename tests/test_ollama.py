@@ -99,6 +99,8 @@ def provider() -> Provider:
 @pytest.fixture(scope="module")
 def base_url(provider) -> Iterator[str]:
     with serving(provider, preload="coder") as url:
+        # As editors warm a model up: an empty generate returns once it is loaded
+        assert httpx.post(f"{url}/api/generate", json={"model": "coder"}).json()["done"]
         yield url
 
 
@@ -175,6 +177,9 @@ def test_version_show_and_ps_say_what_copilot_and_continue_read(client):
     assert client.generate(model="tiny", prompt="").done_reason == "load"
     assert [model.name for model in client.ps().models] == ["tiny"]
     assert "insert" not in client.show("tiny").capabilities  # it has no FIM tokens
+    # swapped out, the FIM model is still described as it was read in memory
+    assert client.show("coder").capabilities == shown.capabilities
+    assert [model.details.family for model in client.list().models] == ["llama", "llama"]
 
 
 # --- Chat and generate -----------------------------------------------------------------
@@ -338,6 +343,13 @@ def test_tool_calls_come_with_object_arguments_whole_and_streamed(scripted_url):
     assert "".join(line.message.thinking or "" for line in lines) == whole.message.thinking
     shown = client.show("qwen3-calls")
     assert {"tools", "thinking"} <= set(shown.capabilities)
+
+
+@pytest.mark.parametrize("think, thinking", [(False, "off"), (True, "on")])
+def test_think_turns_the_templates_thinking_switch(scripted_url, think, thinking):
+    body = {"model": "qwen3-answers", "messages": ASK, "think": think, "stream": False}
+    response = httpx.post(f"{scripted_url}/api/chat", json=body, timeout=60)
+    assert response.json()["x_mlxspec"]["thinking"] == thinking
 
 
 def test_a_history_with_ollamas_tool_calls_and_results_is_answered(scripted_url):

@@ -4,14 +4,18 @@ its clients parse them: Zed reads every `details` field as a string, VS Code Cop
 `.Suffix` in `template` to decide the model can fill in the middle.
 
 Facts that need the weights (architecture, size, FIM tokens, the chat template) are read
-off the resident model, cheaply (a walk over its parameters); a model not in memory is
-described by its models.toml entry alone (its context, its defaults), so that listing
-never loads one. A request to it (or `/api/generate` with an empty prompt) loads it.
+off a model while it is resident (`ModelFacts`, cheaply: a walk over its parameters) and
+kept once read, so a model swapped out is still described as it was. A model never seen in
+memory is described by its models.toml entry alone (its context, its defaults): listing
+never loads one. `serve` loads its default model at start; a request to another (or
+`/api/generate` with an empty prompt, as editors warm a model up) loads that one.
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -27,10 +31,53 @@ from mlxspec.server.providers import ModelInfo
 # The Ollama release whose API shapes this dialect follows (VS Code Copilot refuses a server
 # older than 0.6.4).
 OLLAMA_VERSION = "0.12.6"
-UNKNOWN = "unknown"  # the architecture of a model not in memory
+UNKNOWN = "unknown"  # the architecture of a model not seen in memory
 # A model stays resident until another is asked for: Ollama's "never expires" date.
 NEVER = "2318-01-01T00:00:00Z"
 FLOAT_LEVELS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a model in memory says of itself."""
+
+    architecture: str = UNKNOWN
+    size: int = 0  # the weights' bytes in memory
+    parameters: int | None = None
+    quantization: str = ""
+    template: str = ""
+    capabilities: tuple[str, ...] = ("completion",)
+
+    @classmethod
+    def of(cls, engine: Engine) -> Facts:
+        model = engine.target.model
+        return cls(
+            architecture=str(getattr(model, "model_type", None) or UNKNOWN),
+            size=sum(value.nbytes for _, value in tree_flatten(model.parameters())),
+            parameters=get_total_parameters(model),
+            quantization=_quantization(engine.weights.get("held", "")),
+            template=_template(engine),
+            capabilities=capabilities(engine),
+        )
+
+
+class ModelFacts:
+    """The facts of each model seen in memory, read once per load (`seen`)."""
+
+    def __init__(self):
+        self._known: dict[str, tuple[weakref.ref, Facts]] = {}
+
+    def seen(self, name: str | None, engine: Engine | None) -> None:
+        """Read the resident model's facts, unless this engine's are already read."""
+        if name is None or engine is None:
+            return
+        known = self._known.get(name)
+        if known is None or known[0]() is not engine:
+            self._known[name] = (weakref.ref(engine), Facts.of(engine))
+
+    def of(self, name: str) -> Facts:
+        known = self._known.get(name)
+        return Facts() if known is None else known[1]
 
 
 def timestamp(when: datetime) -> str:
@@ -38,61 +85,58 @@ def timestamp(when: datetime) -> str:
     return when.isoformat().replace("+00:00", "Z")
 
 
-def listing(info: ModelInfo, engine: Engine | None, since: datetime) -> dict[str, Any]:
+def listing(info: ModelInfo, facts: Facts, since: datetime) -> dict[str, Any]:
     """A model as `/api/tags` lists it."""
     return {
         "name": info.name,
         "model": info.name,
         "modified_at": timestamp(since),
-        "size": _size(engine),
+        "size": facts.size,
         "digest": _digest(info.name),
-        "details": details(engine),
+        "details": details(facts),
     }
 
 
-def running(info: ModelInfo, engine: Engine) -> dict[str, Any]:
+def running(info: ModelInfo, facts: Facts) -> dict[str, Any]:
     """The resident model as `/api/ps` lists it (unified memory: all of it on the GPU)."""
-    size = _size(engine)
     return {
         "name": info.name,
         "model": info.name,
-        "size": size,
+        "size": facts.size,
         "digest": _digest(info.name),
-        "details": details(engine),
+        "details": details(facts),
         "expires_at": NEVER,
-        "size_vram": size,
+        "size_vram": facts.size,
         "context_length": info.defaults.context,
     }
 
 
-def shown(info: ModelInfo, engine: Engine | None, since: datetime) -> dict[str, Any]:
+def shown(info: ModelInfo, facts: Facts, since: datetime) -> dict[str, Any]:
     """A model as `/api/show` describes it."""
-    arch = _architecture(engine)
+    arch = facts.architecture
     model_info: dict[str, Any] = {
         "general.architecture": arch,
         "general.basename": info.name,
         f"{arch}.context_length": info.defaults.context,
     }
-    if engine is not None:
-        model_info["general.parameter_count"] = get_total_parameters(engine.target.model)
+    if facts.parameters is not None:
+        model_info["general.parameter_count"] = facts.parameters
     return {
         "license": "",
         "modelfile": f"# served by mlxspec\nFROM {info.name}\n",
         "parameters": _parameters(info),
-        "template": _template(engine),
-        "details": details(engine),
+        "template": facts.template,
+        "details": details(facts),
         "model_info": model_info,
-        "capabilities": capabilities(engine),
+        "capabilities": list(facts.capabilities),
         "modified_at": timestamp(since),
     }
 
 
-def capabilities(engine: Engine | None) -> list[str]:
+def capabilities(engine: Engine) -> tuple[str, ...]:
     """`completion` always; `insert` where the model has FIM tokens; `tools` and
     `thinking` where its chat template has them (as Ollama reads them off its template)."""
     found = ["completion"]
-    if engine is None:
-        return found
     if engine.fim is not None:
         found.append("insert")
     template = template_text(engine.tokenizer) or ""
@@ -101,50 +145,32 @@ def capabilities(engine: Engine | None) -> list[str]:
     markers = [start for start, _ in THINKING_MARKERS]
     if getattr(engine.tokenizer, "has_thinking", False) or any(m in template for m in markers):
         found.append("thinking")
-    return found
+    return tuple(found)
 
 
-def details(engine: Engine | None) -> dict[str, Any]:
+def details(facts: Facts) -> dict[str, Any]:
     """Every field a string (Zed's parser insists), empty where not known."""
-    arch = _architecture(engine)
     return {
         "parent_model": "",
         "format": "mlx",
-        "family": arch,
-        "families": [arch],
-        "parameter_size": _parameter_size(engine),
-        "quantization_level": _quantization(engine),
+        "family": facts.architecture,
+        "families": [facts.architecture],
+        "parameter_size": _parameter_size(facts.parameters),
+        "quantization_level": facts.quantization,
     }
 
 
-def _architecture(engine: Engine | None) -> str:
-    if engine is None:
-        return UNKNOWN
-    return str(getattr(engine.target.model, "model_type", None) or UNKNOWN)
-
-
-def _size(engine: Engine | None) -> int:
-    """The weights' bytes in memory (0: not in memory)."""
-    if engine is None:
-        return 0
-    return sum(value.nbytes for _, value in tree_flatten(engine.target.model.parameters()))
-
-
-def _parameter_size(engine: Engine | None) -> str:
-    if engine is None:
+def _parameter_size(count: int | None) -> str:
+    if count is None:
         return ""
-    count = get_total_parameters(engine.target.model)
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if count >= scale:
             return f"{count / scale:.1f}{unit}".replace(".0" + unit, unit)
     return str(count)
 
 
-def _quantization(engine: Engine | None) -> str:
+def _quantization(held: str) -> str:
     """Ollama's names for the weights as held: Q4, Q8, F16, BF16, F32."""
-    if engine is None:
-        return ""
-    held = engine.weights.get("held", "")
     if held.startswith("q"):
         return held.split(" ")[0].upper()
     return FLOAT_LEVELS.get(held.split(", ")[-1], held.upper())
@@ -169,12 +195,10 @@ def _parameters(info: ModelInfo) -> str:
     return "\n".join(f"{name:<30} {value}" for name, value in values.items())
 
 
-def _template(engine: Engine | None) -> str:
+def _template(engine: Engine) -> str:
     """The model's prompt template: its fill-in-the-middle layout in Ollama's template
     language (`{{ .Prompt }}`, `{{ .Suffix }}`) where it has FIM tokens, then its chat
     template as the model ships it (Jinja)."""
-    if engine is None:
-        return ""
     chat = template_text(engine.tokenizer) or ""
     if engine.fim is None:
         return chat

@@ -34,6 +34,12 @@ def ollama_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
     """The /api routes (the app adds the key check and Ollama's error shape)."""
     router = APIRouter(prefix="/api")
     since = datetime.now(UTC)  # what `modified_at` says: the models were served from then
+    facts = model_facts.ModelFacts()
+
+    def look() -> None:
+        """Read the facts of the model in memory now (once per load)."""
+        resident = worker.resident
+        facts.seen(resident, worker.resident_engine(resident) if resident else None)
 
     @router.get("/version")
     async def version() -> dict:
@@ -41,33 +47,35 @@ def ollama_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
 
     @router.get("/tags")
     async def tags() -> dict:
+        look()
         listed = provider.models.values()
         return {
-            "models": [
-                model_facts.listing(info, worker.resident_engine(info.name), since)
-                for info in listed
-            ]
+            "models": [model_facts.listing(info, facts.of(info.name), since) for info in listed]
         }
 
     @router.get("/ps")
     async def running() -> dict:
+        look()
         resident = worker.resident
-        engine = worker.resident_engine(resident) if resident else None
-        if engine is None or resident not in provider.models:
+        if resident is None or worker.resident_engine(resident) is None:
             return {"models": []}
-        return {"models": [model_facts.running(provider.models[resident], engine)]}
+        info = provider.models[resident]
+        return {"models": [model_facts.running(info, facts.of(resident))]}
 
     @router.post("/show")
     async def show(body: ShowRequest) -> dict:
+        look()
         info = _model(provider, body.asked)
-        return model_facts.shown(info, worker.resident_engine(info.name), since)
+        return model_facts.shown(info, facts.of(info.name), since)
 
     @router.post("/chat")
     async def chat(body: ChatRequest, request: Request):
         info = _model(provider, body.model)
         reply = Reply(info.name, chat=True)
         if not body.messages:
-            return await _load(request, worker, provider, limits, body, info, reply)
+            loaded = await _load(request, worker, provider, limits, body, info, reply)
+            look()
+            return loaded
         conversation = body.conversation(info.defaults.chat_template_kwargs)
         return await _answer(request, worker, provider, limits, body, info, conversation, reply)
 
@@ -76,7 +84,9 @@ def ollama_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
         info = _model(provider, body.model)
         reply = Reply(info.name, chat=False)
         if body.loads_only:
-            return await _load(request, worker, provider, limits, body, info, reply)
+            loaded = await _load(request, worker, provider, limits, body, info, reply)
+            look()
+            return loaded
         prompt = body.prompt_input(info.defaults.chat_template_kwargs)
         return await _answer(request, worker, provider, limits, body, info, prompt, reply)
 
