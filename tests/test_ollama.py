@@ -370,9 +370,12 @@ def test_a_history_with_ollamas_tool_calls_and_results_is_answered(scripted_url)
     assert response.json()["message"]["content"] == "It is 18C and sunny."
 
 
-def test_a_tool_result_answers_the_call_it_names():
+def test_each_tool_result_answers_its_own_call():
+    """Results are tied in order to the calls not yet answered: by id, else by the tool
+    they name (two calls of one tool get one result each), else to the next call."""
     from mlxspec.server.ollama.schemas import ChatRequest
 
+    weather = "get_weather"
     request = ChatRequest.model_validate(
         {
             "messages": [
@@ -381,11 +384,13 @@ def test_a_tool_result_answers_the_call_it_names():
                     "role": "assistant",
                     "content": "",
                     "tool_calls": [
+                        {"function": {"name": weather, "arguments": {"city": "Paris"}}},
+                        {"function": {"name": weather, "arguments": '{"city": "Rome"}'}},
                         {"function": {"name": "get_time", "arguments": {}}},
-                        {"function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
                     ],
                 },
-                {"role": "tool", "tool_name": "get_weather", "content": "9C"},
+                {"role": "tool", "tool_name": weather, "content": "18C"},
+                {"role": "tool", "tool_name": weather, "content": "9C"},
                 {"role": "tool", "content": "noon"},
             ]
         }
@@ -393,8 +398,9 @@ def test_a_tool_result_answers_the_call_it_names():
     messages = request.conversation({}).messages
     calls = messages[1]["tool_calls"]
     assert calls[1]["function"]["arguments"] == {"city": "Rome"}
-    assert (messages[2]["tool_call_id"], messages[2]["name"]) == (calls[1]["id"], "get_weather")
-    assert (messages[3]["tool_call_id"], messages[3]["name"]) == (calls[0]["id"], "get_time")
+    assert len({call["id"] for call in calls}) == 3
+    answered = [(message["tool_call_id"], message["name"]) for message in messages[2:]]
+    assert answered == [(call["id"], call["function"]["name"]) for call in calls]
 
 
 # --- Editors' requests, replayed --------------------------------------------------------
