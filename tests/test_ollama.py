@@ -517,3 +517,40 @@ def test_the_js_client_lists_shows_chats_and_fills_the_middle(base_url):
     assert read["chat"] == plain("tiny", HELLO).text
     assert read["filled"] == read["whole"] == filled
     assert read["refused"]["status"] == 400 and "fill-in-the-middle" in read["refused"]["error"]
+
+
+# --- The packaged SmolLM2, through the Ollama route -----------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_chats_the_same_through_ollama_and_openai_with_every_proposer(smollm2):
+    """A real model and its real chat template: the streamed /api/chat answer is the same
+    greedy text with and without drafts, and the same as /v1/chat/completions'."""
+    import openai
+
+    from mlxspec.registry.models_toml import load_registry
+    from mlxspec.registry.runtime import Runtime
+    from mlxspec.server.providers import OpenedProvider
+
+    entry = load_registry(user_file=None).get("smollm2-135m")
+    provider = OpenedProvider(Runtime(entry, smollm2, notify=print), entry)
+    messages = [{"role": "user", "content": "Repeat exactly, twice: def add(a, b): return a + b"}]
+    options = {"temperature": 0, "num_predict": 48}
+    with serving(provider) as url:
+        texts = {}
+        for proposer in ("none", "prompt-lookup", "suffix"):
+            body = {"model": entry.name, "messages": messages, "options": options}
+            lines = ndjson(
+                httpx.post(
+                    f"{url}/api/chat", json={**body, "mlxspec": {"proposer": proposer}}, timeout=300
+                )
+            )
+            texts[proposer] = "".join(line["message"]["content"] for line in lines)
+            assert lines[-1]["x_mlxspec"]["lossless"] is True
+        assert texts["none"] and len(set(texts.values())) == 1, texts
+        shown = ollama.Client(host=url).show(entry.name)
+        assert shown.modelinfo["general.architecture"] == "llama"
+        chat = openai.OpenAI(base_url=f"{url}/v1", api_key="-").chat.completions.create(
+            model=entry.name, messages=messages, temperature=0, max_tokens=48
+        )
+        assert chat.choices[0].message.content == texts["none"]
