@@ -303,6 +303,11 @@ def test_errors_come_in_ollamas_shape(base_url, route, body, status, says):
     assert list(response.json()) == ["error"] and says in response.json()["error"]
 
 
+def test_the_bare_address_answers_ollamas_probe(base_url):
+    assert httpx.get(base_url).text == "Ollama is running"
+    assert httpx.head(base_url).status_code == 200
+
+
 def test_an_unknown_route_is_a_404_in_ollamas_shape(base_url):
     response = httpx.post(f"{base_url}/api/embed", json={"model": "tiny", "input": "x"})
     assert response.status_code == 404 and list(response.json()) == ["error"]

@@ -155,7 +155,7 @@ def create_app(
             "kv_memory": getattr(worker, "kv_memory_use", None),
         }
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def ollama_probe() -> PlainTextResponse:
         """Ollama's clients probe the bare address for this text before anything else."""
         return PlainTextResponse("Ollama is running")
