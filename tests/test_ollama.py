@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -235,6 +236,37 @@ def test_generate_with_a_suffix_fills_the_middle_as_plain_greedy_does(base_url, 
     assert run["events"][-1].token_ids == expected.token_ids
     if proposer not in (None, "none"):
         assert lines[-1]["x_mlxspec"]["speculative"] is True
+
+
+def test_fill_in_the_middle_requests_batched_together_each_say_plain_greedy():
+    """Rows of one batch (continuous batching), each its own FIM prompt and proposer."""
+    holes = [
+        (PREFIX, SUFFIX, "none"),
+        (PREFIX, SUFFIX, "prompt-lookup"),
+        (
+            "class Point:\n    def __init__(self, x, y):\n        ",
+            "\n\n    def norm(self):\n",
+            "draft",
+        ),
+    ]
+    with serving(Provider(), preload="coder", limits=ServerLimits(max_batch=4)) as url:
+
+        def fill(hole):
+            prefix, suffix, proposer = hole
+            body = {
+                "model": "coder",
+                "prompt": prefix,
+                "suffix": suffix,
+                "options": GREEDY,
+                "stream": False,
+                "mlxspec": {"proposer": proposer},
+            }
+            return httpx.post(f"{url}/api/generate", json=body, timeout=120).json()
+
+        with ThreadPoolExecutor(len(holes)) as pool:
+            answers = list(pool.map(fill, holes))
+    for (prefix, suffix, _), answer in zip(holes, answers, strict=True):
+        assert answer["response"] == plain("coder", Infill(prefix, suffix)).text
 
 
 def test_the_client_fills_the_middle_whole_and_streamed(client):
