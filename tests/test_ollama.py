@@ -281,6 +281,29 @@ def test_the_client_fills_the_middle_whole_and_streamed(client):
     assert "".join(part.response for part in parts) == expected
 
 
+def test_stop_strings_end_the_answer_as_they_end_plain_decoding(client):
+    """Any number of them (Continue sends eleven), the first met ends the answer."""
+    whole = plain("tiny", "one two one").text
+    stop = [whole[6:9], *(f"never{n}" for n in range(10))]
+    options = {**GREEDY, "stop": stop}
+    answer = client.generate(model="tiny", prompt="one two one", raw=True, options=options)
+    settings = GenerationSettings(max_tokens=PREDICT, context=1024, stop=stop)
+    events = engine_of("tiny").stream("one two one", settings, "none")
+    expected = next(event for event in events if isinstance(event, Done))
+    assert answer.response == expected.text and len(answer.response) < len(whole)
+    assert answer.done_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "given, kind", [("json", "json_object"), (CITY, "json_schema"), ("", None), (None, None)]
+)
+def test_format_becomes_the_answers_response_format(given, kind):
+    from mlxspec.server.ollama.schemas import GenerateRequest
+
+    asked = GenerateRequest.model_validate({"prompt": "x", "format": given}).generation_request()
+    assert (asked.response_format.type if asked.response_format else None) == kind
+
+
 def test_a_model_without_fim_tokens_refuses_a_suffix_with_a_400(base_url, client):
     with pytest.raises(ollama.ResponseError) as refused:
         client.generate(model="tiny", prompt=PREFIX, suffix=SUFFIX)
