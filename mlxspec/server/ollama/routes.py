@@ -11,6 +11,7 @@ error found before any output keeps its HTTP status.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from fastapi import APIRouter, Request
@@ -24,7 +25,7 @@ from mlxspec.server.ollama import model_facts
 from mlxspec.server.ollama.replies import NDJSON, Reply, error_body, line
 from mlxspec.server.ollama.schemas import Asking, ChatRequest, GenerateRequest, ShowRequest
 from mlxspec.server.providers import ModelInfo, ModelProvider, find_model
-from mlxspec.server.worker import Generation, Worker
+from mlxspec.server.worker import Worker
 
 # Ollama names a model `name:tag`; a client that adds the default tag means the name.
 DEFAULT_TAG = ":latest"
@@ -35,6 +36,7 @@ def ollama_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
     router = APIRouter(prefix="/api")
     since = datetime.now(UTC)  # what `modified_at` says: the models were served from then
     facts = model_facts.ModelFacts()
+    serving = _Serving(provider, worker, limits)
 
     def look() -> None:
         """Read the facts of the model in memory now (once per load)."""
@@ -73,22 +75,22 @@ def ollama_router(provider: ModelProvider, worker: Worker, limits: ServerLimits)
         info = _model(provider, body.model)
         reply = Reply(info.name, chat=True)
         if not body.messages:
-            loaded = await _load(request, worker, provider, limits, body, info, reply)
+            loaded = await serving.load(request, body, info, reply)
             look()
             return loaded
         conversation = body.conversation(info.defaults.chat_template_kwargs)
-        return await _answer(request, worker, provider, limits, body, info, conversation, reply)
+        return await serving.answer(request, body, info, conversation, reply)
 
     @router.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         info = _model(provider, body.model)
         reply = Reply(info.name, chat=False)
         if body.loads_only:
-            loaded = await _load(request, worker, provider, limits, body, info, reply)
+            loaded = await serving.load(request, body, info, reply)
             look()
             return loaded
         prompt = body.prompt_input(info.defaults.chat_template_kwargs)
-        return await _answer(request, worker, provider, limits, body, info, prompt, reply)
+        return await serving.answer(request, body, info, prompt, reply)
 
     return router
 
@@ -99,28 +101,42 @@ def _model(provider: ModelProvider, name: str | None) -> ModelInfo:
     return find_model(provider, name)
 
 
-async def _answer(
-    request: Request,
-    worker: Worker,
-    provider: ModelProvider,
-    limits: ServerLimits,
-    body: Asking,
-    info: ModelInfo,
-    prompt,
-    reply: Reply,
-):
-    """Queue the generation; answer with one object, or stream its lines."""
-    asked = body.generation_request()
-    constraint = await checked_constraint(asked.answer_constraint, "format")
-    generation = new_generation(asked, info, prompt, provider, limits, body.top_k(), constraint)
-    answering = await Answering.start(request, worker, generation)  # errors keep a status
-    if body.streamed:
-        return StreamingResponse(_lines(answering, reply), media_type=NDJSON)
-    try:
-        answered = await answering.answered()
-    finally:
-        answering.release()
-    return JSONResponse(reply.whole(answered.answer, answered.done.record))
+@dataclass(frozen=True)
+class _Serving:
+    """What the answering routes share: where models come from, who runs them, the limits."""
+
+    provider: ModelProvider
+    worker: Worker
+    limits: ServerLimits
+
+    async def answer(self, request: Request, body: Asking, info: ModelInfo, prompt, reply: Reply):
+        """Queue the generation; answer with one object, or stream its lines."""
+        asked = body.generation_request()
+        constraint = await checked_constraint(asked.answer_constraint, "format")
+        generation = new_generation(
+            asked, info, prompt, self.provider, self.limits, body.top_k(), constraint
+        )
+        answering = await Answering.start(request, self.worker, generation)  # errors keep a status
+        if body.streamed:
+            return StreamingResponse(_lines(answering, reply), media_type=NDJSON)
+        try:
+            answered = await answering.answered()
+        finally:
+            answering.release()
+        return JSONResponse(reply.whole(answered.answer, answered.done.record))
+
+    async def load(self, request: Request, body: Asking, info: ModelInfo, reply: Reply):
+        """An empty request loads the model, as Ollama's does (editors warm it up so): the
+        worker opens it to make one token of a one-token prompt."""
+        update = {"max_tokens": 1, "response_format": None}
+        asked = body.generation_request().model_copy(update=update)
+        generation = new_generation(asked, info, [0], self.provider, self.limits)
+        answering = await Answering.start(request, self.worker, generation)
+        try:
+            await answering.answered()
+        finally:
+            answering.release()
+        return JSONResponse(reply.loaded())
 
 
 def _lines(answering: Answering, reply: Reply):
@@ -138,24 +154,3 @@ def _lines(answering: Answering, reply: Reply):
         return [line(body) for body in reply.closing(answered.answer, answered.done.record)]
 
     return dialect_events(answering, opening, part, closing, lambda err: [line(error_body(err))])
-
-
-async def _load(
-    request: Request,
-    worker: Worker,
-    provider: ModelProvider,
-    limits: ServerLimits,
-    body: Asking,
-    info: ModelInfo,
-    reply: Reply,
-) -> JSONResponse:
-    """An empty request loads the model, as Ollama's does (editors warm it up so): the
-    worker opens it to make one token of a one-token prompt."""
-    asked = body.generation_request().model_copy(update={"max_tokens": 1, "response_format": None})
-    generation: Generation = new_generation(asked, info, [0], provider, limits)
-    answering = await Answering.start(request, worker, generation)
-    try:
-        await answering.answered()
-    finally:
-        answering.release()
-    return JSONResponse(reply.loaded())
