@@ -145,6 +145,7 @@ LAYERS: dict[str, int] = {
     "mlxspec.server.anthropic": 7,
     "mlxspec.server.responses": 7,
     "mlxspec.server.llamacpp": 7,
+    "mlxspec.server.ollama": 7,
     "mlxspec.server.": 6,  # the core every dialect shares (the dot: not the door above)
     "mlxspec.distributed": 5,
     "mlxspec.registry": 4,

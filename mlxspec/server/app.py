@@ -1,9 +1,9 @@
 """The FastAPI app: each API dialect's routes over one generation worker.
 
 The app picks the worker (one at a time, batched, sharded), and serves health and the
-model list; a dialect's routes (openai/, anthropic/, responses/, llamacpp/) validate a
-request, turn it into a `Generation`, and relay its answer's parts through `Answering`
-(answering.py), which cancels a generation whose client went away.
+model list; a dialect's routes (openai/, anthropic/, responses/, ollama/, llamacpp/)
+validate a request, turn it into a `Generation`, and relay its answer's parts through
+`Answering` (answering.py), which cancels a generation whose client went away.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
+from fastapi.responses import PlainTextResponse
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 import mlxspec
@@ -28,6 +29,8 @@ from mlxspec.server.errors import ApiError, install_error_handlers, shape_finder
 from mlxspec.server.limits import ServerLimits
 from mlxspec.server.llamacpp import llamacpp_router
 from mlxspec.server.lone_surrogates import SurrogateRepair
+from mlxspec.server.ollama.replies import error_body as ollama_error
+from mlxspec.server.ollama.routes import ollama_router
 from mlxspec.server.openai.routes import openai_router
 from mlxspec.server.origin_guard import OriginGuard
 from mlxspec.server.providers import ModelInfo, ModelProvider, find_model
@@ -140,7 +143,7 @@ def create_app(
 
     app = FastAPI(title="mlxspec", version=mlxspec.__version__, lifespan=lifespan)
     app.state.worker = worker
-    shape = shape_finder({"/v1/messages": error_body})
+    shape = shape_finder({"/v1/messages": error_body, "/api/": ollama_error})
     install_error_handlers(app, shape)
     app.add_middleware(SurrogateRepair)  # inside the limit: it reads the body whole
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
@@ -166,6 +169,11 @@ def create_app(
             "kv_memory": getattr(worker, "kv_memory_use", None),
         }
 
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def ollama_probe() -> PlainTextResponse:
+        """Ollama's clients probe the bare address for this text before anything else."""
+        return PlainTextResponse("Ollama is running")
+
     @api.get("/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [_model_card(info) for info in provider.models.values()]}
@@ -180,6 +188,8 @@ def create_app(
     app.include_router(api)
     # llama.cpp's own paths have no /v1 (llama.vim, llama.vscode, Tabby call /infill)
     app.include_router(llamacpp_router(provider, worker, limits), dependencies=guarded)
+    # Ollama's API has no /v1: its clients add /api/... to the bare address (port 11434)
+    app.include_router(ollama_router(provider, worker, limits), dependencies=guarded)
     return app
 
 

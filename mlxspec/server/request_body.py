@@ -126,6 +126,26 @@ class ResponseFormat(BaseModel):
         return grammar
 
 
+class FunctionSpec(BaseModel):
+    """A tool the model may call, in OpenAI's function form (Ollama's too)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: NonEmptyText
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema object.")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
 def check_forced_schemas(schemas: list[tuple[str, dict[str, Any] | None]]) -> None:
     """ApiError (400) naming the field of the first forced tool whose parameters schema
     cannot be compiled; `schemas`: (the field, in the dialect's names; its schema or None).

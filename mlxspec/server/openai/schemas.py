@@ -28,6 +28,7 @@ from mlxspec.server.request_body import (
     GenerationRequest,
     NonEmptyText,
     TokenId,
+    Tool,
     check_forced_schemas,
     effort_kwargs,
 )
@@ -40,24 +41,6 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
-
-
-class FunctionSpec(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    name: NonEmptyText
-    description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema object.")
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionSpec
-
-    def for_template(self) -> dict[str, Any]:
-        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
 class CalledFunction(BaseModel):
