@@ -8,6 +8,7 @@ import pytest
 from lossless import assert_lossless, plain_greedy
 from tiny_models import byte_tokenizer, tiny_model
 
+from mlxspec.decoding.draft_cost import DraftCost
 from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.decoding.policy import Policy
 from mlxspec.decoding.verify_cost import VerifyCost
@@ -169,6 +170,6 @@ def test_a_catch_up_is_not_taken_for_the_price_of_a_draft_token():
 def test_a_measured_draft_step_prices_a_draft_token_before_any_was_timed():
     policy = Policy(CPU_LIKE_COST)  # target step: 0.05 s
     source = Stateful()
-    source.own_cost = VerifyCost({1: 1.0, 8: 1.2}, step_seconds=0.0025)
+    source.own_cost = DraftCost(0.05, VerifyCost({1: 1.0, 8: 1.2}, step_seconds=0.0025))
     assert policy.draft_price(source) == pytest.approx(0.05)
     assert policy._catch_up_units(Situation(source, "model", catch_up=8)) == pytest.approx(0.2)

@@ -200,14 +200,12 @@ class Policy:
 
     def draft_price(self, source) -> float:
         """A draft token's cost in target steps: as timed in this policy's rounds, else
-        the source's own passes measured on this machine (`own_cost`) over the target's
-        step, else its `cost_hint` (a guess)."""
+        the source's step measured on this machine beside the target's (`own_cost`, a
+        `DraftCost`), else its `cost_hint` (a guess)."""
         if source.name in self.draft_cost:
             return self.draft_cost[source.name]
         own = getattr(source, "own_cost", None)
-        if own is not None:
-            return own.step_seconds / (self.step_seconds or self.cost.step_seconds)
-        return source.cost_hint
+        return source.cost_hint if own is None else own.step_ratio
 
     def _catch_up_units(self, situation: Situation) -> float:
         """What the source's catch-up pass costs beyond the one draft step it replaces, in
@@ -215,7 +213,8 @@ class Policy:
         same machine's shape), less one. 0 for a source in step or without state."""
         if situation.catch_up <= 1:
             return 0.0
-        curve = getattr(situation.source, "own_cost", None) or self.cost
+        own = getattr(situation.source, "own_cost", None)
+        curve = self.cost if own is None else own.curve
         return max(0.0, curve(situation.catch_up) - 1.0)
 
     def _catch_up_price(self, situation: Situation, per_draft: float) -> float:

@@ -71,8 +71,8 @@ class Proposer(Protocol):
     # `propose` is called only in rounds that draft (k > 0): a proposer with state of its
     # own (a draft model's cache, a head's) does no work while the policy keeps it off,
     # and takes in what it missed in one pass when drafting resumes. It may also have
-    # `own_cost`: its passes measured on this machine (a `VerifyCost`: the step's seconds
-    # and a pass of n tokens in steps), which the policy prices it by before it drafted.
+    # `own_cost`: its passes measured on this machine (a `DraftCost`: its step in target
+    # steps, a pass of n tokens in its steps), which the policy prices it by.
 
     def situation(self, ctx: ProposalContext) -> Situation | None: ...
 

@@ -102,8 +102,9 @@ class DraftModel:
         cost_hint: float = 0.2,
         own_cost=None,
     ):
-        """`own_cost`: the model's passes measured here (a `VerifyCost`), or None: the
-        policy prices a draft token at `cost_hint` target steps until it timed one."""
+        """`own_cost`: the model's passes measured here beside the target's (a
+        `DraftCost`), or None: the policy prices a draft token at `cost_hint` target
+        steps (a guess) until it timed one."""
         self.name, self.model, self.k_max, self.cost_hint = name, model, k_max, cost_hint
         self.own_cost = own_cost
         self.reset()
