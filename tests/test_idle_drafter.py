@@ -138,22 +138,25 @@ class Stateful:
 
 
 def test_policy_prices_the_catch_up_pass_of_a_drafter_that_was_off():
-    """At 0.7 acceptance and a tenth of a step per draft token, drafting pays in step; a
-    drafter 200 tokens behind (a catch-up of verify(200) draft steps) does not, this round."""
+    """At 0.7 acceptance and a tenth of a step per draft token, drafting pays in step. A
+    drafter 200 tokens behind pays a catch-up of verify(200) draft steps once, which each
+    token the request has left bears a share of: with 8 left drafting does not pay (the
+    pass costs more than the round saves), with 10,000 left it resumes at once."""
     policy = Policy(CPU_LIKE_COST)
     source = Stateful()
     in_step = Situation(source, "model", prior=0.7, catch_up=1)
     behind = Situation(source, "model", prior=0.7, catch_up=200)
-    k_in_step, speed_in_step = policy._plan(in_step, 8)
-    k_behind, speed_behind = policy._plan(behind, 8)
+    k_in_step, speed_in_step = policy._plan(in_step, 8, 10_000)
     assert k_in_step > 0
-    assert speed_behind < speed_in_step
     price = policy._catch_up_price(behind, 0.1)
     assert price == pytest.approx((CPU_LIKE_COST(200) - 1.0) * 0.1)
-    # The round's own verify and draft cost, plus the catch-up, at the k chosen:
-    tokens = (1 - 0.7 ** (k_behind + 1)) / 0.3
-    cost = CPU_LIKE_COST(k_behind + 1) + 0.1 * k_behind + price
-    assert speed_behind == pytest.approx(max(1.0, tokens / cost))
+    k_short, speed_short = policy._plan(behind, 8, 8)
+    assert speed_short < speed_in_step
+    made = (1 - 0.7 ** (k_short + 1)) / 0.3
+    cost = CPU_LIKE_COST(k_short + 1) + 0.1 * k_short + price * made / 8
+    assert speed_short == pytest.approx(max(1.0, made / cost))
+    k_long, speed_long = policy._plan(behind, 8, 10_000)
+    assert k_long == k_in_step and speed_long == pytest.approx(speed_in_step, rel=0.01)
 
 
 def test_a_catch_up_is_not_taken_for_the_price_of_a_draft_token():

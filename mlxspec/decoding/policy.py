@@ -3,9 +3,10 @@
 With per-token acceptance a, a draft of k yields E(k) = (1 - a^(k+1)) / (1 - a)
 tokens per round (accepted drafts + the target's own), and costs
 T(k) = verify(k+1) + k * draft_cost, in units of one plain target step, plus, for a
-drafter that was off, the pass that catches it up on what the target accepted meanwhile
-(`Situation.catch_up`). k = 0 is plain decoding (E = T = 1): a draft is only made when it
-is expected to pay, and a drafter at k = 0 does no work at all.
+drafter that was off, its share of the pass that catches it up on what the target
+accepted meanwhile (`Situation.catch_up`), spread over the tokens the request has left.
+k = 0 is plain decoding (E = T = 1): a draft is only made when it is expected to pay, and
+a drafter at k = 0 does no work at all.
 
 `verify(m)` is measured on the running machine (verify_cost.py). Acceptance is
 estimated per (proposer, case) from decayed counts, where a case is what the proposer
@@ -155,7 +156,9 @@ class Policy:
             )
         if self._retime_left:
             return situations[0], 0
-        plans = [self._plan(s, min(limit, getattr(s.source, "k_max", limit))) for s in situations]
+        plans = [
+            self._plan(s, min(limit, getattr(s.source, "k_max", limit)), limit) for s in situations
+        ]
         best = max(range(len(plans)), key=lambda i: plans[i][1])
         situation, (k, _) = situations[best], plans[best]
         if k == 0:  # keep probing now and then, or a bad start would stick forever
@@ -169,12 +172,16 @@ class Policy:
                 return situation, 1
         return situation, k
 
-    def _plan(self, situation: Situation, limit: int) -> tuple[int, float]:
-        """(best k, its expected speed relative to plain decoding) for one situation."""
+    def _plan(self, situation: Situation, limit: int, left: int | None = None) -> tuple[int, float]:
+        """(best k, its expected speed relative to plain decoding) for one situation.
+
+        A drafter that was off pays its catch-up once, for every round after it: each
+        token of the `left` the request may still make (default: `limit`) bears its
+        share, so a long answer resumes at once and a few last tokens do not."""
         key = self._key(situation)
         rate = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
         per_draft = self.draft_price(situation.source)
-        catch_up = self._catch_up_price(situation, per_draft)
+        catch_up_per_token = self._catch_up_price(situation, per_draft) / max(left or limit, 1)
         best_k, best_speed = 0, 1.0
         # A source may verify more nodes than the depth it drafts (lookahead's window).
         nodes = getattr(situation.source, "verify_nodes", lambda k: k)
@@ -190,10 +197,12 @@ class Policy:
         most = tokens[limit] if tokens else expected_tokens(rate, limit)
         rising = self.cost.monotone and per_draft >= 0
         for k in range(1, limit + 1):
-            cost = self.verify_cost(nodes(k) + 1) + (1 if per_round else k) * per_draft + catch_up
+            made = tokens[k] if tokens else expected_tokens(rate, k)
+            cost = self.verify_cost(nodes(k) + 1) + (1 if per_round else k) * per_draft
+            cost += catch_up_per_token * made
             if rising and most <= best_speed * cost:
                 break
-            speed = (tokens[k] if tokens else expected_tokens(rate, k)) / cost
+            speed = made / cost
             if speed > best_speed:
                 best_k, best_speed = k, speed
         return best_k, best_speed
@@ -219,7 +228,7 @@ class Policy:
 
     def _catch_up_price(self, situation: Situation, per_draft: float) -> float:
         """The catch-up pass of a source that was off (`Situation.catch_up`), in target
-        steps: paid once, by the round that drafts again."""
+        steps: paid once, by the round that drafts again (`_plan` spreads it)."""
         return self._catch_up_units(situation) * per_draft
 
     def _expected_by_position(self, situation: Situation, key, limit: int) -> list[float]:
