@@ -4,17 +4,20 @@ in one pass; the policy prices that pass, and the run record shows the drafter's
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from lossless import assert_lossless, plain_greedy
-from tiny_models import byte_tokenizer, tiny_model
+from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.decoding.draft_cost import DraftCost
 from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.decoding.policy import Policy
 from mlxspec.decoding.verify_cost import VerifyCost
+from mlxspec.drafter.head import HeadSpec, build_head
 from mlxspec.events import Done
 from mlxspec.models.prompt_cache import common_prefix
 from mlxspec.proposers import DraftModel, Situation, truncated_model
+from mlxspec.proposers.head import HeadProposer
 
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
 # Long stretches off, then drafting again: catch-ups of many tokens, and of a few.
@@ -130,6 +133,50 @@ def test_greedy_equals_plain_while_the_draft_model_turns_on_and_off(family):
             label = f"{family} {name} {bytes(prompt)!r}"
             assert_lossless(model, prompt, reference, list(done.token_ids), label, done.record)
             assert done.record.drafted > 0, label
+
+
+class CountingHead:
+    """A drafter head that logs the width of every pass it runs."""
+
+    def __init__(self, head):
+        self.head, self.passes = head, []
+
+    def __getattr__(self, name):
+        return getattr(self.head, name)
+
+    def __call__(self, hidden, embeds, mask, cache):
+        self.passes.append(hidden.shape[1])
+        return self.head(hidden, embeds, mask, cache)
+
+
+class WatchedHead(HeadProposer):
+    """Records, for each `propose`, its k, the catch-up its situation told, its passes."""
+
+    def situation(self, ctx):
+        self.told = super().situation(ctx)
+        return self.told
+
+    def propose(self, ctx, k):
+        before = len(self.head.passes)
+        draft = super().propose(ctx, k)
+        self.proposals.append((k, self.told.catch_up, self.head.passes[before:]))
+        return draft
+
+
+def test_a_head_runs_no_pass_while_off_and_catches_up_on_the_rows_it_missed():
+    model = tiny_model("llama", seed=0)
+    engine = Engine(model, byte_tokenizer(), "llama", verify_cost=CPU_LIKE_COST)
+    spec = HeadSpec(hidden_size=64, vocab_size=VOCAB, final_norm=True, feed_normed=True)
+    proposer = WatchedHead(build_head(spec, model, mx.arange(VOCAB)), engine.target, k_max=4)
+    proposer.head, proposer.proposals = CountingHead(proposer.head), []
+    engine.add_proposer(proposer)
+    scripted(engine)
+    generate(engine, list(b"the cat sat on the mat, the cat sat on"), "head")
+    assert len(proposer.proposals) >= 3
+    assert sum(len(p) for _, _, p in proposer.proposals) == len(proposer.head.passes)
+    for k, behind, passes in proposer.proposals:
+        assert passes == [behind] + [1] * (k - 1), (k, behind, passes)
+    assert sum(behind > 4 for _, behind, _ in proposer.proposals) >= 2
 
 
 class Stateful:
