@@ -129,6 +129,9 @@ class RunRecord:
     time_to_first_token: float = 0.0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # after the first round (which prefill and TTFT cover)
+    # The proposer's own time, every round (a draft model's catch-up passes and steps, a
+    # lookup's search): what drafting cost beside the verify passes. 0 while it was off.
+    drafter_seconds: float = 0.0
     first_round_tokens: int = 0
     # Tokens made over plain steps spent, each round priced with its own times (batched
     # rounds are not priced: to_dict gives null then).

@@ -66,6 +66,7 @@ ROW_FIELDS = {
     "estimated_speedup",
     "token_match",
     "divergence",
+    "drafter_share",  # the proposer's own time over the runs' (0 for plain rows)
 }
 
 
@@ -178,6 +179,9 @@ def test_every_row_has_its_fields_and_matches_plain_mlx_lm(tiny_entry, tiny_resu
     assert all(r["speedup"] == 1.0 and r["acceptance_rate"] is None for r in plain)
     lookup = next(r for r in rows if r["method"] == "mlxspec:prompt-lookup@k=4")
     assert lookup["k"] == 4 and lookup["acceptance_rate"] > 0
+    assert all(r["drafter_share"] == 0 for r in plain)
+    drafting = [r for r in rows if "draft-model@k=" in r["method"]]
+    assert drafting and all(0 < r["drafter_share"] < 1 for r in drafting)
 
 
 def test_json_document_has_machine_model_settings_rows(tiny_result):

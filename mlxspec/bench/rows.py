@@ -85,6 +85,11 @@ def _row(group: list[Run], plain_speed: float | None) -> dict[str, Any]:
             sum(m.collective_seconds for m in measurements),
             sum(m.collective_rounds for m in measurements),
         ),
+        # The proposer's share of the runs' time (its draft passes and catch-ups).
+        "drafter_share": _ratio(
+            sum(m.drafter_seconds for m in measurements),
+            sum(m.total_seconds for m in measurements),
+        ),
         "token_match": divergence is None,
         "divergence": asdict(divergence) if divergence else None,
     }

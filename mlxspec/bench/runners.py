@@ -47,6 +47,8 @@ class Measurement:
     estimated_speedup: float | None = None  # mlxspec's own estimate (see mlxspec/speedup.py)
     collective_seconds: float = 0.0  # sharded: waiting in mlxspec's per-round collectives
     collective_rounds: int = 0
+    drafter_seconds: float = 0.0  # the proposer's own time (the run record's)
+    total_seconds: float = 0.0  # the whole run, prefill included
 
     @property
     def decode_tokens(self) -> int:
@@ -76,7 +78,12 @@ class Clock:
         end = time.perf_counter()
         first = self.first_round_end if self.first_round_end is not None else end
         return Measurement(
-            tokens, first - self.start, self.first_round_tokens, end - first, **counts
+            tokens,
+            first - self.start,
+            self.first_round_tokens,
+            end - first,
+            total_seconds=end - self.start,
+            **counts,
         )
 
 
@@ -181,6 +188,7 @@ def run_mlxspec(
         estimated_speedup=record.speedup_estimate.value,
         collective_seconds=record.collective_seconds,
         collective_rounds=record.collective_rounds,
+        drafter_seconds=record.drafter_seconds,
     )
 
 

@@ -2,8 +2,11 @@
 
 With per-token acceptance a, a draft of k yields E(k) = (1 - a^(k+1)) / (1 - a)
 tokens per round (accepted drafts + the target's own), and costs
-T(k) = verify(k+1) + k * draft_cost, in units of one plain target step. k = 0 is
-plain decoding (E = T = 1), so a draft is only made when it is expected to pay.
+T(k) = verify(k+1) + k * draft_cost, in units of one plain target step, plus, for a
+drafter that was off, its share of the pass that catches it up on what the target
+accepted meanwhile (`Situation.catch_up`), spread over the tokens the request has left.
+k = 0 is plain decoding (E = T = 1): a draft is only made when it is expected to pay, and
+a drafter at k = 0 does no work at all.
 
 `verify(m)` is measured on the running machine (verify_cost.py). Acceptance is
 estimated per (proposer, case) from decayed counts, where a case is what the proposer
@@ -153,7 +156,9 @@ class Policy:
             )
         if self._retime_left:
             return situations[0], 0
-        plans = [self._plan(s, min(limit, getattr(s.source, "k_max", limit))) for s in situations]
+        plans = [
+            self._plan(s, min(limit, getattr(s.source, "k_max", limit)), limit) for s in situations
+        ]
         best = max(range(len(plans)), key=lambda i: plans[i][1])
         situation, (k, _) = situations[best], plans[best]
         if k == 0:  # keep probing now and then, or a bad start would stick forever
@@ -167,11 +172,16 @@ class Policy:
                 return situation, 1
         return situation, k
 
-    def _plan(self, situation: Situation, limit: int) -> tuple[int, float]:
-        """(best k, its expected speed relative to plain decoding) for one situation."""
+    def _plan(self, situation: Situation, limit: int, left: int | None = None) -> tuple[int, float]:
+        """(best k, its expected speed relative to plain decoding) for one situation.
+
+        A drafter that was off pays its catch-up once, for every round after it: each
+        token of the `left` the request may still make (default: `limit`) bears its
+        share, so a long answer resumes at once and a few last tokens do not."""
         key = self._key(situation)
         rate = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
-        per_draft = self.draft_cost.get(situation.source.name, situation.source.cost_hint)
+        per_draft = self.draft_price(situation.source)
+        catch_up_per_token = self._catch_up_price(situation, per_draft) / max(left or limit, 1)
         best_k, best_speed = 0, 1.0
         # A source may verify more nodes than the depth it drafts (lookahead's window).
         nodes = getattr(situation.source, "verify_nodes", lambda k: k)
@@ -187,13 +197,39 @@ class Policy:
         most = tokens[limit] if tokens else expected_tokens(rate, limit)
         rising = self.cost.monotone and per_draft >= 0
         for k in range(1, limit + 1):
+            made = tokens[k] if tokens else expected_tokens(rate, k)
             cost = self.verify_cost(nodes(k) + 1) + (1 if per_round else k) * per_draft
+            cost += catch_up_per_token * made
             if rising and most <= best_speed * cost:
                 break
-            speed = (tokens[k] if tokens else expected_tokens(rate, k)) / cost
+            speed = made / cost
             if speed > best_speed:
                 best_k, best_speed = k, speed
         return best_k, best_speed
+
+    def draft_price(self, source) -> float:
+        """A draft token's cost in target steps: as timed in this policy's rounds, else
+        the source's step measured on this machine beside the target's (`own_cost`, a
+        `DraftCost`), else its `cost_hint` (a guess)."""
+        if source.name in self.draft_cost:
+            return self.draft_cost[source.name]
+        own = getattr(source, "own_cost", None)
+        return source.cost_hint if own is None else own.step_ratio
+
+    def _catch_up_units(self, situation: Situation) -> float:
+        """What the source's catch-up pass costs beyond the one draft step it replaces, in
+        its own steps: a pass of n tokens on its measured curve (else the target's, the
+        same machine's shape), less one. 0 for a source in step or without state."""
+        if situation.catch_up <= 1:
+            return 0.0
+        own = getattr(situation.source, "own_cost", None)
+        curve = self.cost if own is None else own.curve
+        return max(0.0, curve(situation.catch_up) - 1.0)
+
+    def _catch_up_price(self, situation: Situation, per_draft: float) -> float:
+        """The catch-up pass of a source that was off (`Situation.catch_up`), in target
+        steps: paid once, by the round that drafts again (`_plan` spreads it)."""
+        return self._catch_up_units(situation) * per_draft
 
     def _expected_by_position(self, situation: Situation, key, limit: int) -> list[float]:
         """Expected tokens of a round for k = 0..limit from the per-position estimates
@@ -265,6 +301,7 @@ class Policy:
         self._full_streak[situation.source.name] = accepted == drafted
         name = situation.source.name
         per = 1 if getattr(situation.source, "cost_per_round", False) else drafted
+        per += self._catch_up_units(situation)  # a pass that caught up: not a token's price
         measured = draft_seconds / per / (self.step_seconds or self.cost.step_seconds)
         previous = self.draft_cost.get(name)
         self.draft_cost[name] = measured if previous is None else 0.8 * previous + 0.2 * measured

@@ -183,6 +183,7 @@ class RequestRun:
         counted apart; the proposer's drafts after them count as its own, and teach its
         policy only where the target kept every forced one (else they were never tried)."""
         n_accepted, record = len(path), self.record
+        record.drafter_seconds += draft_seconds
         own_drafts = 0
         if tree.tokens:
             record.grammar_drafted += forced

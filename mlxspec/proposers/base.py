@@ -56,6 +56,10 @@ class Situation:
     # suffix decoding's frequency counts at this match. The line ends where it ends.
     # Empty: none; the policy then prices every position at the situation's one rate.
     evidence: tuple[tuple[int, int], ...] = ()
+    # Tokens the source must take in, in one pass, before it drafts (a draft model's own
+    # cache, behind by what the target accepted while it was off); 0: it keeps no state
+    # of its own. The policy prices that pass with the round (`Policy._catch_up_price`).
+    catch_up: int = 0
 
 
 class Proposer(Protocol):
@@ -63,6 +67,12 @@ class Proposer(Protocol):
     k_max: int
     needs_hidden: bool
     cost_hint: float  # draft cost per token relative to one target step, before measuring
+
+    # `propose` is called only in rounds that draft (k > 0): a proposer with state of its
+    # own (a draft model's cache, a head's) does no work while the policy keeps it off,
+    # and takes in what it missed in one pass when drafting resumes. It may also have
+    # `own_cost`: its passes measured on this machine (a `DraftCost`: its step in target
+    # steps, a pass of n tokens in its steps), which the policy prices it by.
 
     def situation(self, ctx: ProposalContext) -> Situation | None: ...
 

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.models.anatomy import text_settings
+from mlxspec.models.prompt_cache import common_prefix
 from mlxspec.models.target import catch_up
 from mlxspec.models.tree import DraftTree
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
@@ -87,19 +88,33 @@ def truncated_model(model: nn.Module, n_layers: int) -> nn.Module:
 
 
 class DraftModel:
+    """Drafts only when asked (k > 0): while the policy keeps it off its cache falls
+    behind, and the next `propose` feeds everything the target accepted meanwhile in one
+    pass, as a prefill does (`catch_up`), whose width each round's situation tells."""
+
     needs_hidden = False
 
     def __init__(
-        self, model: nn.Module, name: str = "draft-model", k_max: int = 16, cost_hint: float = 0.2
+        self,
+        model: nn.Module,
+        name: str = "draft-model",
+        k_max: int = 16,
+        cost_hint: float = 0.2,
+        own_cost=None,
     ):
+        """`own_cost`: the model's passes measured here beside the target's (a
+        `DraftCost`), or None: the policy prices a draft token at `cost_hint` target
+        steps (a guess) until it timed one."""
         self.name, self.model, self.k_max, self.cost_hint = name, model, k_max, cost_hint
+        self.own_cost = own_cost
         self.reset()
 
     def reset(self) -> None:
         self.cache, self.cached_tokens = make_prompt_cache(self.model), []
 
     def situation(self, ctx: ProposalContext) -> Situation | None:
-        return Situation(self, "model")
+        behind = len(ctx.tokens) - common_prefix(self.cached_tokens, ctx.tokens[:-1])
+        return Situation(self, "model", catch_up=behind)
 
     def _catch_up(self, tokens: list[int]) -> mx.array:
         """Bring the cache to `tokens` (always feeding the last one); logits after it."""

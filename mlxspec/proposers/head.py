@@ -63,7 +63,8 @@ class HeadProposer:
         self._take_hidden(ctx)
         if self.n_hidden == 0 or self.base + self.n_hidden < len(ctx.tokens) - 1:
             return None  # hidden states missing: wait until the next round fills them
-        return Situation(self, "head", prior=0.6)
+        # Rows taken in while it was off wait for the next `propose`, fed in one pass.
+        return Situation(self, "head", prior=0.6, catch_up=self.n_hidden - self.entries)
 
     def observe(self, ctx: ProposalContext) -> None:
         self._take_hidden(ctx)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxspec.decoding.draft_cost import DraftCost, cached_draft_cost, measure_draft_cost
 from mlxspec.decoding.engine import Engine
 from mlxspec.decoding.weight_form import DEQUANTIZED, decide_weight_form
 from mlxspec.decoding.weights_choice import (
@@ -62,10 +63,11 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def draft_cost_hint(draft: nn.Module, target: nn.Module) -> float:
-    """A draft token's cost in target steps before any is measured: the ratio of the bytes
-    each step reads, what bounds a decode step. (A count of parameters reads a 4-bit model's
-    packed words as 1 for 8 weights: a bfloat16 draft for a 4-bit target looked 1.8x
-    dearer than it is, and the adaptive policy drafted too little until it had timed one.)"""
+    """A draft token's cost in target steps where nothing is measured (an engine whose costs
+    were handed in; else `DraftCost` measures it): the ratio of the bytes each step reads.
+    (A count of parameters reads a 4-bit model's packed words as 1 for 8 weights: a
+    bfloat16 draft for a 4-bit target looked 1.8x dearer than it is, and the adaptive
+    policy drafted too little until it had timed one.)"""
     return weight_bytes(draft) / weight_bytes(target)
 
 
@@ -221,7 +223,23 @@ class Runtime:
         if config.options.get("draft_layers"):
             model = truncated_model(model, config.options["draft_layers"])
         cost_hint = draft_cost_hint(model, self.loaded.model)
-        return DraftModel(model, config.name, config.options["k_max"], cost_hint=cost_hint)
+        own_cost = self._draft_cost(model, reference, config.options.get("draft_layers"))
+        return DraftModel(model, config.name, config.options["k_max"], cost_hint, own_cost)
+
+    def _draft_cost(self, model: nn.Module, reference: str, layers: int | None) -> DraftCost | None:
+        """The draft's step measured beside the target's on this machine, once per pair
+        (kept in the cache), unless the engine's costs were handed in (then nothing is
+        measured, and the bytes' guess prices it until a draft was timed)."""
+        if not self.engine.measures_costs:
+            return None
+        name = reference + (f" first {layers} layers" if layers else "")
+        weights = f"{held_weights(model)} beside {held_weights(self.loaded.model)}"
+
+        def measure() -> DraftCost:
+            self.notify("measuring the draft model's step beside the target's (once per pair)")
+            return measure_draft_cost(model, self.loaded.model, self.engine.vocab_size)
+
+        return cached_draft_cost(name, self.entry.target, weights, measure)
 
 
 def target_weights(entry: ModelEntry) -> WeightsChoice:
