@@ -231,7 +231,7 @@ def answer_constraint(body: ResponsesRequest, offered: Tools) -> AnswerConstrain
         return None
     if text_format.type == "json_schema" and text_format.schema_ is None:
         raise _bad("text.format.schema", "a json_schema format needs its schema")
-    grammar = text_format.response_format().grammar()
+    grammar = text_format.response_format().grammar("text.format.schema")
     return None if grammar is None else AnswerConstraint(grammar=grammar)
 
 
