@@ -36,6 +36,7 @@ from mlxspec.server.responses.translate import (
     Tools,
     answer_constraint,
     conversation,
+    flat_name,
     generation_request,
     input_items,
     output_items,
@@ -79,6 +80,14 @@ def test_codexs_request_becomes_one_system_prompt_its_turns_and_its_function_too
     assert "multi_agent_v1__spawn_agent" in names and "spawn_agent" not in names
     assert offered.namespaced["multi_agent_v1__wait_agent"] == ("multi_agent_v1", "wait_agent")
     assert offered.dropped == ("web_search",)
+
+
+def test_a_namespaced_tool_is_named_as_codex_joins_it():
+    """Codex's ToolName::canonical_flat_name: `__` at the seam, stray underscores trimmed
+    (its MCP servers' namespaces are `mcp__<server>`)."""
+    assert flat_name("mcp__echo", "ping") == "mcp__echo__ping"
+    assert flat_name("mcp__docs__", "_search") == "mcp__docs__search"
+    assert flat_name(None, "exec_command") == "exec_command"
 
 
 def test_a_function_call_history_becomes_a_tool_exchange():
