@@ -104,3 +104,26 @@ def test_a_one_of_whose_branches_exclude_each_other_is_an_any_of():
     ]
     for schema in overlapping:
         assert exclusive_one_of(schema) == schema
+    # keywords of the wrong kind (a client's mistake) leave it as it is: the compiler's 400
+    malformed = [
+        {"oneOf": [{"enum": ["a"]}, {"maxLength": "2"}]},
+        {"oneOf": [{"type": "object", "properties": [1], "required": 3}] * 2},
+        {"oneOf": [{"enum": ["a"]}, {"pattern": "("}]},
+    ]
+    for schema in malformed:
+        assert exclusive_one_of(schema) == schema
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"items": deep}
+    assert exclusive_one_of(deep) is deep
+
+
+def test_a_malformed_one_of_is_a_400_not_a_500(client):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"oneOf": [{"enum": ["a"]}, {"maxLength": "2"}]}},
+    }
+    for form in FORMS:
+        route, body = schema_suite.request(form, schema, "tiny", MAX_TOKENS)
+        response = client.post(route, json=body)
+        assert 400 <= response.status_code < 500, (form, response.text)

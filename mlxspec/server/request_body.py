@@ -87,7 +87,9 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema object.")
     strict: bool | None = Field(
-        None, description="true: a keyword that cannot be enforced is a 400; else ignored."
+        None,
+        description="true: an unknown format is a 400 too; else ignored (a keyword that "
+        "asserts, and cannot be enforced, is a 400 either way).",
     )
 
 

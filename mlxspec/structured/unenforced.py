@@ -38,15 +38,22 @@ def unenforced(warnings: list[str]) -> str | None:
     return None
 
 
-def exclusive_one_of(schema: Any, root: Any = None) -> Any:
+def exclusive_one_of(schema: Any) -> Any:
     """`schema` with each `oneOf` whose branches exclude each other written as `anyOf`
-    (what it then means); any other `oneOf` stays, for the compiler to warn of."""
-    root = schema if root is None else root
+    (what it then means); any other `oneOf` stays, for the compiler to warn of. A schema
+    too deep to walk is left as it is (the compiler says what is wrong with it)."""
+    try:
+        return _rewritten(schema, schema)
+    except RecursionError:
+        return schema
+
+
+def _rewritten(schema: Any, root: Any) -> Any:
     if isinstance(schema, list):
-        return [exclusive_one_of(item, root) for item in schema]
+        return [_rewritten(item, root) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: exclusive_one_of(value, root) for key, value in schema.items()}
+    out = {key: _rewritten(value, root) for key, value in schema.items()}
     branches = out.get("oneOf")
     if isinstance(branches, list) and "anyOf" not in out and _exclusive(branches, root):
         out["anyOf"] = out.pop("oneOf")
@@ -54,8 +61,13 @@ def exclusive_one_of(schema: Any, root: Any = None) -> Any:
 
 
 def _exclusive(branches: list[Any], root: Any) -> bool:
+    """Whether no two branches can match one value; False where a keyword's value is not
+    what the draft says it is (the compiler refuses that schema anyway)."""
     resolved = [_resolve(branch, root) for branch in branches]
-    return all(_disjoint(a, b) for a, b in combinations(resolved, 2))
+    try:
+        return all(_disjoint(a, b) for a, b in combinations(resolved, 2))
+    except (TypeError, ValueError, AttributeError):
+        return False
 
 
 def _resolve(branch: Any, root: Any) -> Any:
