@@ -90,6 +90,17 @@ def test_a_namespaced_tool_is_named_as_codex_joins_it():
     assert flat_name(None, "exec_command") == "exec_command"
 
 
+def test_a_namespaced_tool_may_be_forced_by_its_namespace_and_name():
+    body = {"model": "tiny", "input": "Go.", "tools": codex_namespaced_tools()}
+    for choice in (
+        {"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"},
+        {"type": "function", "name": "multi_agent_v1__spawn_agent"},
+    ):
+        request = ResponsesRequest.model_validate({**body, "tool_choice": choice})
+        constraint = answer_constraint(request, tools(request))
+        assert constraint.tools.names == ("multi_agent_v1__spawn_agent",)
+
+
 def test_a_function_call_history_becomes_a_tool_exchange():
     chat = translated(
         instructions="Be brief.",

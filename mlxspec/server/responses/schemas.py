@@ -70,6 +70,7 @@ class ToolSpec(Lenient):
 class NamedTool(Lenient):
     type: Literal["function", "custom"]
     name: NonEmptyText
+    namespace: str | None = None  # a namespaced tool's (its name then the bare one)
 
 
 class AllowedTools(Lenient):

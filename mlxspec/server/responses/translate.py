@@ -251,9 +251,10 @@ def answer_constraint(body: ResponsesRequest, offered: Tools) -> AnswerConstrain
             raise _bad("tool_choice", "required, but no function tool was given")
     elif isinstance(choice, NamedTool):
         known = {tool["function"]["name"] for tool in offered.for_template or ()}
-        if choice.name not in known:
-            raise _bad("tool_choice", f"no tool named {choice.name!r} is in tools")
-        names = (choice.name,)
+        name = flat_name(choice.namespace, choice.name)
+        if name not in known:
+            raise _bad("tool_choice", f"no tool named {name!r} is in tools")
+        names = (name,)
     text_format = body.text.format if body.text else None
     if names:
         if text_format is not None and text_format.type != "text":
