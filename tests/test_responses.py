@@ -33,8 +33,10 @@ from mlxspec.server.responses.store import ResponseStore
 from mlxspec.server.responses.translate import (
     Envelope,
     ResponseStream,
+    Tools,
     answer_constraint,
     conversation,
+    flat_name,
     generation_request,
     input_items,
     output_items,
@@ -72,9 +74,31 @@ def test_codexs_request_becomes_one_system_prompt_its_turns_and_its_function_too
         assert item["content"][0]["text"] in chat.messages[0]["content"]
     assert chat.messages[-1]["content"] == "Reply with the single word: pong"
     names = [tool["function"]["name"] for tool in chat.tools]
-    assert "exec_command" in names and len(names) == 7
-    # a namespace of sub-agents and the hosted web search run nowhere here: dropped, named
-    assert offered.dropped == ("multi_agent_v1", "web_search")
+    assert "exec_command" in names and len(names) == 12
+    # the sub-agents' namespace is offered under Codex's own flat names; the hosted web
+    # search runs nowhere here: dropped, named
+    assert "multi_agent_v1__spawn_agent" in names and "spawn_agent" not in names
+    assert offered.namespaced["multi_agent_v1__wait_agent"] == ("multi_agent_v1", "wait_agent")
+    assert offered.dropped == ("web_search",)
+
+
+def test_a_namespaced_tool_is_named_as_codex_joins_it():
+    """Codex's ToolName::canonical_flat_name: `__` at the seam, stray underscores trimmed
+    (its MCP servers' namespaces are `mcp__<server>`)."""
+    assert flat_name("mcp__echo", "ping") == "mcp__echo__ping"
+    assert flat_name("mcp__docs__", "_search") == "mcp__docs__search"
+    assert flat_name(None, "exec_command") == "exec_command"
+
+
+def test_a_namespaced_tool_may_be_forced_by_its_namespace_and_name():
+    body = {"model": "tiny", "input": "Go.", "tools": codex_namespaced_tools()}
+    for choice in (
+        {"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"},
+        {"type": "function", "name": "multi_agent_v1__spawn_agent"},
+    ):
+        request = ResponsesRequest.model_validate({**body, "tool_choice": choice})
+        constraint = answer_constraint(request, tools(request))
+        assert constraint.tools.names == ("multi_agent_v1__spawn_agent",)
 
 
 def test_a_function_call_history_becomes_a_tool_exchange():
@@ -193,7 +217,7 @@ def finished(reason: str = "stop") -> RunRecord:
 
 def test_output_items_are_reasoning_text_then_calls():
     answer = ParsedAnswer("hmm", "Sunny.", (ToolCall("call_0", "get_weather", '{"city": "P"}'),))
-    items = output_items(answer, frozenset())
+    items = output_items(answer, Tools(None))
     assert [item["type"] for item in items] == ["reasoning", "message", "function_call"]
     assert items[0]["content"][0]["text"] == "hmm"
     assert items[1]["content"][0]["text"] == "Sunny."
@@ -383,6 +407,48 @@ def test_calls_come_back_as_function_call_items_plain_and_streamed(scripted):
     assert [(i.name, json.loads(i.arguments)) for i in final.output[1:]] == calls
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [json.loads(e.arguments) for e in done] == [c[1] for c in calls]
+
+
+def undescribed(value):
+    if isinstance(value, dict):
+        return {k: undescribed(v) for k, v in value.items() if k != "description"}
+    return [undescribed(item) for item in value] if isinstance(value, list) else value
+
+
+def codex_namespaced_tools() -> list[dict]:
+    """From Codex's recorded request: its sub-agents' namespace (two of its tools, without
+    descriptions, for a byte-level tokenizer's context), and web search."""
+    (namespace,) = [tool for tool in CODEX["body"]["tools"] if tool["type"] == "namespace"]
+    kept = [t for t in namespace["tools"] if t["name"] in ("spawn_agent", "wait_agent")]
+    return [{**undescribed(namespace), "tools": undescribed(kept)}, {"type": "web_search"}]
+
+
+def test_a_call_to_a_namespaced_tool_comes_back_with_its_namespace(scripted):
+    """Codex reads a call to one of a namespace's tools (its sub-agents, its MCP servers')
+    as a function_call with the bare name and the namespace, plain and streamed; the call
+    goes back in the next turn's input as it came, and reaches the model by its flat name."""
+    asked = dict(model="qwen3-spawns", input="Count the files.", max_output_tokens=64)
+    response = scripted.responses.create(**asked, tools=codex_namespaced_tools())
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert (call.name, call.to_dict()["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    assert json.loads(call.arguments) == {"message": "Count."}
+    events = list(scripted.responses.create(**asked, tools=codex_namespaced_tools(), stream=True))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    final = [item for item in events[-1].response.output if item.type == "function_call"]
+    for item in [*[i for i in added if i.type == "function_call"], *final]:
+        assert (item.name, item.to_dict()["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    history = [
+        {"role": "user", "content": "Count the files."},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "3 files"},
+    ]
+    request = ResponsesRequest.model_validate(
+        {"model": "qwen3-answers", "input": history, "tools": codex_namespaced_tools()}
+    )
+    chat = conversation(input_items(request), None, tools(request).for_template, {})
+    turn = chat.messages[1]["tool_calls"][0]["function"]
+    assert turn["name"] == "multi_agent_v1__spawn_agent"
+    assert chat.messages[2]["name"] == "multi_agent_v1__spawn_agent"
 
 
 def test_a_function_calls_output_is_answered(scripted):

@@ -176,9 +176,14 @@ BAD = [
     ),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema: give it"),
     (
-        {"response_format": schema_format({"type": "array", "uniqueItems": True})},
+        {"response_format": schema_format({"type": "string", "format": "hostname2"})},
         "response_format.json_schema.schema",
-        '"uniqueItems"; remove it, or set strict to false',
+        '"hostname2"; remove it, or set strict to false',
+    ),
+    (  # lenient or not: a keyword that asserts is never ignored
+        {"response_format": schema_format({"type": "array", "uniqueItems": True}, strict=False)},
+        "response_format.json_schema.schema",
+        'cannot enforce the keyword(s) "uniqueItems"',
     ),
     (
         {"response_format": schema_format({"type": "strnig"}, strict=False)},

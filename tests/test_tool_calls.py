@@ -83,6 +83,19 @@ SCRIPTS = {
         "qwen3.jinja",
         ["<think>", "\nSay ", "</", "b>.\n", "</think>", "\n\n", "It is", "<t"],
     ),
+    # Qwen3 calling a tool Codex sent inside a namespace, by the name it was offered.
+    "qwen3-spawns": (
+        "qwen3.jinja",
+        [
+            "<think>",
+            "\nA sub-agent counts.\n",
+            "</think>",
+            "\n\n",
+            "<tool_call>",
+            '\n{"name": "multi_agent_v1__spawn_agent", "arguments": {"message": "Count."}}\n',
+            "</tool_call>",
+        ],
+    ),
     # SmolLM2 knows nothing of tools: the fallback format, its markers cut across tokens.
     "smollm2-calls": (
         "smollm2.jinja",

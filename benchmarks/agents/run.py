@@ -9,6 +9,9 @@ Installs pinned releases of six agent CLIs into a scratch folder (npm and PyPI),
   turn's first request (tool_choice named, the tool's parameters narrowed to `echo pong`,
   so the command is known and harmless) and passes every later request as the agent sent
   it; the agent runs the command and sends its result back, which the model answers.
+  `codex-mcp` is Codex with a tiny stdio MCP server (mcp_echo.py): its driven turn calls
+  the server's `ping`, offered inside Codex's `mcp__echo` namespace; the server writes down
+  each call it gets, so the table shows the model's call reaching it.
 
 Every request goes through that proxy, which records method, path, status and body (with
 --fixtures DIR, each agent's first request is written there: tests/data/agents/ is made
@@ -42,6 +45,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/serving.py
 from serving import free_port, start_serve  # noqa: E402
 
+from mlxspec.server.responses.translate import flat_name  # noqa: E402
+
 PONG = "Reply with the single word: pong"
 TOOL_TURN = "Run the shell command `echo pong` with your shell tool and tell me what it printed."
 NPM = {
@@ -53,6 +58,7 @@ NPM = {
 }
 AIDER = ("aider-chat", "0.86.2")
 MODEL = "smollm2-135m"
+MCP_CALLS = "mcp-calls.jsonl"  # what mcp_echo.py was called with, in the agent's home
 
 
 # --- The two proxies --------------------------------------------------------------------
@@ -189,6 +195,13 @@ class Recorder:
 KEEP = {"content-type", "authorization", "x-api-key", "anthropic-version", "anthropic-beta"}
 
 
+def _responses_tools(tool: dict) -> list[tuple[dict, str]]:
+    """A Responses tool, or a namespace's tools, each with the name the model is offered."""
+    if tool.get("type") == "namespace":
+        return [(inner, flat_name(tool["name"], inner["name"])) for inner in tool["tools"]]
+    return [(tool, tool.get("name"))]
+
+
 def force_call(path: str, body: dict, drive: Drive) -> bool:
     """Rewrite a request so the model must call `drive.tool` with `drive.arguments`: the
     named tool_choice of the request's dialect, the tool's parameters narrowed to those
@@ -211,11 +224,13 @@ def force_call(path: str, body: dict, drive: Drive) -> bool:
                 return True
     elif path.startswith("/v1/responses"):
         for tool in tools:
-            if tool.get("name") == drive.tool:
-                tool["parameters"] = schema
-                body["tool_choice"] = {"type": "function", "name": drive.tool}
-                body["parallel_tool_calls"] = False
-                return True
+            # a namespace's tool (an MCP server's) is chosen by the flat name it is offered by
+            for inner, name in _responses_tools(tool):
+                if inner.get("name") == drive.tool:
+                    inner["parameters"] = schema
+                    body["tool_choice"] = {"type": "function", "name": name}
+                    body["parallel_tool_calls"] = False
+                    return True
     elif path.startswith("/v1/chat/completions"):
         for tool in tools:
             if tool.get("function", {}).get("name") == drive.tool:
@@ -239,6 +254,8 @@ class Agent:
 AGENTS = [
     Agent("claude-code", "Anthropic Messages", "Bash", {"command": "echo pong"}),
     Agent("codex", "Responses", "exec_command", {"cmd": "echo pong"}),
+    # Codex with a stdio MCP server (mcp_echo.py): its tool arrives inside a namespace
+    Agent("codex-mcp", "Responses", "ping", {"word": "pong"}),
     Agent("qwen-code", "chat completions", "run_shell_command", {"command": "echo pong"}),
     Agent("opencode", "chat completions", "bash", {"command": "echo pong", "description": "echo"}),
     Agent("continue-cli", "chat completions", "Bash", {"command": "echo pong"}),
@@ -265,15 +282,25 @@ def command(agent: Agent, scratch: Path, base: str, home: Path, work: Path, prom
         argv += ["--system-prompt", "You are a helpful assistant. Be brief."]
         argv += ["--tools", "Bash", "--allowedTools", "Bash(echo:*)"]
         return argv, env
-    if agent.name == "codex":
+    if agent.name in ("codex", "codex-mcp"):
         codex_home = home / ".codex"
         codex_home.mkdir(parents=True, exist_ok=True)
-        (codex_home / "config.toml").write_text(
+        config = (
             f'model = "{MODEL}"\nmodel_provider = "mlxspec"\n'
             "check_for_update_on_startup = false\n\n[model_providers.mlxspec]\n"
             f'name = "mlxspec"\nbase_url = "{base}/v1"\nwire_api = "responses"\n'
             'env_key = "MLXSPEC_API_KEY"\n'
         )
+        if agent.name == "codex-mcp":  # the server writes each call it gets to MCP_CALLS
+            server = [str(Path(__file__).with_name("mcp_echo.py")), str(home / MCP_CALLS)]
+            config += (
+                f"\n[mcp_servers.echo]\ncommand = {json.dumps(sys.executable)}\n"
+                f"args = {json.dumps(server)}\n"
+                'default_tools_approval_mode = "approve"\n'  # `exec` asks no one
+                # with its sub-agents and goals too, Codex's prompt is over SmolLM2's 8k
+                "\n[features]\nmulti_agent = false\ngoals = false\n[agents]\nenabled = false\n"
+            )
+        (codex_home / "config.toml").write_text(config)
         env["CODEX_HOME"] = str(codex_home)
         argv = [str(bin_dir / "codex"), "exec", "--skip-git-repo-check"]
         argv += ["--output-last-message", str(home / "answer.txt"), prompt]
@@ -348,7 +375,7 @@ def install(scratch: Path) -> None:
 
 
 def version_of(agent: Agent) -> str:
-    return AIDER[1] if agent.name == "aider" else NPM[agent.name][1]
+    return AIDER[1] if agent.name == "aider" else NPM[agent.name.removesuffix("-mcp")][1]
 
 
 def run_turn(
@@ -409,13 +436,18 @@ def run_turn(
         "seconds": round(time.monotonic() - started, 1),
         "requests": list(recorder.requests),
         "output_tail": output[-1500:],
+        "mcp_calls": _lines(home / MCP_CALLS),
     }
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def answer_of(agent: Agent, output: str, home: Path) -> str:
     """The agent's final answer: as it reports it where it can (Claude Code's JSON, Codex's
     last message), else its output's last line."""
-    if agent.name == "codex" and (home / "answer.txt").exists():
+    if agent.name.startswith("codex") and (home / "answer.txt").exists():
         return (home / "answer.txt").read_text().strip()[:80]
     if agent.name == "claude-code":
         for line in reversed(output.splitlines()):
@@ -456,6 +488,8 @@ def table(turns: list[dict]) -> str:
         )
         if turn["kind"] == "tool":
             result = "tool result sent back and answered" if turn["round_trip"] else "no round trip"
+            if turn["mcp_calls"]:
+                result = f"MCP server called with {turn['mcp_calls'][0]['arguments']}; " + result
             result += f": {turn['answer']!r}"
         else:
             result = f"{turn['answer']!r}"

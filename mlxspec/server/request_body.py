@@ -25,6 +25,7 @@ from mlxspec.sampling import MAX_CONTEXT_SIZE
 from mlxspec.server.errors import ApiError
 from mlxspec.structured.answer import AnswerConstraint, grammar_problem, tool_schema_problem
 from mlxspec.structured.grammar import Grammar
+from mlxspec.structured.unenforced import exclusive_one_of
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -86,7 +87,9 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema object.")
     strict: bool | None = Field(
-        None, description="true: a keyword that cannot be enforced is a 400; else ignored."
+        None,
+        description="true: an unknown format is a 400 too; else ignored (a keyword that "
+        "asserts, and cannot be enforced, is a 400 either way).",
     )
 
 
@@ -102,24 +105,23 @@ class ResponseFormat(BaseModel):
             raise ValueError("json_schema: give it with type 'json_schema', and only then")
         return self
 
-    def grammar(self) -> Grammar | None:
+    def grammar(self, param: str = "response_format.json_schema.schema") -> Grammar | None:
         """The grammar the answer must match (None: text), or ApiError (400) naming what
-        of the schema cannot be enforced. Not strict: compiled leniently, so keywords
-        llguidance cannot enforce are ignored (the answer may break them)."""
+        of the schema cannot be enforced. Not strict: compiled leniently, so an unknown
+        format is ignored (an annotation); a keyword that asserts is still refused."""
         if self.type == "text":
             return None
         if self.json_schema is None:
             return Grammar("json_object")
-        schema, strict = self.json_schema.schema_, bool(self.json_schema.strict)
+        schema, strict = exclusive_one_of(self.json_schema.schema_), bool(self.json_schema.strict)
         guidance = schema.get("x-guidance", {})
         if not isinstance(guidance, dict):
-            param = "response_format.json_schema.schema.x-guidance"
+            param += ".x-guidance"
             raise ApiError(400, f"{param}: must be an object", code="invalid_value", param=param)
         lenient = {**schema, "x-guidance": {**guidance, "lenient": True}}
         grammar = Grammar.json_schema(schema if strict else lenient)
         problem = grammar_problem(grammar)
         if problem is not None:
-            param = "response_format.json_schema.schema"
             if strict and grammar_problem(Grammar.json_schema(lenient)) is None:
                 problem += "; remove it, or set strict to false to have it ignored"
             raise ApiError(400, f"{param}: {problem}", code="invalid_value", param=param)

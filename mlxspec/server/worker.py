@@ -33,7 +33,7 @@ from mlxspec.markup.output_parser import AnswerReader
 from mlxspec.server.errors import ApiError, refused
 from mlxspec.server.providers import ModelProvider, OpenModel
 from mlxspec.server.queue_wait import MAX_QUEUED_BYTES, DrainRate, retry_after
-from mlxspec.structured.answer import AnswerConstraint, answer_grammar
+from mlxspec.structured.answer import AnswerConstraint, answer_grammar, grammar_problem
 from mlxspec.structured.grammar import GrammarError
 
 log = logging.getLogger("mlxspec.server")
@@ -66,11 +66,16 @@ def constrained(generation: Generation, tokenizer) -> Generation:
     constraint = generation.constraint
     if constraint is None:
         return generation
+    param = constraint.param
     try:
         grammar = answer_grammar(tokenizer, generation.prompt, constraint)
     except GrammarError as err:
-        param = constraint.param
         raise ApiError(400, f"{param}: {err}", code="invalid_value", param=param) from None
+    # A tool's schema is first compiled here, in the model's markup: a keyword it would
+    # ignore is refused, as response_format's are (checked once per grammar, then cached).
+    problem = grammar_problem(grammar) if constraint.tools is not None else None
+    if problem is not None:
+        raise ApiError(400, f"{param}: {problem}", code="invalid_value", param=param)
     settings = dataclasses.replace(generation.settings, grammar=grammar)
     return dataclasses.replace(generation, settings=settings, constraint=None)
 

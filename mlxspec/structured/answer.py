@@ -38,6 +38,7 @@ from mlxspec.structured.forced_tools import (
 )
 from mlxspec.structured.grammar import CACHED_GRAMMARS, error_line
 from mlxspec.structured.native_calls import slashes
+from mlxspec.structured.unenforced import unenforced
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,15 @@ def grammar_problem(grammar: Grammar) -> str | None:
     """Why llguidance cannot compile `grammar` (one line), or None: checked without a
     tokenizer, so a request is refused before it waits for its model. Kept per grammar,
     as compiled grammars are: an agent sends the same schema again and again, and a large
-    one takes a second to check."""
+    one takes a second to check. A keyword a lenient schema would have ignored is a
+    problem too (unenforced.py): an answer must never break its schema."""
     from llguidance import LLMatcher
 
     try:
-        error = LLMatcher.validate_grammar(grammar.llguidance())
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar.llguidance())
     except (GrammarError, ValueError) as err:
         return str(err).strip().splitlines()[0]
-    return error_line(error) if error else None
+    return error_line(messages[0]) if failed else unenforced(messages)
 
 
 def tool_schema_problem(parameters: dict) -> str | None:

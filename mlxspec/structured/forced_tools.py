@@ -9,9 +9,8 @@ Llama 3.x's bare `{"name": ..., "parameters": ...}` (calls separated by `; `), M
 `call:NAME{...}` (native_calls.py). Other formats (GLM's, pythonic calls...) are refused
 with their name rather than guessed at. The grammar is
 llguidance's Lark with each tool's call as a `%json` schema, so a forced call is a call
-the parser accepts, with arguments valid against the tool's schema (compiled leniently:
-a keyword llguidance cannot enforce is ignored, as a client's tool schema is not ours to
-refuse).
+the parser accepts, with arguments valid against the tool's schema (compiled leniently,
+then refused by the server where the compiler ignored a keyword: unenforced.py).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from mlxspec.markup.harmony import CHANNEL, CONSTRAIN, FUNCTIONS, MESSAGE
 from mlxspec.markup.output_parser import JSON_TOOLS, AnswerFormat
 from mlxspec.settings import JSON_OPTIONS, GrammarError
 from mlxspec.structured.native_calls import GEMMA4, QWEN3_CODER, native_call_rules
+from mlxspec.structured.unenforced import exclusive_one_of
 
 MISTRAL = "mistral"
 MISTRAL_ID = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}  # its template's call ids
@@ -136,8 +136,8 @@ def _harmony_call_rules(functions: list[dict[str, Any]], spell: Spelling, rule: 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     """A tool's parameters schema, a copy, checked, typed as an object where it has
-    properties."""
-    parameters = copy.deepcopy(function.get("parameters") or {"type": "object"})
+    properties, its exclusive `oneOf`s made `anyOf`s (unenforced.py)."""
+    parameters = exclusive_one_of(copy.deepcopy(function.get("parameters") or {"type": "object"}))
     if not isinstance(parameters, dict):
         raise GrammarError(f"the parameters of tool {function['name']!r} are not a JSON schema")
     if parameters.get("type") is None and "properties" in parameters:

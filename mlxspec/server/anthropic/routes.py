@@ -18,7 +18,7 @@ from mlxspec.decoding.engine import GenerationError
 from mlxspec.markup.conversation import Conversation
 from mlxspec.server.answering import SSE_HEADERS, Answering, dialect_events, dropped_header
 from mlxspec.server.errors import ApiError, refused
-from mlxspec.server.generations import new_generation
+from mlxspec.server.generations import checked_constraint, new_generation
 from mlxspec.server.limits import ServerLimits
 from mlxspec.server.providers import ModelProvider, find_model
 from mlxspec.server.worker import Worker
@@ -34,7 +34,9 @@ def anthropic_router(provider: ModelProvider, worker: Worker, limits: ServerLimi
         info = find_model(provider, body.model)
         conversation = anthropic.conversation(body, info.defaults.chat_template_kwargs)
         asked = anthropic.generation_request(body, limits.max_tokens)
-        constraint = anthropic.answer_constraint(body)
+        constraint = await checked_constraint(
+            lambda: anthropic.answer_constraint(body), "output_config.format"
+        )
         generation = new_generation(
             asked, info, conversation, provider, limits, body.top_k, constraint
         )

@@ -29,13 +29,16 @@ from mlxspec.server.errors import ApiError, ContextExceeded
 from mlxspec.server.request_body import (
     Count,
     GenerationRequest,
+    JsonSchemaFormat,
     Lenient,
     MlxspecOptions,
+    ResponseFormat,
     check_forced_schemas,
     effort_kwargs,
 )
 from mlxspec.structured.answer import AnswerConstraint
 from mlxspec.structured.forced_tools import ForcedTools
+from mlxspec.structured.grammar import Grammar
 
 # --- The request ------------------------------------------------------------------------
 
@@ -112,8 +115,24 @@ class Tool(_Strict):
         return self.type in (None, "custom") and not self.defer_loading
 
 
+class OutputFormat(_Strict):
+    """`output_config.format`: Anthropic's structured output, the answer as JSON valid
+    against `schema` (its only kind)."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+    def grammar(self) -> Grammar:
+        """The schema as a grammar; ApiError (400) naming what cannot be enforced."""
+        json_format = JsonSchemaFormat(name="output", schema=self.schema_)
+        return ResponseFormat(type="json_schema", json_schema=json_format).grammar(
+            "output_config.format.schema"
+        )
+
+
 class OutputConfig(_Strict):
     effort: Literal["low", "medium", "high", "max"] | None = None
+    format: OutputFormat | None = None
 
 
 class ToolChoice(_Strict):
@@ -300,10 +319,22 @@ def dropped_tools(body: CountTokensRequest) -> list[str]:
 
 def answer_constraint(body: CountTokensRequest) -> AnswerConstraint | None:
     """The forced tool calls of `tool_choice` ("any": a call to any tool; "tool": to the
-    one it names), or None; ApiError (400) for a choice the tools cannot meet."""
+    one it names), or the JSON of `output_config.format`, or None; ApiError (400) for a
+    choice the tools cannot meet or a schema that cannot be enforced."""
     choice = body.tool_choice
+    output_format = body.output_config.format if body.output_config else None
     if choice is None or choice.type not in ("any", "tool"):
-        return None
+        if output_format is None:
+            return None
+        return AnswerConstraint(grammar=output_format.grammar(), param="output_config.format")
+    if output_format is not None:
+        raise ApiError(
+            400,
+            "output_config.format: a forced tool_choice already sets the answer's form; "
+            "drop one of them",
+            code="invalid_value",
+            param="output_config.format",
+        )
     known = [tool.name for tool in body.tools or () if tool.runs_here]
     names = tuple(known) if choice.type == "any" else (choice.name or "",)
     if not names or not set(names) <= set(known):

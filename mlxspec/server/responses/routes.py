@@ -68,7 +68,7 @@ def responses_router(
                 store.put(response, conversation_so_far + response["output"])
 
         if body.stream:
-            stream = responses.ResponseStream(envelope, offered.custom)
+            stream = responses.ResponseStream(envelope, offered)
             events = _events(answering, stream, keep)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers}
@@ -78,7 +78,7 @@ def responses_router(
         finally:
             answering.release()
         record, answer = answered.done.record, answered.answer
-        output = responses.output_items(answer, offered.custom)
+        output = responses.output_items(answer, offered)
         response = envelope.response(responses.status_of(record, answer), output, record)
         keep(response)
         return JSONResponse(response, headers=headers)

@@ -45,6 +45,7 @@ class InputItem(Lenient):
     # function_call and custom_tool_call; their outputs
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None  # a namespaced tool's (Codex's): joined to name
     arguments: str | None = None
     input: str | None = None
     output: str | list[ContentPart] | None = None
@@ -69,6 +70,7 @@ class ToolSpec(Lenient):
 class NamedTool(Lenient):
     type: Literal["function", "custom"]
     name: NonEmptyText
+    namespace: str | None = None  # a namespaced tool's (its name then the bare one)
 
 
 class AllowedTools(Lenient):

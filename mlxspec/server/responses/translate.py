@@ -6,8 +6,11 @@ translation is tested on its own. Input items become chat-template messages: `sy
 `developer` messages join the system prompt in order (templates take one, first); a
 `function_call` joins the assistant turn before it as a tool call (or opens one); a
 `function_call_output` is a tool message; a `reasoning` item is the next assistant turn's
-`reasoning_content`. Hosted tools (web search, file search, computer use, MCP) and
-namespaces are dropped, and the response says which (`answering.DROPPED_HEADER`).
+`reasoning_content`. A `namespace`'s functions (Codex's sub-agents, its MCP servers' tools)
+are offered under the name Codex itself joins them by (`flat_name`: `ns__tool`), and a call
+to one comes back as a `function_call` with the bare name and its `namespace`. Hosted tools
+(web search, file search, computer use, MCP run by the API) run nowhere here: dropped, and
+the response says which (`answering.DROPPED_HEADER`).
 """
 
 from __future__ import annotations
@@ -111,9 +114,10 @@ def conversation(
             if not item.call_id or not item.name:
                 raise _bad(where, f"a {item.type} needs call_id and name")
             arguments = _arguments(item, where)
-            call_names[item.call_id] = item.name
+            name = flat_name(item.namespace, item.name)
+            call_names[item.call_id] = name
             call = {"id": item.call_id, "type": "function"}
-            call["function"] = {"name": item.name, "arguments": arguments}
+            call["function"] = {"name": name, "arguments": arguments}
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = _with_reasoning({"role": "assistant", "content": ""}, reasoning)
@@ -157,30 +161,59 @@ def _arguments(item: InputItem, where: str) -> dict[str, Any]:
     return parsed
 
 
+NAMESPACE_SEAM = "__"  # Codex's, between a namespace and its tool in a flat name
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """A tool's name as the model sees it: a namespaced one joined as Codex joins them
+    where a boundary cannot keep the two apart (its `ToolName::canonical_flat_name`:
+    `mcp__docs__` and `search` make `mcp__docs__search`)."""
+    if not namespace:
+        return name
+    return f"{namespace.rstrip('_')}{NAMESPACE_SEAM}{name.lstrip('_')}"
+
+
 @dataclass(frozen=True)
 class Tools:
     """The request's tools as the template sees them, the names of custom (free-text)
-    tools, and what was dropped."""
+    tools, the namespaced ones (flat name -> namespace, bare name), and what was dropped."""
 
     for_template: list[dict] | None
     custom: frozenset[str] = frozenset()
     dropped: tuple[str, ...] = ()
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def called(self, name: str) -> dict[str, str]:
+        """A call's naming fields in an output item: a namespaced tool's bare name and
+        its `namespace` (what Codex reads), else the name as the model wrote it."""
+        if name in self.namespaced:
+            namespace, bare = self.namespaced[name]
+            return {"name": bare, "namespace": namespace}
+        return {"name": name}
 
 
 def tools(body: ResponsesRequest) -> Tools:
     if not body.tools:
         return Tools(None)
-    offered, custom, dropped = [], set(), []
+    offered, custom, dropped, namespaced = [], set(), [], {}
     for spec in body.tools:
         if spec.type == "function" and spec.name:
             offered.append(_function(spec.name, spec.description, spec.parameters))
         elif spec.type == "custom" and spec.name:
             custom.add(spec.name)
             offered.append(_function(spec.name, _custom_description(spec), _FREE_TEXT))
+        elif spec.type == "namespace" and spec.name and spec.tools:
+            for inner in spec.tools:
+                if inner.type != "function" or not inner.name:
+                    dropped.append(f"{spec.name}.{inner.name or inner.type}")
+                    continue
+                name = flat_name(spec.name, inner.name)
+                namespaced[name] = (spec.name, inner.name)
+                offered.append(_function(name, inner.description, inner.parameters))
         else:
             dropped.append(spec.name or spec.type)
     shown = offered if offered and body.tool_choice != "none" else None
-    return Tools(shown, frozenset(custom), tuple(dropped))
+    return Tools(shown, frozenset(custom), tuple(dropped), namespaced)
 
 
 _FREE_TEXT = {
@@ -218,9 +251,10 @@ def answer_constraint(body: ResponsesRequest, offered: Tools) -> AnswerConstrain
             raise _bad("tool_choice", "required, but no function tool was given")
     elif isinstance(choice, NamedTool):
         known = {tool["function"]["name"] for tool in offered.for_template or ()}
-        if choice.name not in known:
-            raise _bad("tool_choice", f"no tool named {choice.name!r} is in tools")
-        names = (choice.name,)
+        name = flat_name(choice.namespace, choice.name)
+        if name not in known:
+            raise _bad("tool_choice", f"no tool named {name!r} is in tools")
+        names = (name,)
     text_format = body.text.format if body.text else None
     if names:
         if text_format is not None and text_format.type != "text":
@@ -238,7 +272,7 @@ def answer_constraint(body: ResponsesRequest, offered: Tools) -> AnswerConstrain
         return None
     if text_format.type == "json_schema" and text_format.schema_ is None:
         raise _bad("text.format.schema", "a json_schema format needs its schema")
-    grammar = text_format.response_format().grammar()
+    grammar = text_format.response_format().grammar("text.format.schema")
     return None if grammar is None else AnswerConstraint(grammar=grammar)
 
 
@@ -294,14 +328,20 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
 
 
 def call_item(
-    item_id: str, call_id: str, name: str, arguments: str, custom: bool, status: str = "completed"
+    item_id: str,
+    call_id: str,
+    naming: dict[str, str],
+    arguments: str,
+    custom: bool,
+    status: str = "completed",
 ) -> dict:
-    """A function call, or a custom tool's call with its free text as `input`."""
+    """A function call, or a custom tool's call with its free text as `input`; `naming`,
+    its name (and namespace: `Tools.called`)."""
     if custom:
         text = _custom_input(arguments)
-        item = {"type": "custom_tool_call", "id": item_id, "call_id": call_id, "name": name}
+        item = {"type": "custom_tool_call", "id": item_id, "call_id": call_id, **naming}
         return {**item, "input": text, "status": status}
-    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name}
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, **naming}
     return {**item, "arguments": arguments, "status": status}
 
 
@@ -313,7 +353,7 @@ def _custom_input(arguments: str) -> str:
     return parsed.get("input", arguments) if isinstance(parsed, dict) else arguments
 
 
-def output_items(answer: ParsedAnswer, custom: frozenset[str]) -> list[dict]:
+def output_items(answer: ParsedAnswer, offered: Tools) -> list[dict]:
     """A whole answer as output items: its reasoning, its text, its calls, in that order."""
     items = []
     if answer.reasoning:
@@ -321,8 +361,8 @@ def output_items(answer: ParsedAnswer, custom: frozenset[str]) -> list[dict]:
     if answer.text:
         items.append(message_item(new_id("msg"), answer.text))
     for call in answer.tool_calls:
-        custom_call = call.name in custom
-        items.append(call_item(new_id("fc"), call.id, call.name, call.arguments, custom_call))
+        custom_call, naming = call.name in offered.custom, offered.called(call.name)
+        items.append(call_item(new_id("fc"), call.id, naming, call.arguments, custom_call))
     return items
 
 
@@ -402,7 +442,7 @@ class ResponseStream:
     one opens; the response's full output rides on `response.completed`."""
 
     envelope: Envelope
-    custom: frozenset[str] = frozenset()
+    offered: Tools = field(default_factory=lambda: Tools(None))
     output: list[dict] = field(default_factory=list)  # the items done so far
     final: dict | None = None  # the response as it ended
     _sequence: int = 0
@@ -422,9 +462,8 @@ class ResponseStream:
 
     def part(self, part: AnswerPart) -> list[str]:
         if isinstance(part, ToolCallStarted):
-            item = call_item(
-                new_id("fc"), part.id, part.name, "", part.name in self.custom, "in_progress"
-            )
+            custom, naming = part.name in self.offered.custom, self.offered.called(part.name)
+            item = call_item(new_id("fc"), part.id, naming, "", custom, "in_progress")
             return [*self._close(), *self._add(item)]
         if isinstance(part, ToolCallArguments):
             if not part.text or self._open is None or "call_id" not in self._open:
@@ -492,7 +531,8 @@ class ResponseStream:
             events.append(self._event(CONTENT_PART_DONE, **self._ids(0), part=part))
         else:
             custom = item["type"] == "custom_tool_call"
-            item = call_item(item["id"], item["call_id"], item["name"], text, custom)
+            naming = {key: item[key] for key in ("name", "namespace") if key in item}
+            item = call_item(item["id"], item["call_id"], naming, text, custom)
             if custom:
                 done = {**self._ids(), "input": item["input"]}
                 events.append(self._event("response.custom_tool_call_input.done", **done))
