@@ -25,6 +25,7 @@ import httpx
 import ollama
 import pytest
 from test_server import RecordingEngine, serving
+from test_structured_api import CITY, valid_city  # bounded: a random model's answer ends
 from test_tool_calls import ScriptedProvider
 from test_units import CPU_LIKE_COST
 from tiny_models import FAMILIES, VOCAB, byte_tokenizer, tiny_model
@@ -44,13 +45,6 @@ PREFIX = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    "
 SUFFIX = "\n\n\ndef sub(a, b):\n    return a - b\n"
 PREDICT = 24
 GREEDY = {"temperature": 0, "num_predict": PREDICT}
-# Bounded: a random model's answer ends within a few dozen byte tokens.
-CITY = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "maximum": 9}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 
 
 def engine_of(name: str) -> RecordingEngine:
@@ -132,16 +126,6 @@ def ollama_error(response: httpx.Response) -> str:
     body = response.json()
     assert list(body) == ["error"] and isinstance(body["error"], str), body
     return body["error"]
-
-
-def valid_city(value: object) -> bool:
-    return (
-        isinstance(value, dict)
-        and set(value) == {"city", "days"}
-        and value["city"] in ("Paris", "Rome")
-        and type(value["days"]) is int
-        and value["days"] <= 9
-    )
 
 
 def version_tuple(text: str) -> tuple[int, ...]:

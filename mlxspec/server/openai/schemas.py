@@ -272,12 +272,7 @@ class CompletionRequest(GenerationRequest):
             return ""
         prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
         if not isinstance(prompt, str):
-            raise ApiError(
-                400,
-                "echo: send the prompt as text to have it echoed, not token ids",
-                code="invalid_value",
-                param="echo",
-            )
+            raise _invalid("echo", "send the prompt as text to have it echoed, not token ids")
         return prompt
 
     def prompt_input(self) -> str | list[int] | Infill:
@@ -286,20 +281,15 @@ class CompletionRequest(GenerationRequest):
         prompt = self.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], str):
             if len(prompt) > 1:
-                raise ApiError(
-                    400,
-                    f"prompt: send one prompt per request, not {len(prompt)}",
-                    code="invalid_value",
-                    param="prompt",
-                )
+                raise _invalid("prompt", f"send one prompt per request, not {len(prompt)}")
             prompt = prompt[0]
         if not self.suffix:
             return prompt
         if not isinstance(prompt, str):
-            raise ApiError(
-                400,
-                "prompt: with a suffix, send the text before the hole, not token ids",
-                code="invalid_value",
-                param="prompt",
-            )
+            raise _invalid("prompt", "with a suffix, send the text before the hole, not token ids")
         return Infill(prefix=prompt, suffix=self.suffix)
+
+
+def _invalid(param: str, reason: str) -> ApiError:
+    """A 400 naming the field a completion request got wrong."""
+    return ApiError(400, f"{param}: {reason}", code="invalid_value", param=param)
