@@ -16,6 +16,8 @@ from mlxspec.cli.options import (
     chat_template_args_option,
     model_option,
     penalty_options,
+    kv_defaults,
+    kv_options,
     prompt_cache_options,
 )
 from mlxspec.console import say, warn_if_slow_blas
@@ -40,6 +42,7 @@ from mlxspec.registry.models_toml import load_registry
 @NO_HISTORY_OPTION
 @WEIGHTS_OPTION
 @prompt_cache_options
+@kv_options
 @penalty_options
 @distributed_options
 @fail_cleanly
@@ -81,6 +84,7 @@ def chat(
             chat_template_kwargs=chat_template_args,
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
+            **kv_defaults(),
         )
     )
     entry = registry.get(model)

@@ -12,6 +12,8 @@ from mlxspec.cli.options import (
     chat_template_args_option,
     model_option,
     penalty_options,
+    kv_defaults,
+    kv_options,
     prompt_cache_options,
 )
 from mlxspec.console import say, warn_if_slow_blas
@@ -94,6 +96,7 @@ ROW_FLOOR_OPTION = click.option(
 @TREE_OPTION
 @WEIGHTS_OPTION
 @prompt_cache_options
+@kv_options
 @penalty_options
 @distributed_options
 @fail_cleanly
@@ -151,6 +154,7 @@ def serve(
         chat_template_kwargs=chat_template_args,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
+        **kv_defaults(),
     )
     max_batch = max_batch or DEFAULT_MAX_BATCH
     rank = current_rank()  # None unless launched with --ranks/--hostfile

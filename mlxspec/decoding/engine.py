@@ -37,6 +37,7 @@ from mlxspec.decoding.weights_choice import WeightsChoice, weights_record
 from mlxspec.events import Done, Event, ProgressNote, RunRecord
 from mlxspec.markup.chat_template import encode_chat
 from mlxspec.markup.conversation import Conversation
+from mlxspec.models.kv_form import FLOAT, KVForm
 from mlxspec.models.prompt_cache import PromptCache
 from mlxspec.models.target import Target
 from mlxspec.models.tree import DraftTree, best_size, chain, keep_best
@@ -60,15 +61,18 @@ class Engine:
         history: HistoryStore | None = None,
         weights: WeightsChoice | None = None,
         prompt_cache: PromptCache | None = None,
+        kv: KVForm = FLOAT,
     ):
         """`prompt_cache`: where earlier prompts' caches are kept, for this engine's
         requests alone and its batch's rows alike (default: one bounded by a share of
-        the device's memory, `batch.memory.prompt_cache_bytes`)."""
+        the device's memory, `batch.memory.prompt_cache_bytes`). `kv`: the form the
+        target's KV cache is held in (`--kv-bits`; a batch of several rows keeps float)."""
         self.name, self.tokenizer = name, tokenizer
         if prompt_cache is None:
             prompt_cache = PromptCache(max_bytes=prompt_cache_bytes(None))
         self.prompt_cache = prompt_cache
-        self.target = Target(model, prompt_cache)
+        self.kv = kv
+        self.target = Target(model, prompt_cache, kv)
         # The form the target's weights were loaded in, and what they are in memory:
         # for the run record, and the calibration key (a curve prices one form only).
         self.weights = weights_record(model, weights)
@@ -87,7 +91,7 @@ class Engine:
         """Measured once per model and machine (at most CALIBRATION_BUDGET_S), then read
         from the cache."""
         if self._verify_cost is None:
-            key = calibration_key(self.name, self.weights["held"])
+            key = calibration_key(self.name, self.weights["held"], kv=self.kv)
 
             def progress(done: int, total: int, size: int) -> None:
                 self.notify(
@@ -100,7 +104,9 @@ class Engine:
                 )
 
             def measure() -> VerifyCost:
-                cost = measure_verify_cost(self.target.model, self.vocab_size, progress=progress)
+                cost = measure_verify_cost(
+                    self.target.model, self.vocab_size, progress=progress, kv=self.kv
+                )
                 if cost.partial:
                     self.notify(
                         f"verify cost measured up to {max(cost.points)} tokens in "
@@ -234,6 +240,7 @@ class Engine:
             max_tokens=max_tokens,
             k_policy=policy.label if proposer else "off",
             cache_strategy=self.target.strategy,
+            kv=self.kv.key,
             device=device.describe(),
             weights=self.weights,
         )

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.models.anatomy import text_settings
+from mlxspec.models.kv_form import FLOAT, KVForm
 from mlxspec.models.target import catch_up
 from mlxspec.models.tree import DraftTree
 from mlxspec.proposers.base import Draft, ProposalContext, Situation, draw
@@ -90,9 +91,16 @@ class DraftModel:
     needs_hidden = False
 
     def __init__(
-        self, model: nn.Module, name: str = "draft-model", k_max: int = 16, cost_hint: float = 0.2
+        self,
+        model: nn.Module,
+        name: str = "draft-model",
+        k_max: int = 16,
+        cost_hint: float = 0.2,
+        kv: KVForm = FLOAT,
     ):
+        """`kv`: the form its own KV cache is held in (the target's, `--kv-bits`)."""
         self.name, self.model, self.k_max, self.cost_hint = name, model, k_max, cost_hint
+        self.kv = kv
         self.reset()
 
     def reset(self) -> None:

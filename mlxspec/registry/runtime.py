@@ -27,6 +27,7 @@ from mlxspec.drafter.head import HEAD_PATTERNS, HeadError
 from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
 from mlxspec.drafter.mtp_pull import mtp_folder
 from mlxspec.models.anatomy import UnsupportedModel
+from mlxspec.models.kv_form import KVForm, kv_form
 from mlxspec.models.loading import LoadedModel, LoadError, fetch_weights, load_model
 from mlxspec.proposers import (
     Chain,
@@ -97,6 +98,7 @@ class Runtime:
         """`weights`: the form `loaded` was loaded in (default: the entry's choice)."""
         self.entry, self.loaded, self.notify = entry, loaded, notify
         self.weights = weights or target_weights(entry)
+        self.kv = entry_kv(entry)
         self.engine = Engine(
             loaded.model,
             loaded.tokenizer,
@@ -105,6 +107,7 @@ class Runtime:
             history=history_store(entry.name),
             weights=self.weights,
             prompt_cache=prompt_cache_for(entry.name, entry.target, held_weights(loaded.model)),
+            kv=self.kv,
         )
 
     def proposer(self, name: str | None) -> str:
@@ -220,7 +223,15 @@ class Runtime:
         if config.options.get("draft_layers"):
             model = truncated_model(model, config.options["draft_layers"])
         cost_hint = draft_cost_hint(model, self.loaded.model)
-        return DraftModel(model, config.name, config.options["k_max"], cost_hint=cost_hint)
+        return DraftModel(
+            model, config.name, config.options["k_max"], cost_hint=cost_hint, kv=self.kv
+        )
+
+
+def entry_kv(entry: ModelEntry) -> KVForm:
+    """The form the entry's KV caches are held in (`--kv-bits`, models.toml `kv_bits`)."""
+    d = entry.defaults
+    return kv_form(d.kv_bits, d.kv_group_size, d.quantized_kv_start)
 
 
 def target_weights(entry: ModelEntry) -> WeightsChoice:

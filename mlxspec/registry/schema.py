@@ -52,6 +52,9 @@ DEFAULTS_OPTIONS = {
     "history": Option(bool, "true or false", None),
     "weights": Option(str, "'auto', 'quantized' or 'dequantized'", None, lambda v: v in CHOICES),
     "chat_template_kwargs": Option(dict, "a table, e.g. { enable_thinking = false }", None),
+    "kv_bits": Option(int, "4 or 8 (KV cache quantization)", None, lambda v: v in (4, 8)),
+    "kv_group_size": Option(int, "32, 64 or 128", None, lambda v: v in (32, 64, 128)),
+    "quantized_kv_start": integer(0, None),
 }
 KIND_OPTIONS: dict[str, dict[str, Option]] = {
     kind: {**options, "k_max": integer(1, 32)}
