@@ -14,10 +14,10 @@ from mlxspec.cli.options import (
     TREE_OPTION,
     WEIGHTS_OPTION,
     chat_template_args_option,
-    model_option,
-    penalty_options,
     kv_defaults,
     kv_options,
+    model_option,
+    penalty_options,
     prompt_cache_options,
 )
 from mlxspec.console import say, warn_if_slow_blas

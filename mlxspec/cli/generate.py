@@ -17,9 +17,9 @@ from mlxspec.cli.options import (
     answer_constraint,
     chat_template_args_option,
     grammar_options,
-    model_option,
     kv_defaults,
     kv_options,
+    model_option,
     prompt_cache_options,
     sampling_options,
 )
