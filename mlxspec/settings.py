@@ -31,6 +31,11 @@ class PromptTooLong(GenerationError):
         self.prompt_tokens, self.context = prompt_tokens, context
 
 
+class DoesNotFit(GenerationError):
+    """A configuration or a request whose memory the device cannot hold: its message has
+    the numbers (`batch.memory.Holdings`)."""
+
+
 class GrammarError(GenerationError):
     """A grammar the engine cannot enforce: its message names what is wrong."""
 

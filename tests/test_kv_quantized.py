@@ -172,3 +172,50 @@ def test_a_kept_verify_leaves_the_cache_a_fresh_prefill_would(start, held, kept)
     after, _ = target.verify(sequence[held + kept : held + kept + 3])
     expected, _ = fresh.verify(sequence[held + kept : held + kept + 3])
     assert mx.allclose(after, expected, atol=1e-4).item()
+
+
+def test_a_quantized_entry_outlives_the_process_for_its_own_form_only(tmp_path):
+    from mlxspec.models.prompt_disk import DiskCache
+
+    model, tokenizer = wide_model(), byte_tokenizer()
+    rng = random.Random(1)
+    prompt = [rng.randrange(256) for _ in range(300)]  # the disk keeps long prompts only
+    quantized = KVForm(8, 32, 100)
+
+    def engine(kv: KVForm) -> Engine:
+        pool = PromptCache(disk=DiskCache(tmp_path, "llama", 1 << 30))
+        return Engine(
+            model, tokenizer, "llama", verify_cost=CPU_LIKE_COST, prompt_cache=pool, kv=kv
+        )
+
+    first = engine(quantized)
+    expected = answer(first, prompt, "none").token_ids
+    first.save_prompts()
+    restarted = answer(engine(quantized), prompt, "none")
+    assert restarted.record.reused_prompt_tokens == len(prompt) - 1
+    assert restarted.token_ids == expected
+    assert answer(engine(FLOAT), prompt, "none").record.reused_prompt_tokens == 0
+
+
+def test_a_kv_bits_the_cache_cannot_hold_is_one_line():
+    from click.testing import CliRunner
+
+    from mlxspec.cli import main
+
+    result = CliRunner().invoke(main, ["generate", "hi", "--kv-bits", "3"])
+    assert result.exit_code == 2 and "'3' is not one of '4', '8'" in result.output
+
+
+def test_models_toml_names_the_kv_form_and_the_command_line_overrides_it(tmp_path):
+    from mlxspec.registry.models_toml import load_registry
+    from mlxspec.registry.runtime import entry_kv
+
+    toml = tmp_path / "models.toml"
+    toml.write_text(
+        '[models.foo]\ntarget = "owner/foo"\n[models.foo.defaults]\n'
+        "kv_bits = 8\nkv_group_size = 32\nquantized_kv_start = 100\n"
+    )
+    registry = load_registry(toml)
+    assert entry_kv(registry.get("foo")) == KVForm(8, 32, 100)
+    overridden = registry.with_defaults(kv_bits=4, quantized_kv_start=0).get("foo")
+    assert entry_kv(overridden) == KVForm(4, 32, 0)

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from mlxspec import device
-from mlxspec.batch.memory import prompt_cache_bytes
+from mlxspec.batch.memory import Holdings, prompt_cache_bytes
+from mlxspec.batch.memory import check_request as check_memory
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
 from mlxspec.decoding.policy import Policy
@@ -72,6 +73,9 @@ class Engine:
             prompt_cache = PromptCache(max_bytes=prompt_cache_bytes(None))
         self.prompt_cache = prompt_cache
         self.kv = kv
+        # What the model holds (set by the runtime that opened it): each request's prompt
+        # and max_tokens are checked against it before any prefill. None: not checked.
+        self.holdings: Holdings | None = None
         self.target = Target(model, prompt_cache, kv)
         # The form the target's weights were loaded in, and what they are in memory:
         # for the run record, and the calibration key (a curve prices one form only).
@@ -210,7 +214,10 @@ class Engine:
             raise GenerationError(
                 f"unknown proposer '{proposer}'; available: none, {', '.join(self.proposers)}"
             )
-        return prompt_tokens, min(settings.max_tokens, room)
+        max_tokens = min(settings.max_tokens, room)
+        if self.holdings is not None:
+            check_memory(self.holdings, len(prompt_tokens), max_tokens)
+        return prompt_tokens, max_tokens
 
     def constraint(
         self, grammar: Grammar | None, wait: float = COMPILE_SECONDS

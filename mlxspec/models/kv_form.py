@@ -70,14 +70,6 @@ class KVForm:
 
         return length >= self.start or not any(isinstance(c, QuantizedKVCache) for c in cache)
 
-    def token_bytes(self, float_bytes: int) -> int:
-        """Bytes a token's KV takes in this form, from its float size at 2 bytes a value:
-        packed values plus a float scale and bias per group."""
-        if not self.quantized:
-            return float_bytes
-        values = float_bytes // 2
-        return values * self.bits // 8 + (values // self.group_size) * 2 * 2
-
 
 FLOAT = KVForm()
 
@@ -100,3 +92,24 @@ def start_of(form: tuple[str, ...]) -> int:
         if part.startswith("kv q"):
             return int(part.rsplit(" ", 1)[1])
     return 0
+
+
+def kv_token_bytes(model: Any, kv: KVForm = FLOAT) -> int:
+    """Bytes one token's KV takes in `kv`'s form, every layer together, read off a cache
+    that took one token (its dtype, heads and layers as loaded). Layers without a growing
+    history (recurrent state) hold a fixed size and are not counted per token."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    kv = KVForm(kv.bits, kv.group_size, 0)
+    kv.convert(cache)
+    model(mx.array([[0]]), cache=cache)
+    total = 0.0
+    for layer in cache:
+        keys = getattr(layer, "keys", None)
+        if keys is None:
+            continue
+        steps = (keys[0] if isinstance(keys, (list, tuple)) else keys).shape[-2]
+        total += layer.nbytes / steps
+    return int(round(total))

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxspec.batch.memory import Holdings, fit, gb
 from mlxspec.decoding.engine import Engine
 from mlxspec.decoding.weight_form import DEQUANTIZED, decide_weight_form
 from mlxspec.decoding.weights_choice import (
@@ -27,7 +28,7 @@ from mlxspec.drafter.head import HEAD_PATTERNS, HeadError
 from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
 from mlxspec.drafter.mtp_pull import mtp_folder
 from mlxspec.models.anatomy import UnsupportedModel
-from mlxspec.models.kv_form import KVForm, kv_form
+from mlxspec.models.kv_form import KVForm, kv_form, kv_token_bytes
 from mlxspec.models.loading import LoadedModel, LoadError, fetch_weights, load_model
 from mlxspec.proposers import (
     Chain,
@@ -109,6 +110,9 @@ class Runtime:
             prompt_cache=prompt_cache_for(entry.name, entry.target, held_weights(loaded.model)),
             kv=self.kv,
         )
+        self._kv_token: int | None = None
+        self._pool_bound = self.engine.prompt_cache.max_bytes  # the plan's, before shrinking
+        self.check_memory()
 
     def proposer(self, name: str | None) -> str:
         """Make sure the named proposer (None: the entry's default) is built; its name."""
@@ -117,7 +121,50 @@ class Runtime:
             return "none"
         if config.name not in self.engine.proposers:
             self.engine.add_proposer(self._build(config))
+            self.check_memory()  # its weights count from now on
         return config.name
+
+    def holdings(self) -> Holdings:
+        """What this runtime holds: the target's weights, the drafters' own (weights a
+        drafter shares with the target counted once), KV per token, the prompt cache's
+        bound."""
+        if self._kv_token is None:
+            self._kv_token = kv_token_bytes(self.loaded.model, self.kv)
+        target = {id(v) for _, v in tree_flatten(self.loaded.model.parameters())}
+        drafters = {
+            id(v): v.nbytes
+            for proposer in self.engine.proposers.values()
+            for module in vars(proposer).values()
+            if isinstance(module, nn.Module)
+            for _, v in tree_flatten(module.parameters())
+            if id(v) not in target
+        }
+        return Holdings(
+            weights=weight_bytes(self.loaded.model),
+            drafters=sum(drafters.values()),
+            kv_token=self._kv_token,
+            kv_form=self.kv.key,
+            prompt_cache=self._pool_bound if self._pool_bound is not None else 0,
+        )
+
+    def check_memory(self, device: int | None = None) -> None:
+        """Weights, drafters, KV of the entry's context and the prompt cache against the
+        device: DoesNotFit with the numbers where they cannot fit; where only the prompt
+        cache is too much, its bound shrinks (said once). The engine checks each request
+        against the same sum."""
+        pool = self.engine.prompt_cache
+        holdings = self.holdings()
+        bound = fit(holdings, self.entry.defaults.context, device=device)
+        if self._pool_bound is not None and bound < self._pool_bound:
+            if pool.max_bytes != bound:
+                self.notify(
+                    f"the prompt cache keeps {gb(bound)}, not {gb(self._pool_bound)}: "
+                    f"{holdings.describe(self.entry.defaults.context, prompt_cache=False)} "
+                    "leave no more"
+                )
+            pool.max_bytes = bound
+            pool.evict_to(bound)
+        self.engine.holdings = holdings
 
     def use_history(self, store: HistoryStore) -> None:
         """Read and feed another history from now on (the bench gives each method its
