@@ -84,3 +84,28 @@ def test_generate_refuses_a_configuration_this_device_cannot_hold(monkeypatch):
     assert result.exit_code == 1
     line = [text for text in result.output.splitlines() if "does not fit" in text]
     assert len(line) == 1 and "weights 0." in line[0] and "KV" in line[0]
+
+
+def test_the_files_say_what_smollm2_holds_before_it_loads():
+    from mlxspec.models.footprint import footprint
+    from mlxspec.models.loading import weights_location
+
+    where, present = weights_location("smollm2-135m")
+    if not present:
+        pytest.skip("SmolLM2 is not pulled here")
+    weights, kv_float = footprint(where)
+    assert kv_float == 30 * 2 * 3 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bytes
+    assert 0 < weights < 300 << 20
+
+
+def test_serve_refuses_before_loading_what_cannot_fit(monkeypatch):
+    from mlxspec.cli import main
+
+    monkeypatch.setattr(memory, "device_memory", lambda: 64 << 20)  # 64 MB
+    loaded = []
+    import mlxspec.registry.runtime as runtime
+
+    monkeypatch.setattr(runtime, "load_model", lambda *a, **k: loaded.append(a))
+    result = CliRunner().invoke(main, ["serve", "-m", "smollm2-135m", "--port", "65001"])
+    assert result.exit_code == 1 and not loaded
+    assert "does not fit" in result.output and "8192 tokens x 1 row" in result.output

@@ -159,7 +159,10 @@ def serve(
     max_batch = max_batch or DEFAULT_MAX_BATCH
     rank = current_rank()  # None unless launched with --ranks/--hostfile
     if rank is None:
+        from mlxspec.registry.runtime import check_before_loading
+
         provider = RegistryProvider(registry, default=model, notify=say)
+        check_before_loading(registry.get(provider.default))  # refused before it loads
     else:
         entry = registry.get(model)
         if not rank.front:  # the other ranks run what rank 0's server announces

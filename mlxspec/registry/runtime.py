@@ -28,8 +28,15 @@ from mlxspec.drafter.head import HEAD_PATTERNS, HeadError
 from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
 from mlxspec.drafter.mtp_pull import mtp_folder
 from mlxspec.models.anatomy import UnsupportedModel
+from mlxspec.models.footprint import footprint, in_form
 from mlxspec.models.kv_form import KVForm, kv_form, kv_token_bytes
-from mlxspec.models.loading import LoadedModel, LoadError, fetch_weights, load_model
+from mlxspec.models.loading import (
+    LoadedModel,
+    LoadError,
+    fetch_weights,
+    load_model,
+    weights_location,
+)
 from mlxspec.proposers import (
     Chain,
     DraftModel,
@@ -281,6 +288,26 @@ def entry_kv(entry: ModelEntry) -> KVForm:
     return kv_form(d.kv_bits, d.kv_group_size, d.quantized_kv_start)
 
 
+def estimated_holdings(entry: ModelEntry) -> Holdings | None:
+    """What the entry's target will hold at its context, from its files, without loading
+    it (None: not on this disk, or its files do not say; `models.footprint`)."""
+    where, present = weights_location(entry.target)
+    found = footprint(where) if present else None
+    if found is None:
+        return None
+    weights, kv_float = found
+    kv = entry_kv(entry)
+    return Holdings(weights, 0, in_form(kv_float, kv), kv.key, prompt_cache=0)
+
+
+def check_before_loading(entry: ModelEntry) -> None:
+    """DoesNotFit, with the numbers, before any weight is read, where the entry's
+    weights and the KV of its context cannot fit the device (the prompt cache gives way)."""
+    holdings = estimated_holdings(entry)
+    if holdings is not None:
+        fit(holdings, entry.defaults.context)
+
+
 def target_weights(entry: ModelEntry) -> WeightsChoice:
     """The form the entry's target (and its draft models) load in (`--weights`)."""
     return resolve_weights(entry.defaults.weights, entry.target)
@@ -291,6 +318,7 @@ def open_runtime(
 ) -> Runtime:
     """The entry's target loaded in the form `--weights` resolves to; `speculating` False
     (a plain-decoding run) never measures the forms for `auto`."""
+    check_before_loading(entry)
     weights = target_weights(entry)
     if not speculating:
         weights = for_plain_decoding(weights)
