@@ -5,6 +5,8 @@ way first."""
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
@@ -109,3 +111,17 @@ def test_serve_refuses_before_loading_what_cannot_fit(monkeypatch):
     result = CliRunner().invoke(main, ["serve", "-m", "smollm2-135m", "--port", "65001"])
     assert result.exit_code == 1 and not loaded
     assert "does not fit" in result.output and "8192 tokens x 1 row" in result.output
+
+
+def test_models_shows_what_smollm2_holds_at_its_context_float_and_quantized():
+    from mlxspec.cli import main
+
+    listing = json.loads(CliRunner().invoke(main, ["models", "--json"]).output)
+    row = next(row for row in listing["models"] if row["name"] == "smollm2-135m")
+    if not row["present"]:
+        pytest.skip("SmolLM2 is not pulled here")
+    memory_row = row["memory"]
+    assert memory_row["context"] == 8192
+    kv = memory_row["kv_gb"]
+    assert kv["float"] == round(8192 * 23040 / GB, 2)
+    assert kv["4-bit"] < kv["8-bit"] <= 0.55 * kv["float"]
