@@ -118,6 +118,7 @@ class Runtime:
             kv=self.kv,
         )
         self._kv_token: int | None = None
+        self.checks_memory = True  # False: a sharded rank's (every rank must agree)
         self._pool_bound = self.engine.prompt_cache.max_bytes  # the plan's, before shrinking
         self.check_memory()
 
@@ -159,6 +160,8 @@ class Runtime:
         device: DoesNotFit with the numbers where they cannot fit; where only the prompt
         cache is too much, its bound shrinks (said once). The engine checks each request
         against the same sum."""
+        if not self.checks_memory:
+            return
         pool = self.engine.prompt_cache
         holdings = self.holdings()
         bound = fit(holdings, self.entry.defaults.context, device=device)
