@@ -125,3 +125,11 @@ def test_models_shows_what_smollm2_holds_at_its_context_float_and_quantized():
     kv = memory_row["kv_gb"]
     assert kv["float"] == round(8192 * 23040 / GB, 2)
     assert kv["4-bit"] < kv["8-bit"] <= 0.55 * kv["float"]
+
+
+def test_chat_refuses_before_its_screen_opens_what_cannot_fit(monkeypatch):
+    from mlxspec.cli import main
+
+    monkeypatch.setattr(memory, "device_memory", lambda: 64 << 20)  # 64 MB
+    result = CliRunner().invoke(main, ["chat", "-m", "smollm2-135m", "--plain"], input="hi\n")
+    assert result.exit_code == 1 and "does not fit" in result.output

@@ -91,6 +91,10 @@ def chat(
     entry.proposer(proposer)  # validate before loading weights
     warn_if_slow_blas()
     rank = current_rank()  # None unless run with --ranks/--hostfile
+    if rank is None:
+        from mlxspec.registry.runtime import check_before_loading
+
+        check_before_loading(entry)  # one line, before the screen opens or weights load
     if rank is not None and not rank.front:  # the other ranks run what rank 0 announces
         rank.follow(rank.open_runtime(entry, say, calibrate=True, follows=True))
         return
