@@ -138,6 +138,9 @@ class RunRecord:
     speedup_estimate: SpeedupEstimate = field(default_factory=SpeedupEstimate)
     k_policy: str = "adaptive"
     cache_strategy: str = "trim"
+    # The form the target's KV cache was held in (`KVForm.key`: "kv float", or e.g.
+    # "kv q8 g64 from 0"); greedy output equals plain greedy's with the same form.
+    kv: str = "kv float"
     finish_reason: str = "length"
     stop_string: str | None = None  # the stop string that ended the output, if one did
     # An inline completion's own end, where one cut it: "indent" (a less indented line),

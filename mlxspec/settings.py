@@ -44,6 +44,11 @@ class NoFimTokens(GenerationError):
         self.model = model
 
 
+class DoesNotFit(GenerationError):
+    """A configuration or a request whose memory the device cannot hold: its message has
+    the numbers (`batch.memory.Holdings`)."""
+
+
 class GrammarError(GenerationError):
     """A grammar the engine cannot enforce: its message names what is wrong."""
 

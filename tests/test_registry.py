@@ -294,6 +294,12 @@ BROKEN = [
     ),
     ("defaults type", ENTRY + "defaults = 1\n", True, "[models.foo.defaults] must be a table"),
     (
+        "kv bits",
+        ENTRY + "[models.foo.defaults]\nkv_bits = 5\n",
+        True,
+        "kv_bits in [models.foo.defaults] must be 4 or 8 (KV cache quantization), got 5",
+    ),
+    (
         "bool is not an int",
         ENTRY + "[models.foo.defaults]\nmax_tokens = true\n",
         True,

@@ -51,6 +51,29 @@ def test_lookup_index_grows_incrementally_and_resets_when_the_text_changes():
     assert lookup_draft(lookup, [5, 6, 7, 5, 6]) == [7, 5, 6]  # a different conversation
 
 
+class ReadCounting(list):
+    """A context that counts the tokens a proposer reads out of it by slicing."""
+
+    read = 0
+
+    def __getitem__(self, index):
+        got = super().__getitem__(index)
+        if isinstance(index, slice):
+            ReadCounting.read += len(got)
+        return got
+
+
+def test_lookup_reads_a_bounded_part_of_a_long_context_each_round():
+    lookup = PromptLookup(ngram_max=3, ngram_min=1)
+    tokens = [i % 997 for i in range(20_000)]
+    lookup_draft(lookup, ReadCounting(tokens))
+    for step in range(5):
+        tokens += [step, step + 1]
+        ReadCounting.read = 0
+        assert lookup_draft(lookup, ReadCounting(tokens)) is not None
+        assert ReadCounting.read < 1_000  # the new tokens, the ends compared, the drafts
+
+
 def test_lookup_labels_long_verbatim_matches():
     lookup = PromptLookup(ngram_max=2, ngram_min=2)
     text = list(range(40))

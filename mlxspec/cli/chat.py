@@ -14,6 +14,8 @@ from mlxspec.cli.options import (
     TREE_OPTION,
     WEIGHTS_OPTION,
     chat_template_args_option,
+    kv_defaults,
+    kv_options,
     model_option,
     penalty_options,
     prompt_cache_options,
@@ -40,6 +42,7 @@ from mlxspec.registry.models_toml import load_registry
 @NO_HISTORY_OPTION
 @WEIGHTS_OPTION
 @prompt_cache_options
+@kv_options
 @penalty_options
 @distributed_options
 @fail_cleanly
@@ -81,12 +84,17 @@ def chat(
             chat_template_kwargs=chat_template_args,
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
+            **kv_defaults(),
         )
     )
     entry = registry.get(model)
     entry.proposer(proposer)  # validate before loading weights
     warn_if_slow_blas()
     rank = current_rank()  # None unless run with --ranks/--hostfile
+    if rank is None:
+        from mlxspec.registry.runtime import check_before_loading
+
+        check_before_loading(entry)  # one line, before the screen opens or weights load
     if rank is not None and not rank.front:  # the other ranks run what rank 0 announces
         rank.follow(rank.open_runtime(entry, say, calibrate=True, follows=True))
         return

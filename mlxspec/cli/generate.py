@@ -17,6 +17,8 @@ from mlxspec.cli.options import (
     answer_constraint,
     chat_template_args_option,
     grammar_options,
+    kv_defaults,
+    kv_options,
     model_option,
     prompt_cache_options,
     sampling_options,
@@ -56,6 +58,7 @@ from tui.echo import COLOURS, AnswerEcho
 @NO_HISTORY_OPTION
 @WEIGHTS_OPTION
 @prompt_cache_options
+@kv_options
 @distributed_options
 @fail_cleanly
 def generate(
@@ -115,6 +118,7 @@ def generate(
         chat_template_kwargs=chat_template_args,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
+        **kv_defaults(),
     )
     entry = registry.get(model)
     defaults = entry.defaults

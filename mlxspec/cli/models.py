@@ -16,6 +16,8 @@ from mlxspec.registry.found_drafters import drafters_for
 from mlxspec.registry.models_toml import DRAFT, Registry, load_registry
 from mlxspec.registry.on_disk import FoundModel, found_models
 
+GB = 1 << 30
+
 
 @click.command()
 @JSON_OPTION
@@ -52,6 +54,7 @@ def models(as_json):
                     "form": choice.form,
                     "reason": choice.reason,
                 },
+                "memory": _memory(where, present, entry.defaults.context),
             }
         )
     where = registry.found_places()
@@ -84,6 +87,12 @@ def models(as_json):
         click.echo(
             f"    proposers: {', '.join(row['proposers'])} (default {row['default_proposer']})"
         )
+        if memory := row["memory"]:
+            click.echo(
+                f"    memory at {memory['context']} tokens: weights {memory['weights_gb']} GB + "
+                f"KV {memory['kv_gb']['float']} GB float, {memory['kv_gb']['8-bit']} GB 8-bit, "
+                f"{memory['kv_gb']['4-bit']} GB 4-bit (--kv-bits)"
+            )
     click.echo("on this disk (read where they are; --model takes the name), looked in:")
     for source, folder in places.items():
         click.echo(f"  {source}: {folder}" + ("" if Path(folder).is_dir() else " (absent)"))
@@ -101,6 +110,21 @@ def models(as_json):
             click.echo(f"    registry entry {twin}: -m {twin} for its proposers, same weights")
     facts = device.describe()
     click.echo(f"device: {facts['device']}, BLAS: {facts['blas']}, mlx {facts['mlx']}")
+
+
+def _memory(where: str, present: bool, context: int) -> dict | None:
+    """What a model holds at its context, from its files (None: not on this disk, or its
+    files do not say): weights as stored, KV float and quantized (docs/memory.md)."""
+    from mlxspec.models.footprint import footprint, in_form
+    from mlxspec.models.kv_form import FLOAT, kv_form
+
+    found = footprint(where) if present else None
+    if found is None:
+        return None
+    weights, kv_float = found
+    forms = {"float": FLOAT, "8-bit": kv_form(8), "4-bit": kv_form(4)}
+    kv_gb = {name: round(in_form(kv_float, kv) * context / GB, 2) for name, kv in forms.items()}
+    return {"context": context, "weights_gb": round(weights / GB, 2), "kv_gb": kv_gb}
 
 
 def _found_row(model: FoundModel, on_disk: list[FoundModel], registry: Registry) -> dict:

@@ -203,6 +203,44 @@ def _plan_no_folder(ctx: click.Context, param: click.Parameter, off: bool) -> No
         PLAN.folder = None
 
 
+def _kv_choice(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
+    if value is not None:
+        ctx.meta.setdefault("mlxspec.kv", {})[param.name] = value
+
+
+def kv_defaults() -> dict:
+    """The KV form the command line gave (`--kv-bits` and friends), as models.toml
+    defaults: `Registry.with_defaults(**kv_defaults())`."""
+    return dict(click.get_current_context().meta.get("mlxspec.kv", {}))
+
+
+# The KV cache's form (mlxspec/models/kv_form.py, docs/memory.md), mlx-lm's server's names.
+kv_options = bundle(
+    click.option(
+        "--kv-bits",
+        type=click.Choice(["4", "8"]),
+        callback=lambda ctx, param, v: _kv_choice(ctx, param, None if v is None else int(v)),
+        expose_value=False,
+        help="Hold the KV cache quantized to 4 or 8 bits (default: float, or the model's "
+        "`kv_bits`); a batch of several requests keeps float KV.",
+    ),
+    click.option(
+        "--kv-group-size",
+        type=click.Choice(["32", "64", "128"]),
+        callback=lambda ctx, param, v: _kv_choice(ctx, param, None if v is None else int(v)),
+        expose_value=False,
+        help="Values per quantization group of the KV cache (default 64).",
+    ),
+    click.option(
+        "--quantized-kv-start",
+        type=click.IntRange(min=0),
+        callback=_kv_choice,
+        expose_value=False,
+        help="Position from which the KV cache is quantized (default 0: all of it).",
+    ),
+)
+
+
 # Earlier prompts' caches, kept for the next request that starts the same way
 # (mlxspec/registry/prompt_store.py, docs/serving.md): the options only set the process's plan.
 prompt_cache_options = bundle(

@@ -10,6 +10,8 @@ from mlxspec.cli.options import (
     TREE_OPTION,
     WEIGHTS_OPTION,
     chat_template_args_option,
+    kv_defaults,
+    kv_options,
     model_option,
     penalty_options,
     prompt_cache_options,
@@ -107,6 +109,7 @@ ROW_FLOOR_OPTION = click.option(
 @TREE_OPTION
 @WEIGHTS_OPTION
 @prompt_cache_options
+@kv_options
 @penalty_options
 @distributed_options
 @fail_cleanly
@@ -168,11 +171,15 @@ def serve(
         chat_template_kwargs=chat_template_args,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
+        **kv_defaults(),
     )
     max_batch = max_batch or DEFAULT_MAX_BATCH
     rank = current_rank()  # None unless launched with --ranks/--hostfile
     if rank is None:
+        from mlxspec.registry.runtime import check_before_loading
+
         provider = RegistryProvider(registry, default=model, notify=say)
+        check_before_loading(registry.get(provider.default))  # refused before it loads
     else:
         entry = registry.get(model)
         if not rank.front:  # the other ranks run what rank 0's server announces

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from mlxspec import device
-from mlxspec.batch.memory import prompt_cache_bytes
+from mlxspec.batch.memory import Holdings, prompt_cache_bytes
+from mlxspec.batch.memory import check_request as check_memory
 from mlxspec.batch.scheduler import Scheduler
 from mlxspec.batch.single import SingleCaches
 from mlxspec.decoding.policy import Policy
@@ -38,6 +39,7 @@ from mlxspec.events import Done, Event, ProgressNote, RunRecord
 from mlxspec.markup.chat_template import encode_chat
 from mlxspec.markup.conversation import Conversation
 from mlxspec.markup.fim import FimLayout, Infill, InfillBudget, encode_infill, find_layout
+from mlxspec.models.kv_form import FLOAT, KVForm
 from mlxspec.models.prompt_cache import PromptCache
 from mlxspec.models.target import Target
 from mlxspec.models.tree import DraftTree, best_size, chain, keep_best
@@ -62,16 +64,23 @@ class Engine:
         weights: WeightsChoice | None = None,
         prompt_cache: PromptCache | None = None,
         fim: tuple[str, str] = ("auto", "auto"),
+        kv: KVForm = FLOAT,
     ):
         """`prompt_cache`: where earlier prompts' caches are kept, for this engine's
         requests alone and its batch's rows alike (default: one bounded by a share of
         the device's memory, `batch.memory.prompt_cache_bytes`); `fim`: models.toml's `fim`
-        and `fim_order`, how the fill-in-the-middle layout is found (markup/fim.py)."""
+        and `fim_order`, how the fill-in-the-middle layout is found (markup/fim.py). `kv`:
+        the form the target's KV cache is held in (`--kv-bits`; a batch of several rows
+        keeps float)."""
         self.name, self.tokenizer = name, tokenizer
         if prompt_cache is None:
             prompt_cache = PromptCache(max_bytes=prompt_cache_bytes(None))
         self.prompt_cache = prompt_cache
-        self.target = Target(model, prompt_cache)
+        self.kv = kv
+        # What the model holds (set by the runtime that opened it): each request's prompt
+        # and max_tokens are checked against it before any prefill. None: not checked.
+        self.holdings: Holdings | None = None
+        self.target = Target(model, prompt_cache, kv)
         # The form the target's weights were loaded in, and what they are in memory:
         # for the run record, and the calibration key (a curve prices one form only).
         self.weights = weights_record(model, weights)
@@ -95,7 +104,7 @@ class Engine:
         """Measured once per model and machine (at most CALIBRATION_BUDGET_S), then read
         from the cache."""
         if self._verify_cost is None:
-            key = calibration_key(self.name, self.weights["held"])
+            key = calibration_key(self.name, self.weights["held"], kv=self.kv)
 
             def progress(done: int, total: int, size: int) -> None:
                 self.notify(
@@ -108,7 +117,9 @@ class Engine:
                 )
 
             def measure() -> VerifyCost:
-                cost = measure_verify_cost(self.target.model, self.vocab_size, progress=progress)
+                cost = measure_verify_cost(
+                    self.target.model, self.vocab_size, progress=progress, kv=self.kv
+                )
                 if cost.partial:
                     self.notify(
                         f"verify cost measured up to {max(cost.points)} tokens in "
@@ -222,7 +233,10 @@ class Engine:
             raise GenerationError(
                 f"unknown proposer '{proposer}'; available: none, {', '.join(self.proposers)}"
             )
-        return prompt_tokens, min(settings.max_tokens, room)
+        max_tokens = min(settings.max_tokens, room)
+        if self.holdings is not None:
+            check_memory(self.holdings, len(prompt_tokens), max_tokens)
+        return prompt_tokens, max_tokens
 
     def constraint(
         self, grammar: Grammar | None, wait: float = COMPILE_SECONDS
@@ -252,6 +266,7 @@ class Engine:
             max_tokens=max_tokens,
             k_policy=policy.label if proposer else "off",
             cache_strategy=self.target.strategy,
+            kv=self.kv.key,
             device=device.describe(),
             weights=self.weights,
         )

@@ -21,6 +21,7 @@ from mlxspec.decoding.policy import Policy
 from mlxspec.decoding.text import TextStream
 from mlxspec.events import Accepted, Bonus, Corrected, Done, Event, Rejected, RunRecord, Step
 from mlxspec.logprobs import PendingLogprobs, TokenLogprob, pending_logprobs
+from mlxspec.models.kv_form import FLOAT
 from mlxspec.models.tree import DraftTree, greedy_walk, sample_walk
 from mlxspec.proposers.base import Draft, Proposer, Situation
 from mlxspec.sampling import SamplingSettings, TokenScorer, rejection_sample
@@ -269,6 +270,8 @@ class RequestRun:
         if hasattr(self.proposer, "annotate"):  # e.g. drafts from history vs the request
             self.proposer.annotate(self.record)
         self.record.finish_reason = self.finished
+        if self.shared_pass:  # a batch's rows: mlx-lm's batch cache has no quantized form
+            self.record.kv = FLOAT.key
         self.record.stop_string = self.text.matched
         self.record.limit = self.text.limit or self.record.limit
         self.record.completion_tokens = len(self.emitted)

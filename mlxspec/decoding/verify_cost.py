@@ -11,7 +11,7 @@ import bisect
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxspec import device
+from mlxspec.models.kv_form import FLOAT, KVForm
 from mlxspec.paths import cache_dir, file_lock
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 8, 16, 32, 64)
@@ -241,6 +242,7 @@ def measure_verify_cost(
     vocab_size: int,
     context: int = 4,
     progress: Callable[[int, int, int], None] = lambda done, total, size: None,
+    kv: KVForm = FLOAT,
     **how,
 ) -> VerifyCost:
     """Calibrate a model's verify cost on a synthetic context of `context` tokens; `how`:
@@ -250,6 +252,7 @@ def measure_verify_cost(
     from mlx_lm.models.cache import make_prompt_cache  # mlx-lm loads transformers: not at import
 
     cache = make_prompt_cache(model)
+    replace(kv, start=0).convert(cache)  # the passes read the KV form the curve prices
 
     def prefill() -> None:
         mx.eval(model(mx.arange(context)[None] % vocab_size, cache=cache))
@@ -265,15 +268,18 @@ def measure_verify_cost(
     return calibrate(forward, reset, progress=progress, prepare=prefill, **how)
 
 
-def calibration_key(model: str, weights: str, setup: str = "") -> str:
+def calibration_key(model: str, weights: str, setup: str = "", kv: KVForm = FLOAT) -> str:
     """Where a calibration is kept: per model and the form of its weights in memory
-    (`weights.held_weights`: a quantized curve never prices float weights), machine, BLAS
-    and mlx version, plus the `setup` it ran in (e.g. a sharded target's split)."""
+    (`weights.held_weights`: a quantized curve never prices float weights), the form of
+    its KV (a pass reading quantized KV is another pass), machine, BLAS and mlx version,
+    plus the `setup` it ran in (e.g. a sharded target's split)."""
     facts = device.describe()
     key = (
         f"{model}|{weights}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
         f"|{CALIBRATION_METHOD}" + ("|tf32" if facts["tf32"] else "")
     )
+    if kv.quantized:  # (float keeps the key it always had: its curves stay valid)
+        key += f"|{kv.key}"
     return f"{key}|{setup}" if setup else key
 
 

@@ -47,6 +47,7 @@ from mlxspec.distributed.sharding import allreduces_per_forward, fingerprint, sh
 from mlxspec.distributed.watchdog import Watchdog
 from mlxspec.events import Done, Event, Step
 from mlxspec.markup.conversation import Conversation
+from mlxspec.models.kv_form import FLOAT
 from mlxspec.models.prompt_cache import PromptCache
 from mlxspec.sampling import SamplingSettings
 from mlxspec.structured.grammar import Grammar
@@ -259,6 +260,9 @@ class RankSession:
         # Tree shapes are pruned by each rank's own cost estimates, which may differ.
         engine.target.refuse_trees("a sharded target verifies lines only, for now")
         runtime.engine = engine
+        # Float KV and no budget of each rank's own: every rank must take the same
+        # requests and reuse the same prefixes, whatever its shard holds.
+        runtime.kv, runtime.checks_memory = FLOAT, False
         if calibrate:
             engine.verify_cost  # noqa: B018  (a collective: every rank runs it here)
         if follows:

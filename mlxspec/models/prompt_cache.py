@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from mlxspec.models.kv_form import start_of
 
 MIN_REUSE = 8  # a shorter common prefix is not worth a copy of every layer's cache
 # A checkpoint every this many prompt tokens of a long prefill, for caches that cannot be
@@ -53,8 +55,17 @@ class Kept:
         return all(layer.is_trimmable() for layer in self.cache)
 
     def reusable(self, tokens: list[int], least: int = MIN_REUSE) -> int:
-        """How many of `tokens` this entry can hand over (0: fewer than `least`)."""
-        return reusable_length(self.tokens, self.cuttable, tokens, least)
+        """How many of `tokens` this entry can hand over (0: fewer than `least`). A
+        quantized KV layer is not cut below its form's start: a fresh prefill of that
+        prefix would hold float KV there (`kv_form`)."""
+        n = reusable_length(self.tokens, self.cuttable, tokens, least)
+        if n < len(self.tokens) and n < start_of(self.form) and self.quantized:
+            return 0
+        return n
+
+    @property
+    def quantized(self) -> bool:
+        return any(isinstance(layer, QuantizedKVCache) for layer in self.cache)
 
     @property
     def key(self) -> tuple:
@@ -104,8 +115,15 @@ def supersedes(new: tuple, old: tuple) -> bool:
     return cuttable and short and tokens[: len(old_tokens)] == old_tokens
 
 
-def form_of(cache: list[Any]) -> tuple[str, ...]:
-    return tuple(type(layer).__name__ for layer in cache)
+def form_of(cache: list[Any], kv_key: str | None = None) -> tuple[str, ...]:
+    """What entries a cache can stand in for: its layers' classes (a quantized KV layer
+    named as the float one it was converted from) and, for a quantized KV form, its key
+    (`KVForm.key`): a float and a quantized cache never stand in for each other."""
+    names = tuple(
+        "KVCache" if isinstance(layer, QuantizedKVCache) else type(layer).__name__
+        for layer in cache
+    )
+    return names + ((kv_key,) if kv_key else ())
 
 
 def cache_bytes(cache: list[Any]) -> int:
@@ -144,16 +162,18 @@ class PromptCache:
     def clear(self) -> None:
         self.kept.clear()
 
-    def add(self, tokens: list[int], cache: list[Any]) -> None:
+    def add(self, tokens: list[int], cache: list[Any], form: tuple[str, ...] | None = None) -> None:
         """Keep `cache` (holding exactly `tokens`; from now on the pool's: the caller
-        writes into it no more). An entry it supersedes goes (a cuttable one whose tokens
-        begin it, or one of the same tokens)."""
+        writes into it no more) under `form` (default: `form_of(cache)`, a float KV form).
+        An entry it supersedes goes (a cuttable one whose tokens begin it, or one of the
+        same tokens)."""
         if self.capacity <= 0 or len(tokens) < MIN_REUSE:
             return
         # `BatchKVCache.extract` is lazy: unevaluated, each entry would keep the whole
         # batch's cache of that moment alive (every row, full size), not its own row.
         mx.eval([layer.state for layer in cache])
-        kept = Kept(list(tokens), cache, cache_bytes(cache), form_of(cache))
+        form = form_of(cache) if form is None else form
+        kept = Kept(list(tokens), cache, cache_bytes(cache), form)
         self.kept = [old for old in self.kept if not supersedes(kept.key, old.key)]
         self.kept.append(kept)
         self._bound()

@@ -31,10 +31,12 @@ from pathlib import Path
 
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from mlxspec.models.kv_form import start_of
 from mlxspec.models.prompt_cache import (
     MIN_REUSE,
     Kept,
     cache_bytes,
+    form_of,
     prefix_copy,
     reusable_length,
     supersedes,
@@ -55,7 +57,9 @@ class OnDisk:
     nbytes: int
 
     def reusable(self, tokens: list[int]) -> int:
-        return reusable_length(self.tokens, self.cuttable, tokens, MIN_REUSE)
+        n = reusable_length(self.tokens, self.cuttable, tokens, MIN_REUSE)
+        start = start_of(self.form)  # held quantized past it: not cut below it (`Kept`)
+        return 0 if n < start < len(self.tokens) else n
 
     @property
     def key(self) -> tuple:
@@ -174,7 +178,7 @@ class DiskCache:
             if meta.get("key") != self.key or json.loads(meta["tokens"]) != best.tokens:
                 raise ValueError("its metadata does not match its name")
             kept = Kept(best.tokens, cache, cache_bytes(cache), form)
-            if kept.form != tuple(type(layer).__name__ for layer in cache):
+            if form_of(cache) != form[: len(cache)] or len(form) > len(cache) + 1:
                 raise ValueError("its layers are not the model's")
             os.utime(best.path)  # recently used: the last to go
         except Exception as err:  # a torn or foreign file must not fail the request

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import (
 
 from mlxspec.models import tree_attention
 from mlxspec.models.anatomy import Decoder, split_decoder
+from mlxspec.models.kv_form import FLOAT, KVForm
 from mlxspec.models.prompt_cache import (
     CHECKPOINT_EVERY,
     MIN_REUSE,
@@ -44,6 +45,9 @@ def trim_cache(holder, n: int) -> bool:
     """Cut the last n tokens from `holder.cache` (and `holder.cached_tokens`) if it can be."""
     if not all(c.is_trimmable() for c in holder.cache):  # a rotating window may have wrapped
         return False
+    kv: KVForm = getattr(holder, "kv", FLOAT)
+    if not kv.can_cut(holder.cache, len(holder.cached_tokens) - n):
+        return False  # quantized past its start: a fresh prefill would hold float KV here
     for c in holder.cache:
         c.trim(n)
     del holder.cached_tokens[len(holder.cached_tokens) - n :]
@@ -89,17 +93,23 @@ def catch_up(
     todo, logits = tokens[reused:], None
     if progress and todo:
         progress(0, len(todo))  # a long prefill says so before its first chunk
+    kv: KVForm = getattr(holder, "kv", FLOAT)
+    done = 0
     for start in range(0, len(todo), PREFILL_CHUNK):
-        chunk = todo[start : start + PREFILL_CHUNK]
-        if feed is None:
-            logits = holder.model(mx.array([chunk]), cache=holder.cache)
-        else:
-            logits = feed(chunk)
-        states = [c.state for c in holder.cache]
-        mx.eval(states if logits is None else (logits, states))
-        holder.cached_tokens.extend(chunk)
+        block = todo[start : start + PREFILL_CHUNK]
+        for begin, end in kv.pieces(len(holder.cached_tokens), len(block)):
+            chunk = block[begin:end]
+            kv.convert(holder.cache)
+            if feed is None:
+                logits = holder.model(mx.array([chunk]), cache=holder.cache)
+            else:
+                logits = feed(chunk)
+            states = [c.state for c in holder.cache]
+            mx.eval(states if logits is None else (logits, states))
+            holder.cached_tokens.extend(chunk)
+            done += len(chunk)
         if progress:
-            progress(start + len(chunk), len(todo))
+            progress(done, len(todo))
     return reused, logits
 
 
@@ -166,13 +176,17 @@ class LaunchedPass:
 
 
 class Target:
-    def __init__(self, model: nn.Module, pool: PromptCache | None = None):
+    def __init__(self, model: nn.Module, pool: PromptCache | None = None, kv: KVForm = FLOAT):
         """`pool`: where caches of earlier prompts are kept (the engine's, which its batch
-        shares); None: the one cache this target holds is all it reuses."""
-        self.model, self.pool = model, pool
+        shares); None: the one cache this target holds is all it reuses. `kv`: the form
+        its KV is held in (`kv_form`)."""
+        self.model, self.pool, self.kv = model, pool, kv
         self.cache = make_prompt_cache(model)
         self.cached_tokens: list[int] = []
-        self.form = form_of(self.cache)  # the pool's entries this target can take
+        # The pool's entries this target can take: its layers', in its KV form.
+        self.form = form_of(self.cache, kv.key if kv.quantized else None)
+        # The float layers of a verify that crossed the KV form's start, until `keep`.
+        self._float_before: list[Any] | None = None
         self.snapshot_layers = [
             i for i, c in enumerate(self.cache) if not isinstance(c, ALWAYS_TRIMMABLE)
         ]
@@ -184,6 +198,8 @@ class Target:
     @property
     def tree_unsupported(self) -> str | None:
         """Why this target cannot verify draft trees (None: it can)."""
+        if self._tree_reason is False and self.kv.quantized:
+            self._tree_reason = "draft trees read a float KV cache; this target's is quantized"
         if self._tree_reason is False:
             self._tree_reason = tree_attention.unsupported_reason(self.model, self.cache)
         return self._tree_reason
@@ -206,6 +222,7 @@ class Target:
     def reset(self) -> None:
         self.cache = make_prompt_cache(self.model)
         self.cached_tokens = []
+        self._float_before = None
         self.launched.forget()
 
     @property
@@ -222,6 +239,7 @@ class Target:
         drops it, so a launch changes no result, only when the work is done. `chosen`:
         arrays evaluated apart from the pass whose last column is `token` (`host_last`),
         read in its place: reading `token`, scheduled with the pass, waits for all of it."""
+        self.kv.convert(self.cache)  # a one-token pass never crosses the start
         self.launched.start(self.model, self.cache, token, [token] if chosen is None else chosen)
 
     def take_launched(self, tokens: list[int]) -> mx.array | None:
@@ -245,9 +263,26 @@ class Target:
         cache: list[Any] | None = None,
     ) -> tuple[mx.array, Any]:
         """Run the target over `tokens` (appending to the cache): logits (m, V) and, unless
-        `capture` is None, hidden states (m, F) (`Decoder.hidden` with that capture)."""
+        `capture` is None, hidden states (m, F) (`Decoder.hidden` with that capture).
+        A quantized KV form runs it in two passes where it crosses its start (`kv_form`)."""
+        if cache is not None or not self.kv.quantized:
+            return self._forward(tokens, capture, self.cache if cache is None else cache)
+        outputs = []
+        for begin, end in self.kv.pieces(len(self.cached_tokens), len(tokens)):
+            if begin:  # kept, so that `keep` can go back below the start
+                self._float_before = list(self.cache)
+            self.kv.convert(self.cache)
+            outputs.append(self._forward(tokens[begin:end], capture, self.cache))
+        if len(outputs) == 1:
+            return outputs[0]
+        (logits_a, hidden_a), (logits_b, hidden_b) = outputs
+        hidden = None if hidden_a is None else mx.concatenate([hidden_a, hidden_b])
+        return mx.concatenate([logits_a, logits_b]), hidden
+
+    def _forward(
+        self, tokens: list[int], capture: tuple[int, ...] | None, cache: list[Any]
+    ) -> tuple[mx.array, Any]:
         inputs = mx.array([tokens])
-        cache = self.cache if cache is None else cache
         if capture is not None:
             hidden = self.decoder.hidden(inputs, cache, capture=capture)
             logits = self.decoder.logits(hidden)
@@ -293,7 +328,7 @@ class Target:
             held = len(self.cached_tokens)
             if checkpoints and (done == total or held // CHECKPOINT_EVERY > marked):
                 marked = held // CHECKPOINT_EVERY
-                self.pool.add(self.cached_tokens, copy_cache(self.cache))
+                self.pool.add(self.cached_tokens, copy_cache(self.cache), self.form)
             if progress:
                 progress(done, total)
 
@@ -313,7 +348,7 @@ class Target:
         this target then holds nothing."""
         if self.pool is not None and len(self.cached_tokens) >= MIN_REUSE:
             self.launched.drop(self.cache)
-            self.pool.add(self.cached_tokens, self.cache)
+            self.pool.add(self.cached_tokens, self.cache, self.form)
             self.reset()
 
     def take_kept(self, tokens: list[int]) -> None:
@@ -331,7 +366,7 @@ class Target:
             return
         self.launched.drop(self.cache)
         if len(held) >= MIN_REUSE and not (extends and not self.snapshot_layers):
-            self.pool.add(held, self.cache)  # (a prefix of a longer kept KV: no need)
+            self.pool.add(held, self.cache, self.form)  # (a prefix of a longer kept KV: no need)
         # Any common prefix: the copy is of that much (a chat's edited turn, as before).
         cache, reused = self.pool.take(tokens, self.form, least=1)
         self.cache = cache if cache is not None else make_prompt_cache(self.model)
@@ -368,14 +403,29 @@ class Target:
         """After verifying `verified`, keep the cache entries of its first `n_keep` tokens."""
         surplus = len(verified) - n_keep
         snapshot, self._snapshot = self._snapshot, None
+        float_before, self._float_before = self._float_before, None
         if surplus == 0:
             return
+        begin = len(self.cached_tokens) - len(verified)
+        restored: set[int] = set()
+        if float_before is not None and begin + n_keep < self.kv.start:
+            # The verify crossed the KV form's start, and what is kept ends below it:
+            # the float layers as they were (holding up to the start) come back.
+            held = begin if self.snapshot_layers else begin + n_keep
+            for i, layer in enumerate(float_before):
+                if layer is not self.cache[i]:
+                    layer.trim(layer.offset - held)
+                    self.cache[i] = layer
+                    restored.add(i)
         if not self.snapshot_layers:
-            trim_cache(self, surplus)
+            for i, c in enumerate(self.cache):
+                if i not in restored:
+                    c.trim(surplus)
+            del self.cached_tokens[len(self.cached_tokens) - surplus :]
             return
         # Restore the copied layers, rewind the rest, and replay the kept tokens.
-        for c in self.cache:
-            if c.is_trimmable():
+        for i, c in enumerate(self.cache):
+            if c.is_trimmable() and i not in restored:
                 c.trim(len(verified))
         for i, state in zip(self.snapshot_layers, snapshot):
             self.cache[i].state = state

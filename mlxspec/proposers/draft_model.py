@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.models.anatomy import text_settings
+from mlxspec.models.kv_form import FLOAT, KVForm
 from mlxspec.models.prompt_cache import common_prefix
 from mlxspec.models.target import catch_up
 from mlxspec.models.tree import DraftTree
@@ -101,12 +102,15 @@ class DraftModel:
         k_max: int = 16,
         cost_hint: float = 0.2,
         own_cost=None,
+        kv: KVForm = FLOAT,
     ):
         """`own_cost`: the model's passes measured here beside the target's (a
         `DraftCost`), or None: the policy prices a draft token at `cost_hint` target
-        steps (a guess) until it timed one."""
+        steps (a guess) until it timed one. `kv`: the form its own KV cache is held in
+        (the target's, `--kv-bits`)."""
         self.name, self.model, self.k_max, self.cost_hint = name, model, k_max, cost_hint
         self.own_cost = own_cost
+        self.kv = kv
         self.reset()
 
     def reset(self) -> None:

@@ -76,6 +76,11 @@ class Defaults:
     history: bool = True  # keep and read the model's history of requests (suffix decoding)
     # auto, quantized or dequantized (mlxspec/decoding/weights_choice.py); --weights
     weights: str = "auto"
+    # The KV cache's form (mlxspec/models/kv_form.py): None float, 4 or 8 bits in groups
+    # of kv_group_size, quantized from position quantized_kv_start; --kv-bits and friends
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
     # Extra arguments of the chat template (e.g. {"enable_thinking": False}); a request's
     # own chat_template_kwargs win key by key; --chat-template-args
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))

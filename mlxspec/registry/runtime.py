@@ -11,6 +11,7 @@ from collections.abc import Callable
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxspec.batch.memory import Holdings, fit, gb
 from mlxspec.decoding.draft_cost import DraftCost, cached_draft_cost, measure_draft_cost
 from mlxspec.decoding.engine import Engine
 from mlxspec.decoding.weight_form import DEQUANTIZED, decide_weight_form
@@ -28,7 +29,15 @@ from mlxspec.drafter.head import HEAD_PATTERNS, HeadError
 from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
 from mlxspec.drafter.mtp_pull import mtp_folder
 from mlxspec.models.anatomy import UnsupportedModel
-from mlxspec.models.loading import LoadedModel, LoadError, fetch_weights, load_model
+from mlxspec.models.footprint import footprint, in_form
+from mlxspec.models.kv_form import KVForm, kv_form, kv_token_bytes
+from mlxspec.models.loading import (
+    LoadedModel,
+    LoadError,
+    fetch_weights,
+    load_model,
+    weights_location,
+)
 from mlxspec.proposers import (
     Chain,
     DraftModel,
@@ -99,6 +108,7 @@ class Runtime:
         """`weights`: the form `loaded` was loaded in (default: the entry's choice)."""
         self.entry, self.loaded, self.notify = entry, loaded, notify
         self.weights = weights or target_weights(entry)
+        self.kv = entry_kv(entry)
         self.engine = Engine(
             loaded.model,
             loaded.tokenizer,
@@ -108,7 +118,12 @@ class Runtime:
             weights=self.weights,
             prompt_cache=prompt_cache_for(entry.name, entry.target, held_weights(loaded.model)),
             fim=(entry.defaults.fim, entry.defaults.fim_order),
+            kv=self.kv,
         )
+        self._kv_token: int | None = None
+        self.checks_memory = True  # False: a sharded rank's (every rank must agree)
+        self._pool_bound = self.engine.prompt_cache.max_bytes  # the plan's, before shrinking
+        self.check_memory()
 
     def proposer(self, name: str | None) -> str:
         """Make sure the named proposer (None: the entry's default) is built; its name."""
@@ -117,7 +132,52 @@ class Runtime:
             return "none"
         if config.name not in self.engine.proposers:
             self.engine.add_proposer(self._build(config))
+            self.check_memory()  # its weights count from now on
         return config.name
+
+    def holdings(self) -> Holdings:
+        """What this runtime holds: the target's weights, the drafters' own (weights a
+        drafter shares with the target counted once), KV per token, the prompt cache's
+        bound."""
+        if self._kv_token is None:
+            self._kv_token = kv_token_bytes(self.loaded.model, self.kv)
+        target = {id(v) for _, v in tree_flatten(self.loaded.model.parameters())}
+        drafters = {
+            id(v): v.nbytes
+            for proposer in self.engine.proposers.values()
+            for module in vars(proposer).values()
+            if isinstance(module, nn.Module)
+            for _, v in tree_flatten(module.parameters())
+            if id(v) not in target
+        }
+        return Holdings(
+            weights=weight_bytes(self.loaded.model),
+            drafters=sum(drafters.values()),
+            kv_token=self._kv_token,
+            kv_form=self.kv.key,
+            prompt_cache=self._pool_bound if self._pool_bound is not None else 0,
+        )
+
+    def check_memory(self, device: int | None = None) -> None:
+        """Weights, drafters, KV of the entry's context and the prompt cache against the
+        device: DoesNotFit with the numbers where they cannot fit; where only the prompt
+        cache is too much, its bound shrinks (said once). The engine checks each request
+        against the same sum."""
+        if not self.checks_memory:
+            return
+        pool = self.engine.prompt_cache
+        holdings = self.holdings()
+        bound = fit(holdings, self.entry.defaults.context, device=device)
+        if self._pool_bound is not None and bound < self._pool_bound:
+            if pool.max_bytes != bound:
+                self.notify(
+                    f"the prompt cache keeps {gb(bound)}, not {gb(self._pool_bound)}: "
+                    f"{holdings.describe(self.entry.defaults.context, prompt_cache=False)} "
+                    "leave no more"
+                )
+            pool.max_bytes = bound
+            pool.evict_to(bound)
+        self.engine.holdings = holdings
 
     def use_history(self, store: HistoryStore) -> None:
         """Read and feed another history from now on (the bench gives each method its
@@ -224,7 +284,14 @@ class Runtime:
             model = truncated_model(model, config.options["draft_layers"])
         cost_hint = draft_cost_hint(model, self.loaded.model)
         own_cost = self._draft_cost(model, reference, config.options.get("draft_layers"))
-        return DraftModel(model, config.name, config.options["k_max"], cost_hint, own_cost)
+        return DraftModel(
+            model,
+            config.name,
+            config.options["k_max"],
+            cost_hint=cost_hint,
+            own_cost=own_cost,
+            kv=self.kv,
+        )
 
     def _draft_cost(self, model: nn.Module, reference: str, layers: int | None) -> DraftCost | None:
         """The draft's step measured beside the target's on this machine, once per pair
@@ -242,6 +309,32 @@ class Runtime:
         return cached_draft_cost(name, self.entry.target, weights, measure)
 
 
+def entry_kv(entry: ModelEntry) -> KVForm:
+    """The form the entry's KV caches are held in (`--kv-bits`, models.toml `kv_bits`)."""
+    d = entry.defaults
+    return kv_form(d.kv_bits, d.kv_group_size, d.quantized_kv_start)
+
+
+def estimated_holdings(entry: ModelEntry) -> Holdings | None:
+    """What the entry's target will hold at its context, from its files, without loading
+    it (None: not on this disk, or its files do not say; `models.footprint`)."""
+    where, present = weights_location(entry.target)
+    found = footprint(where) if present else None
+    if found is None:
+        return None
+    weights, kv_float = found
+    kv = entry_kv(entry)
+    return Holdings(weights, 0, in_form(kv_float, kv), kv.key, prompt_cache=0)
+
+
+def check_before_loading(entry: ModelEntry) -> None:
+    """DoesNotFit, with the numbers, before any weight is read, where the entry's
+    weights and the KV of its context cannot fit the device (the prompt cache gives way)."""
+    holdings = estimated_holdings(entry)
+    if holdings is not None:
+        fit(holdings, entry.defaults.context)
+
+
 def target_weights(entry: ModelEntry) -> WeightsChoice:
     """The form the entry's target (and its draft models) load in (`--weights`)."""
     return resolve_weights(entry.defaults.weights, entry.target)
@@ -252,6 +345,7 @@ def open_runtime(
 ) -> Runtime:
     """The entry's target loaded in the form `--weights` resolves to; `speculating` False
     (a plain-decoding run) never measures the forms for `auto`."""
+    check_before_loading(entry)
     weights = target_weights(entry)
     if not speculating:
         weights = for_plain_decoding(weights)

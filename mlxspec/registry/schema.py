@@ -60,6 +60,9 @@ DEFAULTS_OPTIONS = {
         lambda v: v in ("auto", "none", *FAMILIES),
     ),
     "fim_order": Option(str, "'auto', 'psm' or 'spm'", None, lambda v: v in ("auto", *ORDERS)),
+    "kv_bits": Option(int, "4 or 8 (KV cache quantization)", None, lambda v: v in (4, 8)),
+    "kv_group_size": Option(int, "32, 64 or 128", None, lambda v: v in (32, 64, 128)),
+    "quantized_kv_start": integer(0, None),
 }
 KIND_OPTIONS: dict[str, dict[str, Option]] = {
     kind: {**options, "k_max": integer(1, 32)}

@@ -189,6 +189,12 @@ class BatchedWorker(Worker):
         if self._scheduler is None or self._scheduler.engine is not engine:
             self._scheduler = None
             if unsupported_reason(engine.target.model) is None:
+                if engine.kv.quantized:  # once per model the batch serves
+                    log.warning(
+                        "--kv-bits %d: the batch keeps float KV (mlx-lm has no quantized "
+                        "batch cache); with --max-batch 1 every request holds it quantized",
+                        engine.kv.bits,
+                    )
                 self._scheduler = Scheduler(
                     engine, self.max_batch, row_floor=self.row_floor, kv_budget=self._kv_budget()
                 )

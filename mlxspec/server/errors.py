@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from mlxspec.settings import GenerationError, PromptTooLong
+from mlxspec.settings import DoesNotFit, GenerationError, PromptTooLong
 
 log = logging.getLogger("mlxspec.server")
 
@@ -79,6 +79,8 @@ def refused(err: GenerationError) -> ApiError:
     """A request the engine refused, as the client hears it (400)."""
     if isinstance(err, PromptTooLong):
         return ContextExceeded(err.prompt_tokens, err.context)
+    if isinstance(err, DoesNotFit):
+        return ApiError(400, str(err), code="insufficient_memory")
     return ApiError(400, str(err), code="invalid_request")
 
 
