@@ -134,8 +134,9 @@ def serve(
     frequency_penalty,
 ):
     """Serve OpenAI's and Anthropic's APIs: /v1/chat/completions, /v1/completions,
-    /v1/responses (Codex), /v1/messages (Claude Code), /v1/models; and Ollama's
-    (/api/chat, /api/generate with suffix, /api/tags...: --port 11434 for editors).
+    /v1/responses (Codex), /v1/messages (Claude Code), /v1/models; Ollama's
+    (/api/chat, /api/generate with suffix, /api/tags...: --port 11434 for editors);
+    and llama.cpp's /infill and /completion (llama.vim, llama.vscode: --port 8012).
 
     Up to --max-batch requests (default 8, sharded too) share each target pass; the
     others wait in line (bounded by --max-queue-wait; beyond it, 429 with Retry-After).
