@@ -25,6 +25,7 @@ must equal plain decoding's (`none`), and the script says where one does not.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -39,6 +40,7 @@ from pathlib import Path
 import httpx
 
 N_PREFIX, N_SUFFIX, N_PREDICT = 256, 64, 128  # llama.vim's defaults
+FRESH = itertools.count()  # where the next fresh prompt starts in the filler text
 CLASSES = ("line", "block", "suffix", "extra")
 
 
@@ -159,7 +161,7 @@ def run_hole(client: httpx.Client, h: dict, proposers: list[str], filler: str) -
     changed = next_key["timings"]["prompt_n"]
     # As many fresh tokens (another file's text, never sent before) prefilled alone: about
     # 3.5 characters a token, corrected once by the count the first try gave.
-    start = (row["line"] * 997) % (len(filler) // 2)
+    start = next(FRESH) * 4_001 % (len(filler) // 2)  # never the same text twice
     chars = int(changed * 3.5) + 1
     fresh, _ = post(
         client, "/completion", {"prompt": filler[start : start + chars], "n_predict": 1}

@@ -438,3 +438,13 @@ def test_batched_infills_are_each_their_plain_greedy_answer():
         assert result["content"] == expected.text
     assert max(len(result["x_mlxspec"]["batch_sizes"]) for result in results) > 2
     assert sum(result["timings"]["draft_n"] for result in results) > 0
+
+
+def test_a_completion_keeps_the_indentation_it_begins_with():
+    """The model's first token may start with a space (a line's indentation at the cursor):
+    it is the model's, not the padding a whole text's decoding drops."""
+    line = "    return a + b"
+    tokenizer = byte_tokenizer([*QWEN_FIM, line])
+    model = scripted_model(tokenizer, [line], tokenizer.get_vocab()["<|fim_middle|>"])
+    engine = Engine(model, tokenizer, "indent", verify_cost=CPU_LIKE_COST)
+    assert answer(engine, Infill("def add(a, b):\n", "\n"), "none").text == line

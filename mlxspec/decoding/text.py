@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+
 
 @dataclass
 class Piece:
@@ -18,11 +20,23 @@ class Piece:
     text: str
 
 
+def keeping_leading_space(detokenizer):
+    """mlx-lm's streaming detokenizers drop the first piece's leading space, as when a whole
+    text is decoded from its start; a generation continues its prompt, where that space is
+    the model's own: " Paris" after "The capital is", the indentation a completion writes
+    at the cursor (llama.cpp keeps it too)."""
+    if isinstance(detokenizer, BPEStreamingDetokenizer):
+        detokenizer._maybe_trim_space = lambda text: text
+    elif isinstance(detokenizer, SPMStreamingDetokenizer):
+        detokenizer.trim_space = False
+    return detokenizer
+
+
 class TextStream:
     def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), min_indent: int = 0):
         """`min_indent`: inline completion's end of a block (llama.cpp's `n_indent`): a line
         after the first that starts less indented ends the text where its code begins."""
-        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer = keeping_leading_space(tokenizer.detokenizer)
         self.detokenizer.reset()
         self.stop = [s for s in stop if s]
         self.min_indent = min_indent
