@@ -113,6 +113,11 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         reason = str(deepest.get("ctx", {}).get("error", reason))
     if not param:
         return ApiError(400, f"the body must be a JSON object: {reason}", code="invalid_body")
+    return invalid_value(param, reason)
+
+
+def invalid_value(param: str, reason: str) -> ApiError:
+    """A 400 naming the field a request got wrong, and why (every dialect's shape)."""
     return ApiError(400, f"{param}: {reason}", code="invalid_value", param=param)
 
 

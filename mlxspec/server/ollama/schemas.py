@@ -16,7 +16,7 @@ from pydantic import Field
 
 from mlxspec.markup.conversation import Conversation
 from mlxspec.markup.fim import Infill
-from mlxspec.server.errors import ApiError
+from mlxspec.server.errors import ApiError, invalid_value
 from mlxspec.server.request_body import (
     GenerationRequest,
     Lenient,
@@ -185,24 +185,24 @@ class GenerateRequest(Asking):
         if self.images:
             raise _no_images("images")
         if self.template:
-            raise _refused(
+            raise invalid_value(
                 "template",
                 "this server applies the model's own template; send the prompt already "
                 "templated with raw: true instead",
             )
         if self.context:
-            raise _refused(
+            raise invalid_value(
                 "context",
                 "is not supported (it is deprecated in Ollama); send the conversation to "
                 "/api/chat, or the whole prompt with raw: true",
             )
         if self.suffix:
             if self.system:
-                raise _refused("system", "a fill-in-the-middle prompt has no place for it")
+                raise invalid_value("system", "a fill-in-the-middle prompt has no place for it")
             return Infill(prefix=self.prompt, suffix=self.suffix)
         if self.raw:
             if self.system:
-                raise _refused("system", "raw mode does not use it; put it in the prompt")
+                raise invalid_value("system", "raw mode does not use it; put it in the prompt")
             return self.prompt
         system = [{"role": "system", "content": self.system}] if self.system else []
         messages = [*system, {"role": "user", "content": self.prompt}]
@@ -220,7 +220,7 @@ def _response_format(given: Format | None) -> ResponseFormat | None:
         return ResponseFormat.model_validate(
             {"type": "json_schema", "json_schema": {"name": "format", "schema": given}}
         )
-    raise _refused("format", 'must be "json" or a JSON schema object')
+    raise invalid_value("format", 'must be "json" or a JSON schema object')
 
 
 def _call(call: ToolCall, where: str, number: int) -> dict[str, Any]:
@@ -233,7 +233,7 @@ def _call(call: ToolCall, where: str, number: int) -> dict[str, Any]:
         except json.JSONDecodeError:
             arguments = None
         if not isinstance(arguments, dict):
-            raise _refused(f"{where}.function.arguments", "must be a JSON object")
+            raise invalid_value(f"{where}.function.arguments", "must be a JSON object")
     call_id = call.id or f"call_{number}"
     return {
         "id": call_id,
@@ -262,8 +262,4 @@ def _answered(message: Message, unanswered: list[tuple[str, str]], index: int) -
 
 
 def _no_images(param: str) -> ApiError:
-    return _refused(param, "this server runs text models only; send no images")
-
-
-def _refused(param: str, why: str) -> ApiError:
-    return ApiError(400, f"{param}: {why}", code="invalid_value", param=param)
+    return invalid_value(param, "this server runs text models only; send no images")

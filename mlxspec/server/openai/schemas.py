@@ -22,7 +22,7 @@ from pydantic import (
 from mlxspec.logprobs import MAX_TOP_LOGPROBS
 from mlxspec.markup.conversation import Conversation
 from mlxspec.markup.fim import Infill
-from mlxspec.server.errors import ApiError
+from mlxspec.server.errors import ApiError, invalid_value
 from mlxspec.server.openai.logprobs import MAX_COMPLETION_LOGPROBS
 from mlxspec.server.request_body import (
     GenerationRequest,
@@ -272,7 +272,7 @@ class CompletionRequest(GenerationRequest):
             return ""
         prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
         if not isinstance(prompt, str):
-            raise _invalid("echo", "send the prompt as text to have it echoed, not token ids")
+            raise invalid_value("echo", "send the prompt as text to have it echoed, not token ids")
         return prompt
 
     def prompt_input(self) -> str | list[int] | Infill:
@@ -281,15 +281,12 @@ class CompletionRequest(GenerationRequest):
         prompt = self.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], str):
             if len(prompt) > 1:
-                raise _invalid("prompt", f"send one prompt per request, not {len(prompt)}")
+                raise invalid_value("prompt", f"send one prompt per request, not {len(prompt)}")
             prompt = prompt[0]
         if not self.suffix:
             return prompt
         if not isinstance(prompt, str):
-            raise _invalid("prompt", "with a suffix, send the text before the hole, not token ids")
+            raise invalid_value(
+                "prompt", "with a suffix, send the text before the hole, not token ids"
+            )
         return Infill(prefix=prompt, suffix=self.suffix)
-
-
-def _invalid(param: str, reason: str) -> ApiError:
-    """A 400 naming the field a completion request got wrong."""
-    return ApiError(400, f"{param}: {reason}", code="invalid_value", param=param)

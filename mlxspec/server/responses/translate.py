@@ -30,7 +30,7 @@ from mlxspec.markup.conversation import (
     ToolCallArguments,
     ToolCallStarted,
 )
-from mlxspec.server.errors import ApiError
+from mlxspec.server.errors import ApiError, invalid_value
 from mlxspec.server.request_body import GenerationRequest, check_forced_schemas, effort_kwargs
 from mlxspec.server.responses.schemas import (
     AllowedTools,
@@ -55,10 +55,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def _bad(param: str, why: str) -> ApiError:
-    return ApiError(400, f"{param}: {why}", code="invalid_value", param=param)
-
-
 # --- The request ------------------------------------------------------------------------
 
 
@@ -81,7 +77,9 @@ def _text(content: str | list[ContentPart] | list[dict] | None, where: str) -> s
         elif part.type == "refusal":
             texts.append(part.refusal or "")
         else:
-            raise _bad(f"{where}[{index}]", f"{part.type} parts are not supported by this server")
+            raise invalid_value(
+                f"{where}[{index}]", f"{part.type} parts are not supported by this server"
+            )
     return "".join(texts)
 
 
@@ -109,10 +107,10 @@ def conversation(
             elif item.role == "user":
                 messages.append({"role": "user", "content": text})
             else:
-                raise _bad(f"{where}.role", "a message needs a role")
+                raise invalid_value(f"{where}.role", "a message needs a role")
         elif item.type in ("function_call", "custom_tool_call"):
             if not item.call_id or not item.name:
-                raise _bad(where, f"a {item.type} needs call_id and name")
+                raise invalid_value(where, f"a {item.type} needs call_id and name")
             arguments = _arguments(item, where)
             name = flat_name(item.namespace, item.name)
             call_names[item.call_id] = name
@@ -125,7 +123,9 @@ def conversation(
             last.setdefault("tool_calls", []).append(call)
         elif item.type in ("function_call_output", "custom_tool_call_output"):
             if item.call_id not in call_names:
-                raise _bad(f"{where}.call_id", f"{item.call_id!r} answers no earlier function_call")
+                raise invalid_value(
+                    f"{where}.call_id", f"{item.call_id!r} answers no earlier function_call"
+                )
             output = _text(item.output, f"{where}.output")
             tool_turn = {"role": "tool", "tool_call_id": item.call_id}
             messages.append({**tool_turn, "name": call_names[item.call_id], "content": output})
@@ -133,7 +133,7 @@ def conversation(
             parts = item.content if isinstance(item.content, list) else []
             reasoning.append(_text([*parts, *(item.summary or [])], f"{where}.content"))
         elif item.type == "item_reference":
-            raise _bad(where, "item references are not supported; send the item itself")
+            raise invalid_value(where, "item references are not supported; send the item itself")
         # Hosted tools' calls (web_search_call, ...) ran nowhere here: nothing to show.
     if system:
         messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
@@ -155,9 +155,9 @@ def _arguments(item: InputItem, where: str) -> dict[str, Any]:
     try:
         parsed = json.loads(item.arguments or "{}")
     except json.JSONDecodeError as err:
-        raise _bad(f"{where}.arguments", f"must be a JSON object as text: {err}") from None
+        raise invalid_value(f"{where}.arguments", f"must be a JSON object as text: {err}") from None
     if not isinstance(parsed, dict):
-        raise _bad(f"{where}.arguments", "must be a JSON object as text")
+        raise invalid_value(f"{where}.arguments", "must be a JSON object as text")
     return parsed
 
 
@@ -248,17 +248,19 @@ def answer_constraint(body: ResponsesRequest, offered: Tools) -> AnswerConstrain
     if choice == "required" or (isinstance(choice, AllowedTools) and choice.mode == "required"):
         names = tuple(tool["function"]["name"] for tool in offered.for_template or ())
         if not names:
-            raise _bad("tool_choice", "required, but no function tool was given")
+            raise invalid_value("tool_choice", "required, but no function tool was given")
     elif isinstance(choice, NamedTool):
         known = {tool["function"]["name"] for tool in offered.for_template or ()}
         name = flat_name(choice.namespace, choice.name)
         if name not in known:
-            raise _bad("tool_choice", f"no tool named {name!r} is in tools")
+            raise invalid_value("tool_choice", f"no tool named {name!r} is in tools")
         names = (name,)
     text_format = body.text.format if body.text else None
     if names:
         if text_format is not None and text_format.type != "text":
-            raise _bad("text.format", "a forced tool_choice already sets the answer's form")
+            raise invalid_value(
+                "text.format", "a forced tool_choice already sets the answer's form"
+            )
         check_forced_schemas(
             [
                 (f"tools[{index}].parameters", spec.parameters)
@@ -271,7 +273,7 @@ def answer_constraint(body: ResponsesRequest, offered: Tools) -> AnswerConstrain
     if text_format is None:
         return None
     if text_format.type == "json_schema" and text_format.schema_ is None:
-        raise _bad("text.format.schema", "a json_schema format needs its schema")
+        raise invalid_value("text.format.schema", "a json_schema format needs its schema")
     grammar = text_format.response_format().grammar("text.format.schema")
     return None if grammar is None else AnswerConstraint(grammar=grammar)
 
