@@ -74,6 +74,9 @@ class Vocab:
     def get_vocab(self) -> dict[str, int]:
         return self.vocab
 
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return next(text for text, known in self.vocab.items() if known == token_id)
+
 
 @pytest.mark.parametrize("family", ["qwen", "starcoder", "deepseek", "codellama", "codestral"])
 def test_each_family_is_found_by_its_token_texts(family):

@@ -163,8 +163,7 @@ def _from_gguf(tokenizer, vocab: dict[str, int]) -> FimLayout | None:
     ids = getattr(tokenizer, "gguf_fim_token_ids", None) or {}
     if not all(ids.get(key) is not None for key in GGUF_KEYS[:3]):
         return None
-    by_id = {token_id: text for text, token_id in vocab.items()}
-    prefix_text = by_id.get(ids["fim_pre"], "")
+    prefix_text = tokenizer.convert_ids_to_tokens(ids["fim_pre"])
     family = next((n for n, texts in FAMILIES.items() if texts[0] == prefix_text), "gguf")
     return FimLayout(
         family,

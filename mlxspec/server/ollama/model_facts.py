@@ -206,9 +206,9 @@ def _template(engine: Engine) -> str:
 
 
 def _fim_template(layout: FimLayout, tokenizer) -> str:
-    by_id = {token_id: text for text, token_id in tokenizer.get_vocab().items()}
-    prefix = by_id[layout.prefix] + "{{ .Prompt }}"
-    suffix = by_id[layout.suffix] + "{{ .Suffix }}"
-    middle = by_id[layout.middle] if layout.middle is not None else ""
+    text = tokenizer.convert_ids_to_tokens
+    prefix = text(layout.prefix) + "{{ .Prompt }}"
+    suffix = text(layout.suffix) + "{{ .Suffix }}"
+    middle = text(layout.middle) if layout.middle is not None else ""
     hole = suffix + prefix if layout.suffix_first else prefix + suffix
     return "{{- if .Suffix }}" + hole + middle + "{{- else }}{{ .Prompt }}{{- end }}"
