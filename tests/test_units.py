@@ -122,27 +122,60 @@ def test_policy_drafts_long_when_acceptance_is_high_and_not_at_all_when_low():
     assert policy.choose(bad, 64) == 0
 
 
-def test_policy_counts_draft_cost_and_keeps_probing():
+def test_policy_never_probes_a_source_that_could_not_pay_at_any_acceptance():
+    """A draft token dearer than a target step loses even if every draft is kept: no
+    probe can teach the policy anything that turns it on, so none is made (each would
+    cost a draft step and a wider verify)."""
     policy = Policy(CPU_LIKE_COST, explore_every=4)
     costly = Situation(Named("draft", cost_hint=2.0), "model")
-    assert policy.choose(costly, 8) == 0  # a draft token dearer than a target step never pays
-    choices = [policy.choose(costly, 8) for _ in range(8)]
+    assert [policy.choose(costly, 8) for _ in range(200)] == [0] * 200
+
+
+def rounds_to_probe(policy: Policy, situation: Situation, limit: int = 8) -> int:
+    rounds = 1
+    while policy.choose(situation, limit) == 0:
+        rounds += 1
+    return rounds
+
+
+def test_policy_keeps_probing_a_source_that_might_pay_and_waits_longer_after_misses():
+    policy = Policy(CPU_LIKE_COST, explore_every=4, probe_share=1.0)  # price: not the limit
+    weak = Situation(Named("draft", cost_hint=0.3), "model")
+    for _ in range(10):  # learned: it is rarely right, so plain decoding is chosen
+        policy.update(weak, 4, 0, 0.06)
+    assert policy.choose(weak, 8) == 0
+    choices = [policy.choose(weak, 8) for _ in range(8)]
     assert choices.count(1) == 2  # one probe every 4 idle rounds
     waits = []
     for _ in range(4):  # every probe is rejected: the wait doubles
-        rounds = 1
-        while policy.choose(costly, 8) == 0:
-            rounds += 1
-        waits.append(rounds)
-        policy.update(costly, 1, 0, 0.1)  # a draft token as dear as 2 target steps
+        waits.append(rounds_to_probe(policy, weak))
+        policy.update(weak, 1, 0, 0.015)  # a draft token 0.3 target steps
     assert waits == [3, 8, 16, 32]  # (the first: 1 idle round left over from above)
-    while policy.choose(costly, 8) == 0:
-        pass
-    policy.update(costly, 1, 1, 0.1)  # an accepted probe: back to the start
-    assert [policy.choose(costly, 8) for _ in range(4)].count(1) == 1
+    rounds_to_probe(policy, weak)
+    policy.update(weak, 1, 1, 0.015)  # an accepted probe: back to the start
+    policy.update(weak, 2, 0, 0.03)  # (and a miss, which ends its streak of full drafts)
+    assert [policy.choose(weak, 8) for _ in range(8)].count(1) == 2
     acceptance = Acceptance()
     acceptance.update(4, 4, decay=0.5)
     assert acceptance.rate > 0.5
+
+
+def test_a_probe_waits_until_its_price_is_a_small_share_of_the_rounds_it_waited():
+    """A draft model off since the prompt must read all of it to probe: that catch-up
+    is priced, and the probe waits until it is `probe_share` of the plain rounds before
+    it, so probing a drafter that is wrong never costs more than that share."""
+    waited = {}
+    for behind in (1, 300):
+        policy = Policy(CPU_LIKE_COST, explore_every=4)
+        source = Named("draft", cost_hint=0.1)
+        for _ in range(10):  # learned in step: rarely right, a draft step 0.1 target steps
+            policy.update(Situation(source, "model"), 4, 0, 0.02)
+        situation = Situation(source, "model", catch_up=behind)
+        waited[behind] = rounds_to_probe(policy, situation, limit=8)
+        catch_up = max(0.0, CPU_LIKE_COST(behind) - 1.0) if behind > 1 else 0.0
+        price = 0.1 * (1 + catch_up) + CPU_LIKE_COST(2) - 1.0
+        assert price <= policy.probe_share * waited[behind] < price + 2 * policy.probe_share
+    assert waited[300] > 5 * waited[1]
 
 
 def full_scan_plan(policy: Policy, situation: Situation, limit: int) -> tuple[int, float]:

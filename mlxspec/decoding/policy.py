@@ -30,6 +30,10 @@ if TYPE_CHECKING:  # the proposers package imports every proposer, mlx-lm with t
 # re-prices every width at once (Policy.observe_verify).
 PRICE_AT_ONCE = 3.0
 RETIME_ROUNDS = 2  # plain rounds that re-time the step after such a jump (the fastest counts)
+# Acceptance a probe asks "could drafting pay" at: nearly every draft kept. A source that
+# would not pay even so (its measured draft step, catch-up and verify dearer than what it
+# could bring) is never probed: no acceptance it might show would turn it on.
+OPTIMISTIC_ACCEPTANCE = 0.99
 
 
 @dataclass
@@ -64,6 +68,11 @@ class Policy:
     fixed_k: int | None = None
     decay: float = 0.9
     explore_every: int = 16
+    # A probe may cost at most this share of the plain rounds it waited for: its draft
+    # step, the catch-up of a drafter that was off, a verify one token wider. A draft
+    # model whose catch-up is dear waits longer between probes (or, behind a whole
+    # prompt it never read, past a short answer's end), so probing never costs more.
+    probe_share: float = 0.02
     stats: dict[tuple[str, str], Acceptance] = field(default_factory=dict)
     # Sources whose acceptance changes along the draft (a block drafter's slots) also keep
     # one estimate per position j: a_j = P(draft j kept | the drafts before it were).
@@ -166,20 +175,38 @@ class Policy:
             key = self._key(situation)
             idle = self._idle_rounds.get(key, 0) + 1
             self._idle_rounds[key] = idle
-            if idle >= self._probe_wait.get(key, self.explore_every):
+            wait = max(self._probe_wait.get(key, self.explore_every), self._probe_rounds(situation))
+            if idle >= wait and self._could_pay(situation, limit):
                 self._idle_rounds[key] = 0
                 self._probing.add(key)
                 return situation, 1
         return situation, k
 
-    def _plan(self, situation: Situation, limit: int, left: int | None = None) -> tuple[int, float]:
+    def _probe_rounds(self, situation: Situation) -> float:
+        """Plain rounds a probe must wait for its price to be `probe_share` of them: a
+        one-token draft (its step, the catch-up of a drafter that was off) and the verify's
+        extra token, in target steps."""
+        per_draft = self.draft_price(situation.source)
+        price = per_draft * (1 + self._catch_up_units(situation)) + self.verify_cost(2) - 1.0
+        return price / self.probe_share
+
+    def _could_pay(self, situation: Situation, limit: int) -> bool:
+        """Would drafting beat plain decoding at OPTIMISTIC_ACCEPTANCE, priced as `_plan`
+        prices it? If not, a probe can teach nothing that turns the source on."""
+        k_max = min(limit, getattr(situation.source, "k_max", limit))
+        return self._plan(situation, k_max, limit, rate=OPTIMISTIC_ACCEPTANCE)[0] > 0
+
+    def _plan(
+        self, situation: Situation, limit: int, left: int | None = None, rate: float | None = None
+    ) -> tuple[int, float]:
         """(best k, its expected speed relative to plain decoding) for one situation.
 
         A drafter that was off pays its catch-up once, for every round after it: each
         token of the `left` the request may still make (default: `limit`) bears its
-        share, so a long answer resumes at once and a few last tokens do not."""
+        share, so a long answer resumes at once and a few last tokens do not. `rate`: an
+        acceptance to price at instead of the learned one (`_could_pay`)."""
         key = self._key(situation)
-        rate = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
+        learned = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
         per_draft = self.draft_price(situation.source)
         catch_up_per_token = self._catch_up_price(situation, per_draft) / max(left or limit, 1)
         best_k, best_speed = 0, 1.0
@@ -187,9 +214,12 @@ class Policy:
         nodes = getattr(situation.source, "verify_nodes", lambda k: k)
         # A block drafter's one pass drafts every k alike: its cost is per round.
         per_round = getattr(situation.source, "cost_per_round", False)
-        tokens = self._expected_by_position(situation, key, limit) or self._expected_from_evidence(
-            situation, rate, limit
-        )
+        tokens = []
+        if rate is None:
+            rate = learned
+            tokens = self._expected_by_position(
+                situation, key, limit
+            ) or self._expected_from_evidence(situation, rate, limit)
         # A round's tokens never fall as k grows; where its cost never falls either (a
         # monotone curve, as every measured one is), a k whose cost alone leaves the most
         # tokens no faster than the best ends the search: no longer k can beat it. (A
