@@ -8,8 +8,11 @@ from tiny_gguf import write_tiny_gguf
 
 from mlxspec.decoding import draft_cost
 from mlxspec.decoding.draft_cost import DraftCost, step_ratio
+from mlxspec.decoding.draft_form import DraftForm, choose_draft_form
 from mlxspec.decoding.policy import Policy
 from mlxspec.decoding.verify_cost import VerifyCost
+from mlxspec.decoding.weights_choice import held_weights
+from mlxspec.proposers import DraftModel
 from mlxspec.registry import runtime as runtime_module
 from mlxspec.registry.models_toml import load_registry
 from mlxspec.registry.runtime import draft_cost_hint, open_runtime
@@ -96,3 +99,82 @@ def test_a_real_measurement_of_a_pair(pair_entry, monkeypatch):
     assert isinstance(own, DraftCost)
     assert 0 < own.step_ratio < 5  # one layer of three: timing noise aside, cheaper
     assert own.curve(1) == 1.0 and own.curve.step_seconds > 0
+
+
+@pytest.fixture
+def separate_draft(tmp_path, monkeypatch):
+    """A tiny GGUF target (held dequantized) and a separate Q8_0 draft of its family."""
+    target = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", "Q8_0")
+    draft = write_tiny_gguf(tmp_path / "draft.Q8_0.gguf", "Q8_0", seed=1)
+
+    def entry(weights: str | None = None):
+        option = f'weights = "{weights}"\n' if weights else ""
+        (tmp_path / "models.toml").write_text(
+            f'[models.tiny]\ntarget = "{target}"\n[models.tiny.defaults]\n'
+            f'weights = "dequantized"\n[models.tiny.proposers.draft-model]\n'
+            f'draft = "{draft}"\n{option}'
+        )
+        return load_registry().get("tiny")
+
+    monkeypatch.setenv("MLXSPEC_MODELS", str(tmp_path / "models.toml"))
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path / "cache"))
+    return entry
+
+
+def priced_by_form(monkeypatch, quantized: float, dequantized: float) -> list[str]:
+    """Each form of the draft costs what is given; returns the forms measured, in order."""
+    measured = []
+
+    def fake_measure(draft, target, vocab_size):
+        form = "quantized" if "q8" in held_weights(draft) else "dequantized"
+        measured.append(form)
+        ratio = quantized if form == "quantized" else dequantized
+        return DraftCost(ratio, VerifyCost({1: 1.0, 8: 1.5}, 0.001))
+
+    monkeypatch.setattr(runtime_module, "measure_draft_cost", fake_measure)
+    return measured
+
+
+def draft_of(runtime) -> DraftModel:
+    return runtime.engine.proposers[runtime.proposer("draft-model")]
+
+
+@pytest.mark.parametrize(
+    ("quantized", "dequantized", "kept"), [(0.33, 0.21, "dequantized"), (0.2, 0.19, "quantized")]
+)
+def test_a_quantized_draft_drafts_in_the_form_measured_cheaper_beside_the_target(
+    separate_draft, monkeypatch, quantized, dequantized, kept
+):
+    """Both forms timed beside the target as it is held, once per pair: the dequantized
+    form is kept only when clearly cheaper (it holds several times the bytes)."""
+    measured = priced_by_form(monkeypatch, quantized, dequantized)
+    draft = draft_of(open_runtime(separate_draft()))
+    assert sorted(measured) == ["dequantized", "quantized"]
+    assert ("q8" in held_weights(draft.model)) == (kept == "quantized")
+    assert draft.own_cost.step_ratio == pytest.approx(
+        min(quantized, dequantized) if kept == "dequantized" else quantized
+    )
+    again = draft_of(open_runtime(separate_draft()))  # decided and priced before: from the cache
+    assert len(measured) == 2
+    assert ("q8" in held_weights(again.model)) == (kept == "quantized")
+
+
+def test_a_draft_form_asked_for_is_loaded_without_measuring_the_other(separate_draft, monkeypatch):
+    measured = priced_by_form(monkeypatch, 0.5, 0.1)
+    draft = draft_of(open_runtime(separate_draft("quantized")))
+    assert measured == ["quantized"] and "q8" in held_weights(draft.model)
+
+
+def choice(decided: DraftForm) -> tuple[str, str]:
+    return decided.form, decided.reason
+
+
+def test_choose_draft_form_keeps_quantized_unless_dequantized_is_clearly_cheaper():
+    curve = VerifyCost({1: 1.0}, 0.001)
+    costs = {"quantized": DraftCost(0.33, curve), "dequantized": DraftCost(0.21, curve)}
+    assert choose_draft_form(costs).form == "dequantized"
+    costs["dequantized"] = DraftCost(0.30, curve)
+    assert choose_draft_form(costs).form == "quantized"
+    alone = choose_draft_form({"quantized": costs["quantized"]}, "does not fit")
+    assert choice(alone) == ("quantized", "quantized kept (does not fit)")
+    assert DraftForm.from_json(alone.to_json()) == alone

@@ -7,14 +7,28 @@ name; weights for a draft model are loaded only when that proposer is first used
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxspec.batch.memory import Holdings, fit, gb
 from mlxspec.decoding.draft_cost import DraftCost, cached_draft_cost, measure_draft_cost
+from mlxspec.decoding.draft_form import DraftForm, choose_draft_form
 from mlxspec.decoding.engine import Engine
-from mlxspec.decoding.weight_form import DEQUANTIZED, decide_weight_form
+from mlxspec.decoding.verify_cost import (
+    cached_verify_cost,
+    calibration_key,
+    known_calibration,
+    measure_again,
+)
+from mlxspec.decoding.weight_form import (
+    DEQUANTIZED,
+    QUANTIZED,
+    decide_weight_form,
+    dequantized_bytes,
+    free_memory_bytes,
+)
 from mlxspec.decoding.weights_choice import (
     AUTO,
     WeightsChoice,
@@ -270,20 +284,15 @@ class Runtime:
         return BlockProposer(drafter, target, config.name, options["k_max"])
 
     def _draft_model(self, config: ProposerConfig) -> DraftModel:
-        reference = config.options["draft"]
+        reference, layers = config.options["draft"], config.options.get("draft_layers")
         if reference == self.entry.target:
-            model = self.loaded.model
+            model = self.loaded.model if not layers else truncated_model(self.loaded.model, layers)
+            own_cost = self._draft_cost(model, reference, layers)
         else:
-            self.notify(f"loading draft model {reference}")
-            draft = load_model(reference, dequantize=self.weights.dequantize)
-            check_same_vocabulary(
-                self.entry.target, self.loaded.tokenizer, reference, draft.tokenizer
+            model, own_cost = self._draft_in_its_form(
+                reference, layers, config.options.get("weights", AUTO)
             )
-            model = draft.model
-        if config.options.get("draft_layers"):
-            model = truncated_model(model, config.options["draft_layers"])
         cost_hint = draft_cost_hint(model, self.loaded.model)
-        own_cost = self._draft_cost(model, reference, config.options.get("draft_layers"))
         return DraftModel(
             model,
             config.name,
@@ -292,6 +301,66 @@ class Runtime:
             own_cost=own_cost,
             kv=self.kv,
         )
+
+    def _load_draft(self, reference: str, layers: int | None, dequantize: bool) -> LoadedModel:
+        """The draft's weights in one form, checked against the target's tokenizer and
+        cut to its first `layers` where asked (`model` replaced)."""
+        form = DEQUANTIZED if dequantize else QUANTIZED
+        self.notify(f"loading draft model {reference} ({form})")
+        draft = load_model(reference, dequantize=dequantize)
+        check_same_vocabulary(self.entry.target, self.loaded.tokenizer, reference, draft.tokenizer)
+        if layers:
+            draft = replace(draft, model=truncated_model(draft.model, layers))
+        return draft
+
+    def _draft_in_its_form(
+        self, reference: str, layers: int | None, requested: str
+    ) -> tuple[nn.Module, DraftCost | None]:
+        """The draft model in the form it drafts cheapest in, and its measured cost.
+
+        `requested` (the proposer's `weights`): quantized or dequantized as asked; auto,
+        where costs are measured, both forms of a draft stored quantized timed beside the
+        target once per pair (draft_form.py) and the decision kept; where they are not
+        (an engine handed its costs), the target's form."""
+        if requested != AUTO:
+            draft = self._load_draft(reference, layers, requested == DEQUANTIZED)
+            return draft.model, self._draft_cost(draft.model, reference, layers)
+        if not self.engine.measures_costs:
+            draft = self._load_draft(reference, layers, self.weights.dequantize)
+            return draft.model, None
+        name = reference + (f" first {layers} layers" if layers else "")
+        key = calibration_key(
+            f"draft form {name}", held_weights(self.loaded.model), f"pair with {self.entry.target}"
+        )
+        known = known_calibration(key, DraftForm.from_json)
+        if known is not None and not measure_again(known):
+            draft = self._load_draft(reference, layers, known.form == DEQUANTIZED)
+            return draft.model, self._draft_cost(draft.model, reference, layers)
+        measured: dict[str, tuple[nn.Module, DraftCost]] = {}
+
+        def decide() -> DraftForm:
+            stored = self._load_draft(reference, layers, dequantize=False)
+            measured[QUANTIZED] = (stored.model, self._draft_cost(stored.model, reference, layers))
+            if not stored.quantized:  # one form: float, as the target's form says
+                form = DEQUANTIZED if self.weights.dequantize else QUANTIZED
+                if form == DEQUANTIZED:
+                    floats = self._load_draft(reference, layers, dequantize=True).model
+                    measured[DEQUANTIZED] = (floats, None)
+                return DraftForm(form, "stored in float, loaded as the target is", {})
+            need, free = dequantized_bytes(stored.model, 4), free_memory_bytes()
+            if free is not None and need > free:
+                skipped = f"dequantized ({need / 2**30:.1f} GiB) does not fit in memory"
+                return choose_draft_form({QUANTIZED: measured[QUANTIZED][1]}, skipped)
+            floats = self._load_draft(reference, layers, dequantize=True).model
+            measured[DEQUANTIZED] = (floats, self._draft_cost(floats, reference, layers))
+            return choose_draft_form({form: cost for form, (_, cost) in measured.items()})
+
+        decision = cached_verify_cost(key, decide, DraftForm.from_json)
+        self.notify(f"draft model {reference}: {decision.reason}")
+        model, cost = measured.get(decision.form, (None, None))
+        if model is None:  # decided by another process meanwhile
+            model = self._load_draft(reference, layers, decision.form == DEQUANTIZED).model
+        return model, cost or self._draft_cost(model, reference, layers)
 
     def _draft_cost(self, model: nn.Module, reference: str, layers: int | None) -> DraftCost | None:
         """The draft's step measured beside the target's on this machine, once per pair

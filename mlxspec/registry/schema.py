@@ -73,7 +73,15 @@ KIND_OPTIONS: dict[str, dict[str, Option]] = {
             "min_match": integer(1, 2),
             "seed": Option(bool, "true or false", False),
         },
-        "draft-model": {"draft": REFERENCE, "draft_layers": integer(1, None)},
+        "draft-model": {
+            "draft": REFERENCE,
+            "draft_layers": integer(1, None),
+            # The draft's own form (decoding/draft_form.py): auto measures both beside the
+            # target where it is stored quantized and keeps the cheaper.
+            "weights": Option(
+                str, "'auto', 'quantized' or 'dequantized'", "auto", lambda v: v in CHOICES
+            ),
+        },
         "self-spec": {
             "layers": integer(1),
             "exit": Option(str, "a path or hub repo id of an exit head", None, reference=True),
