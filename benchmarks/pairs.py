@@ -1,8 +1,8 @@
 """Target + draft-model pairs: plain decoding, the draft model, and prompt lookup then the
 draft model, each run alone from a cold engine, interleaved, on this machine.
 
-    python benchmarks/pairs.py --ratios 0.05 0.15 0.35 --acceptances 0.9 0.7 0.3 \
-        --tokens 96 --repeats 2 [--smollm2]
+    python -m benchmarks.pairs --ratios 0.05 0.15 0.35 --acceptances 0.9 0.7 0.3 \
+        --tokens 96 --repeats 2 [--smollm2] [--qwen-coder FOLDER --weights quantized auto]
 
 Synthetic pairs: a tiny random llama target and a smaller random llama whose one-token
 step is sized (measured here) to a share of the target's: 5 % is a 0.5B draft beside a
@@ -15,6 +15,9 @@ adaptive, pricing the draft by its step measured beside the target's (`DraftCost
 
 `--smollm2`: the packaged SmolLM2-135M with its own draft (its first 10 of 30 layers, the
 models.toml entry's `draft-model` and `auto`), on a code edit and open text.
+`--qwen-coder FOLDER`: the same for the real pair Qwen2.5-Coder 1.5B + 0.5B (Q4_K_M GGUFs in
+LM Studio's layout under FOLDER, fetched there by benchmarks/qwen_coder_pair.py), the
+target held as `--weights` says, the draft in the form measured cheaper (draft_form.py).
 
 Columns: decode tokens/s (the fastest of the repeats: other work on a shared machine only
 slows a run) and its ratio to plain's; the run record's own estimate of its speedup, each
@@ -203,24 +206,54 @@ def synthetic_pairs(ratios, acceptances, tokens: int, repeats: int) -> list[str]
     return lines
 
 
-def smollm2_pair(tokens: int, repeats: int) -> list[str]:
-    from mlxspec.registry.models_toml import load_registry
+def registry_pair(entry, label: str, tokens: int, repeats: int) -> list[str]:
+    """A models.toml entry's `draft-model` and `auto` (lookup, then the draft model)
+    against plain decoding, on a code edit and open text."""
     from mlxspec.registry.runtime import open_runtime
 
-    runtime = open_runtime(load_registry().get("smollm2-135m"), notify=print)
+    runtime = open_runtime(entry, notify=print)
     for name in ("draft-model", "auto"):
         runtime.proposer(name)
     engine = runtime.engine
     own = engine.proposers["draft-model"].own_cost
-    print(f"# SmolLM2 draft (10 of 30 layers): step {own.step_ratio:.3f} of the target's")
+    print(f"# {label}: draft step {own.step_ratio:.3f} of the target's ({runtime.weights.reason})")
     lines = []
-    for label, text in SMOLLM2_PROMPTS.items():
+    for prompt_name, text in SMOLLM2_PROMPTS.items():
         prompt = engine.encode_chat([{"role": "user", "content": text}])
         results = compare(engine, prompt, ["draft-model", "auto"], tokens, repeats)
         names = {"none": "plain", "auto": "lookup+draft"}
-        lines += rows_for(f"SmolLM2 + own 10 layers, {label}", results, names)
+        lines += rows_for(f"{label}, {prompt_name}", results, names)
         print("\n".join(lines[-3:]), file=sys.stderr)
     return lines
+
+
+def smollm2_pair(tokens: int, repeats: int) -> list[str]:
+    from mlxspec.registry.models_toml import load_registry
+
+    entry = load_registry().get("smollm2-135m")
+    return registry_pair(entry, "SmolLM2 + own 10 layers", tokens, repeats)
+
+
+def qwen_coder_pair(folder: Path, weights: str, tokens: int, repeats: int) -> list[str]:
+    """Qwen2.5-Coder 1.5B drafted by its 0.5B, Q4_K_M GGUFs kept as LM Studio keeps them
+    (fetched by benchmarks/qwen_coder_pair.py), the target's weights in `weights`."""
+    import os
+    import tempfile
+
+    from benchmarks.qwen_coder_pair import pair
+    from mlxspec.registry.models_toml import load_registry
+
+    target, draft = pair(folder)
+    models = Path(tempfile.mkdtemp()) / "models.toml"
+    models.write_text(
+        f'[models.qwen-coder]\ntarget = "{target}"\n[models.qwen-coder.defaults]\n'
+        f'weights = "{weights}"\n[models.qwen-coder.proposers.draft-model]\n'
+        f'draft = "{draft}"\n[models.qwen-coder.proposers.auto]\nkind = "chain"\n'
+        'members = ["prompt-lookup", "draft-model"]\n'
+    )
+    os.environ["MLXSPEC_MODELS"] = str(models)
+    entry = load_registry().get("qwen-coder")
+    return registry_pair(entry, f"Qwen2.5-Coder 1.5B + 0.5B, {weights}", tokens, repeats)
 
 
 def main() -> None:
@@ -230,10 +263,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--smollm2", action="store_true", help="also SmolLM2 and its own draft")
+    parser.add_argument(
+        "--qwen-coder",
+        type=Path,
+        metavar="FOLDER",
+        help="also the real Qwen2.5-Coder 1.5B + 0.5B pair, kept (or fetched) under FOLDER",
+    )
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        default=["quantized"],
+        help="the real pair's target weights: quantized (a Mac's form), auto, or both",
+    )
     args = parser.parse_args()
     lines = synthetic_pairs(args.ratios, args.acceptances, args.tokens, args.repeats)
     if args.smollm2:
         lines += smollm2_pair(args.tokens, args.repeats)
+    for weights in args.weights if args.qwen_coder else []:
+        lines += qwen_coder_pair(args.qwen_coder, weights, args.tokens, args.repeats)
     print(
         "| pair | method | tok/s | vs plain | estimated | acceptance | drafted | drafter's time |"
     )
