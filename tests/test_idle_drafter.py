@@ -191,6 +191,7 @@ def test_policy_prices_the_catch_up_pass_of_a_drafter_that_was_off():
     pass costs more than the round saves), with 10,000 left it resumes at once."""
     policy = Policy(CPU_LIKE_COST)
     source = Stateful()
+    policy.update(Situation(source, "warm-up"), 1, 1, 0.005)  # proven: it drafted (0.1 steps)
     in_step = Situation(source, "model", prior=0.7, catch_up=1)
     behind = Situation(source, "model", prior=0.7, catch_up=200)
     k_in_step, speed_in_step = policy._plan(in_step, 8, 10_000)
@@ -204,6 +205,21 @@ def test_policy_prices_the_catch_up_pass_of_a_drafter_that_was_off():
     assert speed_short == pytest.approx(max(1.0, made / cost))
     k_long, speed_long = policy._plan(behind, 8, 10_000)
     assert k_long == k_in_step and speed_long == pytest.approx(speed_in_step, rel=0.01)
+
+
+def test_an_unproven_drafter_behind_the_prompt_starts_only_where_it_would_pay_when_often_wrong():
+    """Before a drafter has drafted, its first catch-up (the whole prompt) is paid blind:
+    priced at UNPROVEN_ACCEPTANCE at most, a dear draft (0.4 of a step, SmolLM2's own 10
+    layers here) waits for its priced probe while a cheap one (a 0.5B beside a 7B on a Mac)
+    starts at once; once it has drafted, what it showed decides."""
+    policy = Policy(CPU_LIKE_COST)
+    dear, cheap = Stateful(), Stateful()
+    dear.cost_hint, cheap.cost_hint, cheap.name = 0.4, 0.05, "cheap"
+    for source, starts in ((dear, False), (cheap, True)):
+        behind = Situation(source, "model", prior=0.7, catch_up=100)
+        assert (policy._plan(behind, 8, 10_000)[0] > 0) == starts
+    policy.update(Situation(dear, "model", prior=0.7), 2, 2, 0.04)  # drafted, both kept
+    assert policy._plan(Situation(dear, "model", prior=0.7, catch_up=100), 8, 10_000)[0] > 0
 
 
 def test_a_catch_up_is_not_taken_for_the_price_of_a_draft_token():

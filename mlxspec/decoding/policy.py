@@ -34,6 +34,12 @@ RETIME_ROUNDS = 2  # plain rounds that re-time the step after such a jump (the f
 # would not pay even so (its measured draft step, catch-up and verify dearer than what it
 # could bring) is never probed: no acceptance it might show would turn it on.
 OPTIMISTIC_ACCEPTANCE = 0.99
+# Acceptance an unproven drafter that must first catch up is priced at, at most: that pass
+# is paid before anything is known of the pair, and the prior's even odds started SmolLM2's
+# own 10 layers (which agree ~1 % of the time) on a catch-up of the whole prompt, 3-5 % of a
+# 64-token answer. A cheap drafter (a 0.5B beside a 7B on a Mac) still starts at once; a dear
+# one waits for its priced probe.
+UNPROVEN_ACCEPTANCE = 0.3
 
 
 @dataclass
@@ -87,6 +93,7 @@ class Policy:
     # useless proposer costs ever less; an accepted probe resets it.
     _probe_wait: dict[tuple[str, str], int] = field(default_factory=dict)
     _probing: set[tuple[str, str]] = field(default_factory=set)
+    _drafted: set[str] = field(default_factory=set)  # sources that drafted: not unproven
     # Online correction of the calibrated curve, from the rounds actually run: the
     # machine may be busier (or the context longer) than when it was calibrated.
     step_seconds: float | None = None  # recent one-token step time
@@ -207,6 +214,8 @@ class Policy:
         acceptance to price at instead of the learned one (`_could_pay`)."""
         key = self._key(situation)
         learned = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
+        if situation.catch_up > 1 and situation.source.name not in self._drafted:
+            learned = min(learned, UNPROVEN_ACCEPTANCE)
         per_draft = self.draft_price(situation.source)
         catch_up_per_token = self._catch_up_price(situation, per_draft) / max(left or limit, 1)
         best_k, best_speed = 0, 1.0
@@ -312,6 +321,7 @@ class Policy:
     ) -> None:
         if drafted == 0:
             return
+        self._drafted.add(situation.source.name)
         key = self._key(situation)
         if key in self._probing:
             self._probing.discard(key)
