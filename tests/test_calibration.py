@@ -280,3 +280,16 @@ def test_a_long_request_measures_the_long_context_curve_once_and_keeps_it_apart(
     monkeypatch.setattr(engine_module, "measure_verify_cost", no_measuring)
     later = Engine(model, tokenizer, "tiny", [PromptLookup()])
     assert later.verify_cost == short and later.long_verify_cost == long
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "lfm2"])
+def test_a_cache_that_is_not_plain_attention_keeps_the_one_curve(family, tmp_path, monkeypatch):
+    """A sliding window's or a recurrent layer's cache cannot be filled with random KV:
+    a long prompt on such a model measures nothing more and is priced as before."""
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    engine = Engine(tiny_model(family), byte_tokenizer(), family, [PromptLookup()])
+    prompt = [5, 6, 7, 8, 9] * (LONG_PRICED_FROM // 5 + 1)
+    done = list(engine.stream(prompt, GenerationSettings(max_tokens=4), "prompt-lookup"))[-1]
+    assert isinstance(done, Done)
+    assert engine.kept_policy(engine.proposers["prompt-lookup"], None).long_cost is None
+    assert len(json.loads((tmp_path / "calibration.json").read_text())) == 1

@@ -7,7 +7,7 @@ GPU backend a width's first pass also compiles its kernels.
 A curve is measured at a context length (`VerifyCost.context`), and the ratio moves with
 it: attention over the cached tokens is work a wide pass does per new token, and a step
 does once. Measured on SmolLM2 here (benchmarks/verify_context.py, docs/memory.md):
-verify(8) 1.5 steps behind 500 tokens, 3.0 behind 4,000. So a second curve is measured
+verify(16) 2.3 steps behind 500 tokens, 4.1 behind 4,000. So a second curve is measured
 at LONG_CONTEXT, lazily (the first prompt of LONG_PRICED_FROM tokens or more), on a
 cache filled with synthetic KV rather than a prefill (4k tokens of prefill is minutes on
 a CPU; a pass's cost does not depend on what the cache holds), and kept under its own key
@@ -41,7 +41,7 @@ MEASURE_ORDER = (1, 2, 4, 8, 3, 16, 32, 64)
 # proportional, and the passes the engine runs correct the curve (Policy.observe_verify).
 CALIBRATION_BUDGET_S = 2.0
 PARTIAL_REMEASURES = 2  # later runs that measure a partial curve again (see measure_again)
-PREFILL_CHUNK = 512  # tokens a calibration's synthetic context is prefilled in per pass
+PREFILL_CHUNK = 512  # a calibration's context is prefilled (or filled) this many at a time
 ALWAYS_TIMED = (1, 2)  # timed once even past the budget: a step and a one-token draft
 # The second curve's context, and the prompt length from which a request asks for it
 # (below, a round is priced within a quarter of the way to the long curve anyway).
