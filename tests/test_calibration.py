@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from tiny_models import byte_tokenizer, tiny_model
+from tiny_models import FAMILIES, byte_tokenizer, tiny_model
 
 from mlxspec.batch.single import SingleCaches
 from mlxspec.decoding import engine as engine_module
@@ -22,11 +22,15 @@ from mlxspec.decoding.verify_cost import (
     VerifyCost,
     cached_verify_cost,
     calibrate,
+    measure_verify_cost,
 )
 from mlxspec.events import Done, Step
+from mlxspec.models.kv_form import KVForm
 from mlxspec.proposers import PromptLookup, Situation
 from mlxspec.proposers.synthetic import SyntheticAcceptance
 
+# Heads of 32 values, which a group of 32 quantizes (as in test_kv_quantized).
+WIDE_HEADS = dict(FAMILIES["llama"], num_attention_heads=2, num_key_value_heads=2)
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
 
 
@@ -293,3 +297,30 @@ def test_a_cache_that_is_not_plain_attention_keeps_the_one_curve(family, tmp_pat
     assert isinstance(done, Done)
     assert engine.kept_policy(engine.proposers["prompt-lookup"], None).long_cost is None
     assert len(json.loads((tmp_path / "calibration.json").read_text())) == 1
+
+
+class OffsetsSeen:
+    """A model that notes the cache's length before each pass (the calibration's
+    context plus nothing: each timing starts from the same context)."""
+
+    def __init__(self, model):
+        self.model, self.offsets = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, cache):
+        self.offsets.append(cache[0].offset)
+        return self.model(inputs, cache=cache)
+
+
+@pytest.mark.parametrize("kv", [None, KVForm(8, 32, 0)], ids=["float", "q8"])
+@pytest.mark.parametrize("synthetic", [False, True], ids=["prefilled", "synthetic"])
+def test_every_timed_pass_runs_behind_the_same_context(kv, synthetic):
+    """Each timing is rolled back to the calibration's context, quantized KV too (its
+    layers' size() is 0: trimmed by it, every roll-back added the context instead, and
+    behind 4,096 tokens the next pass failed)."""
+    model = OffsetsSeen(tiny_model("llama", config=WIDE_HEADS))
+    how = {"kv": kv} if kv else {}
+    measure_verify_cost(model, 256, context=600, synthetic=synthetic, budget=None, **how)
+    assert set(model.offsets[-30:]) == {600}

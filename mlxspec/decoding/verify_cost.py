@@ -309,10 +309,10 @@ def measure_verify_cost(
     def forward(m: int) -> None:
         mx.eval(model(mx.arange(m)[None] % vocab_size, cache=cache))
 
-    def reset() -> None:
+    def reset() -> None:  # by `offset`: a quantized layer's size() is 0 (mlx-lm's default)
         for c in cache:
             if c.is_trimmable():
-                c.trim(c.size() - context)
+                c.trim(getattr(c, "offset", c.size()) - context)
 
     cost = calibrate(forward, reset, progress=progress, prepare=prefill, **how)
     return replace(cost, context=context)
