@@ -9,7 +9,7 @@ it: attention over the cached tokens is work a wide pass does per new token, and
 does once. Measured on SmolLM2 here (benchmarks/verify_context.py, docs/memory.md):
 verify(16) 2.3 steps behind 500 tokens, 4.1 behind 4,000. So a second curve is measured
 at LONG_CONTEXT, lazily (the first prompt of LONG_PRICED_FROM tokens or more), on a
-cache filled with synthetic KV rather than a prefill (4k tokens of prefill is minutes on
+cache filled with zero KV rather than a prefill (4k tokens of prefill is minutes on
 a CPU; a pass's cost does not depend on what the cache holds), and kept under its own key
 (`calibration_key`'s `context`). A round is priced between the two (`at_context`).
 """
@@ -41,7 +41,7 @@ MEASURE_ORDER = (1, 2, 4, 8, 3, 16, 32, 64)
 # proportional, and the passes the engine runs correct the curve (Policy.observe_verify).
 CALIBRATION_BUDGET_S = 2.0
 PARTIAL_REMEASURES = 2  # later runs that measure a partial curve again (see measure_again)
-PREFILL_CHUNK = 512  # a calibration's context is prefilled (or filled) this many at a time
+PREFILL_CHUNK = 512  # a calibration's context is prefilled this many tokens a pass
 ALWAYS_TIMED = (1, 2)  # timed once even past the budget: a step and a one-token draft
 # The second curve's context, and the prompt length from which a request asks for it
 # (below, a round is priced within a quarter of the way to the long curve anyway).
@@ -292,7 +292,7 @@ def measure_verify_cost(
     `calibrate`'s repeats, fit and budget. The default context is short: its prefill is a
     wide pass of its own, inside the budget, and the attention over a few dozen more
     tokens is noise beside the weights' matmuls. `synthetic`: the cache is filled with
-    random KV instead of prefilled (`fill_synthetic`: a long context at no prefill)."""
+    zero KV instead of prefilled (`fill_synthetic`: a long context at no prefill)."""
     from mlx_lm.models.cache import make_prompt_cache  # mlx-lm loads transformers: not at import
 
     cache = make_prompt_cache(model)
@@ -328,23 +328,21 @@ def fills_synthetically(model) -> bool:
 
 def fill_synthetic(model, cache: list, context: int) -> None:
     """Fill every layer of `cache` (fresh, float or quantized KV) with `context` tokens of
-    random keys and values, shaped as one real token's (a pass on a scratch cache tells
-    each layer's heads, dims and dtype): attention then costs what it does behind a real
-    context of that length, without the prefill."""
+    zero keys and values, shaped as one real token's (a pass on a scratch cache tells
+    each layer's heads, dims and dtype): attention's dense work does not depend on the
+    values, so it costs what it does behind a real context of that length, without the
+    prefill. One write a layer (random values, in chunks, took 2-4 s of the budget for
+    SmolLM2 at 4,096 tokens here)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     probe = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, 1), mx.int32), cache=probe))
     for layer, shaped in zip(cache, probe):
         keys, values = shaped.keys, shaped.values
-        for start in range(0, context, PREFILL_CHUNK):
-            n = min(PREFILL_CHUNK, context - start)
-            fake = [
-                (mx.random.normal((*x.shape[:2], n, x.shape[-1])) * 0.1).astype(x.dtype)
-                for x in (keys, values)
-            ]
-            layer.update_and_fetch(*fake)
-            mx.eval(layer.keys, layer.values)
+        layer.update_and_fetch(
+            *(mx.zeros((*x.shape[:2], context, x.shape[-1]), x.dtype) for x in (keys, values))
+        )
+        mx.eval(layer.keys, layer.values)
 
 
 def calibration_key(
