@@ -10,7 +10,7 @@ a drafter at k = 0 does no work at all.
 
 `verify(m)` is measured on the running machine (verify_cost.py), and priced at the round's
 context length where a curve behind a long context was measured too (`Policy.calibrated`):
-on a CPU a 17-token pass costs 4.1 steps behind 4,000 tokens, 2.3 behind 500. Acceptance is
+on a CPU a 17-token pass costs about 4 steps behind 4,000 tokens, 2.3 behind 500. Acceptance is
 estimated per (proposer, case) from decayed counts, where a case is what the proposer
 saw (e.g. prompt lookup's match length) plus whether that proposer's last draft was fully
 accepted (verbatim copies are sticky).
@@ -99,7 +99,7 @@ class Policy:
         long one was measured. Measured curves, not the online correction per context
         bucket: a bucket's correction would start from the short curve's price at every
         new length and learn it only from the rounds it spoils (at 4k tokens a 9-token
-        pass cost 2.9 steps where the short curve said 1.7), and its unit, the plain step,
+        pass cost 2.8-3.8 steps where the short curve said 1.8), and its unit, the plain step,
         is rarely timed while drafts pay, so it would lag the context's growth too."""
         if self.long_cost is None:
             return self.cost(m)

@@ -7,7 +7,7 @@ GPU backend a width's first pass also compiles its kernels.
 A curve is measured at a context length (`VerifyCost.context`), and the ratio moves with
 it: attention over the cached tokens is work a wide pass does per new token, and a step
 does once. Measured on SmolLM2 here (benchmarks/verify_context.py, docs/memory.md):
-verify(16) 2.3 steps behind 500 tokens, 4.1 behind 4,000. So a second curve is measured
+verify(16) 2.3 steps behind 500 tokens, about 4 behind 4,000. So a second curve is measured
 at LONG_CONTEXT, lazily (the first prompt of LONG_PRICED_FROM tokens or more), on a
 cache filled with zero KV rather than a prefill (4k tokens of prefill is minutes on
 a CPU; a pass's cost does not depend on what the cache holds), and kept under its own key
