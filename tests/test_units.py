@@ -16,10 +16,9 @@ from mlxspec.proposers import Draft, PromptLookup, ProposalContext, Situation
 from mlxspec.sampling import SamplingSettings, TokenScorer
 
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
-# SmolLM2 on this CPU behind 4,000 tokens (docs/memory.md): the step twice as dear, a wide
-# pass's ratio twice as high.
+# SmolLM2 on this CPU behind 4,000 tokens (docs/memory.md), with a step twice as dear.
 LONG_CPU_COST = VerifyCost(
-    {1: 1.0, 2: 1.30, 4: 2.64, 8: 3.05, 16: 4.12, 32: 6.87, 64: 43.9}, 0.10, context=4000
+    {1: 1.0, 2: 1.30, 4: 2.10, 8: 2.75, 16: 3.81, 32: 6.68, 64: 12.4}, 0.10, context=4000
 )
 
 
@@ -131,15 +130,15 @@ def test_a_verify_is_priced_between_the_short_and_the_long_curve_by_context_leng
     short = VerifyCost(CPU_LIKE_COST.points, 0.05, context=4)
     assert at_context(short, LONG_CPU_COST, 4, 8) == pytest.approx(short(8))
     assert at_context(short, LONG_CPU_COST, 4000, 8) == pytest.approx(LONG_CPU_COST(8))
-    # Halfway, the seconds are halfway: (0.0775 + 0.305) / 2, the step (0.05 + 0.10) / 2.
-    assert at_context(short, LONG_CPU_COST, 2002, 8) == pytest.approx(0.19125 / 0.075)
+    # Halfway, the seconds are halfway: (0.0775 + 0.275) / 2, the step (0.05 + 0.10) / 2.
+    assert at_context(short, LONG_CPU_COST, 2002, 8) == pytest.approx(0.17625 / 0.075)
     assert at_context(short, LONG_CPU_COST, 8000, 8) > LONG_CPU_COST(8)  # extrapolated
     cheap = VerifyCost({1: 1.0, 8: 1.2}, 0.04, context=4000)  # timed in a calmer moment
     assert at_context(short, cheap, 8000, 8) >= 1.0
 
 
 def test_policy_drafts_shorter_at_a_long_context_where_the_long_curve_says_so():
-    """The same acceptance, two contexts: behind 4,000 tokens a 9-token pass costs twice
+    """The same acceptance, two contexts: behind 4,000 tokens a 9-token pass costs 1.8x
     its short-context ratio, so the policy drafts less; with no long curve, as before."""
     copying = Situation(Named("copying"), "match>=8")
     chosen = {}
