@@ -3,26 +3,34 @@ where it ran out, and online pricing from the passes the engine really runs."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
-from tiny_models import byte_tokenizer, tiny_model
+from tiny_models import FAMILIES, byte_tokenizer, tiny_model
 
 from mlxspec.batch.single import SingleCaches
+from mlxspec.decoding import engine as engine_module
 from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.decoding.policy import Policy
 from mlxspec.decoding.verify_cost import (
     CALIBRATION_BUDGET_S,
+    LONG_CONTEXT,
+    LONG_PRICED_FROM,
     MEASURE_ORDER,
     PARTIAL_REMEASURES,
     VerifyCost,
     cached_verify_cost,
     calibrate,
+    measure_verify_cost,
 )
 from mlxspec.events import Done, Step
-from mlxspec.proposers import Situation
+from mlxspec.models.kv_form import KVForm
+from mlxspec.proposers import PromptLookup, Situation
 from mlxspec.proposers.synthetic import SyntheticAcceptance
 
+# Heads of 32 values, which a group of 32 quantizes (as in test_kv_quantized).
+WIDE_HEADS = dict(FAMILIES["llama"], num_attention_heads=2, num_key_value_heads=2)
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
 
 
@@ -245,3 +253,74 @@ def test_online_passes_refine_a_curve_measured_in_a_busy_moment():
         policy.observe_verify(k + 1, 0.05 * CPU_LIKE_COST(k + 1))
     assert policy.verify_cost(9) == pytest.approx(CPU_LIKE_COST(9), rel=0.1)
     assert policy.choose(copying, 16) > before
+
+
+def test_a_long_request_measures_the_long_context_curve_once_and_keeps_it_apart(
+    tmp_path, monkeypatch
+):
+    """A short prompt prices by the short curve alone; the first of LONG_PRICED_FROM
+    tokens or more measures the curve behind LONG_CONTEXT (synthetic KV), kept
+    under a key of its own: a later process reads both back, neither mistaken for the
+    other, and the rounds are priced at their context length."""
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    model, tokenizer = tiny_model("llama"), byte_tokenizer()
+    engine = Engine(model, tokenizer, "tiny", [PromptLookup()])
+    settings = GenerationSettings(max_tokens=8)
+    list(engine.stream([5, 6, 7, 8] * 10, settings, "prompt-lookup"))
+    policy = engine.kept_policy(engine.proposers["prompt-lookup"], None)
+    assert policy.long_cost is None and policy.context >= 40
+    prompt = [5, 6, 7, 8, 9] * (LONG_PRICED_FROM // 5 + 1)
+    done = list(engine.stream(prompt, settings, "prompt-lookup"))[-1]
+    assert isinstance(done, Done)
+    assert policy.long_cost is not None and policy.context >= len(prompt)
+    short, long = engine.verify_cost, policy.long_cost
+    assert (short.context, long.context) == (4, LONG_CONTEXT)
+    kept = json.loads((tmp_path / "calibration.json").read_text())
+    assert len(kept) == 2 and sum(key.endswith(f"|context {LONG_CONTEXT}") for key in kept) == 1
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(engine_module, "measure_verify_cost", no_measuring)
+    later = Engine(model, tokenizer, "tiny", [PromptLookup()])
+    assert later.verify_cost == short and later.long_verify_cost == long
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "lfm2"])
+def test_a_cache_that_is_not_plain_attention_keeps_the_one_curve(family, tmp_path, monkeypatch):
+    """A sliding window's or a recurrent layer's cache cannot be filled with random KV:
+    a long prompt on such a model measures nothing more and is priced as before."""
+    monkeypatch.setenv("MLXSPEC_CACHE", str(tmp_path))
+    engine = Engine(tiny_model(family), byte_tokenizer(), family, [PromptLookup()])
+    prompt = [5, 6, 7, 8, 9] * (LONG_PRICED_FROM // 5 + 1)
+    done = list(engine.stream(prompt, GenerationSettings(max_tokens=4), "prompt-lookup"))[-1]
+    assert isinstance(done, Done)
+    assert engine.kept_policy(engine.proposers["prompt-lookup"], None).long_cost is None
+    assert len(json.loads((tmp_path / "calibration.json").read_text())) == 1
+
+
+class OffsetsSeen:
+    """A model that notes the cache's length before each pass (the calibration's
+    context plus nothing: each timing starts from the same context)."""
+
+    def __init__(self, model):
+        self.model, self.offsets = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, inputs, cache):
+        self.offsets.append(cache[0].offset)
+        return self.model(inputs, cache=cache)
+
+
+@pytest.mark.parametrize("kv", [None, KVForm(8, 32, 0)], ids=["float", "q8"])
+@pytest.mark.parametrize("synthetic", [False, True], ids=["prefilled", "synthetic"])
+def test_every_timed_pass_runs_behind_the_same_context(kv, synthetic):
+    """Each timing is rolled back to the calibration's context, quantized KV too (its
+    layers' size() is 0: trimmed by it, every roll-back added the context instead, and
+    behind 4,096 tokens the next pass failed)."""
+    model = OffsetsSeen(tiny_model("llama", config=WIDE_HEADS))
+    how = {"kv": kv} if kv else {}
+    measure_verify_cost(model, 256, context=600, synthetic=synthetic, budget=None, **how)
+    assert set(model.offsets[-30:]) == {600}

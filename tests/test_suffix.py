@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from lossless import assert_follows_law, assert_lossless, plain_greedy
 from test_lossless import CPU_LIKE_COST, FAMILIES
+from test_units import ReadCounting
 from tiny_models import VOCAB, byte_tokenizer, tiny_model
 
 from mlxspec.decoding.engine import Engine, GenerationSettings
@@ -85,6 +86,48 @@ def test_request_index_built_whole_or_round_by_round_agrees():
         found, fresh = growing.situation(ctx), SuffixProposer().situation(ctx)
         assert (found and found.key) == (fresh and fresh.key)
     assert found.key == "request>=8"
+
+
+class CountingOrder(np.ndarray):
+    """A prefix index's order that counts the entries read out of it (any indexing)."""
+
+    read = 0
+
+    def __getitem__(self, index):
+        got = super().__getitem__(index)
+        CountingOrder.read += np.size(got)
+        return got
+
+
+def test_a_round_reads_a_bounded_part_of_a_long_request():
+    """At 20k tokens of context, a round reads a few hundred context tokens and index
+    entries (the new tokens, the ends compared, binary searches, a capped sample of a
+    common match's 1,000 occurrences), and appends without copying the stream."""
+    rng = random.Random(3)
+    tokens = [rng.randrange(2_000) for _ in range(20_000)]
+    for start in range(0, len(tokens), 20):
+        tokens[start : start + 2] = [7, 8]  # a common short match, as code's indents are
+    proposer = SuffixProposer(store=None)
+    proposer.situation(context_for(ReadCounting(tokens), history=False))
+    room, moves = None, 0
+    for step in range(40):
+        tokens += [5_000 + step, 7, 8] if step % 2 else [3]  # 7, 8: a 2-token match
+        index = proposer._request
+        index.order = index.order.view(CountingOrder)
+        ReadCounting.read = CountingOrder.read = 0
+        ctx = context_for(ReadCounting(tokens), history=False)
+        situation = proposer.situation(ctx)
+        if step % 2:  # ends in the common match: its latest occurrence drafts
+            assert situation.key == "request>=2"
+            assert proposer.propose(ctx, 3).tokens  # the stream goes on
+        assert proposer._request is index  # grown, not rebuilt
+        assert ReadCounting.read < 1_000 and CountingOrder.read < 1_000
+        moves, room = moves + (index._room is not room), index._room
+    assert moves <= 2  # the stream grew into spare room, not a copy a round
+    edited = [*tokens[:-1], 9]  # another conversation of the same length: indexed anew
+    found = proposer.situation(context_for(edited, history=False))
+    fresh = SuffixProposer(store=None).situation(context_for(edited, history=False))
+    assert proposer._request is not index and (found and found.key) == (fresh and fresh.key)
 
 
 def test_periodic_text_drafts_past_one_period():

@@ -10,12 +10,16 @@ from tiny_models import byte_tokenizer, tiny_model
 from mlxspec.decoding.engine import Engine, GenerationSettings
 from mlxspec.decoding.policy import Acceptance, Policy, expected_tokens
 from mlxspec.decoding.text import TextStream
-from mlxspec.decoding.verify_cost import CALIBRATION_SIZES, VerifyCost, calibrate
+from mlxspec.decoding.verify_cost import CALIBRATION_SIZES, VerifyCost, at_context, calibrate
 from mlxspec.events import OUTPUT_EVENTS, Done, Rejected, Step
 from mlxspec.proposers import Draft, PromptLookup, ProposalContext, Situation
 from mlxspec.sampling import SamplingSettings, TokenScorer
 
 CPU_LIKE_COST = VerifyCost({1: 1.0, 2: 1.13, 4: 1.39, 8: 1.55, 16: 2.05, 32: 3.22, 64: 5.71}, 0.05)
+# SmolLM2 on this CPU behind 4,000 tokens (docs/memory.md), with a step twice as dear.
+LONG_CPU_COST = VerifyCost(
+    {1: 1.0, 2: 1.30, 4: 2.10, 8: 2.75, 16: 3.81, 32: 6.68, 64: 12.4}, 0.10, context=4000
+)
 
 
 def context(tokens):
@@ -120,6 +124,33 @@ def test_policy_drafts_long_when_acceptance_is_high_and_not_at_all_when_low():
         policy.update(bad, 4, 0, 0.0)
     assert policy.choose(good, 64) >= 16
     assert policy.choose(bad, 64) == 0
+
+
+def test_a_verify_is_priced_between_the_short_and_the_long_curve_by_context_length():
+    short = VerifyCost(CPU_LIKE_COST.points, 0.05, context=4)
+    assert at_context(short, LONG_CPU_COST, 4, 8) == pytest.approx(short(8))
+    assert at_context(short, LONG_CPU_COST, 4000, 8) == pytest.approx(LONG_CPU_COST(8))
+    # Halfway, the seconds are halfway: (0.0775 + 0.275) / 2, the step (0.05 + 0.10) / 2.
+    assert at_context(short, LONG_CPU_COST, 2002, 8) == pytest.approx(0.17625 / 0.075)
+    assert at_context(short, LONG_CPU_COST, 8000, 8) > LONG_CPU_COST(8)  # extrapolated
+    cheap = VerifyCost({1: 1.0, 8: 1.2}, 0.04, context=4000)  # timed in a calmer moment
+    assert at_context(short, cheap, 8000, 8) >= 1.0
+
+
+def test_policy_drafts_shorter_at_a_long_context_where_the_long_curve_says_so():
+    """The same acceptance, two contexts: behind 4,000 tokens a 9-token pass costs 1.8x
+    its short-context ratio, so the policy drafts less; with no long curve, as before."""
+    copying = Situation(Named("copying"), "match>=8")
+    chosen = {}
+    for long_cost in (LONG_CPU_COST, None):
+        policy = Policy(VerifyCost(CPU_LIKE_COST.points, 0.05, context=4), long_cost=long_cost)
+        for _ in range(30):
+            policy.update(copying, 4, 3, 0.0)
+        for length in (4, 500, 6000):
+            policy.context = length
+            chosen[long_cost is not None, length] = policy.choose(copying, 64)
+    assert chosen[True, 6000] < chosen[True, 500] <= chosen[True, 4], chosen
+    assert chosen[False, 6000] == chosen[False, 4] == chosen[True, 4] > 1, chosen
 
 
 def test_policy_never_probes_a_source_that_could_not_pay_at_any_acceptance():

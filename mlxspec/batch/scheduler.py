@@ -293,6 +293,7 @@ class Scheduler:
             history=run.history,
             prompt_length=len(run.prompt_tokens),
         )
+        run.policy.context = len(run.sequence)  # the round is priced at its context length
         situation, k = run.policy.choose_among(candidates(slot.proposer, ctx), run.left)
         return ctx, situation, k
 

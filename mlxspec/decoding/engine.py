@@ -29,9 +29,12 @@ from mlxspec.decoding.policy import Policy
 from mlxspec.decoding.request import RequestRun
 from mlxspec.decoding.verify_cost import (
     CALIBRATION_BUDGET_S,
+    LONG_CONTEXT,
+    LONG_PRICED_FROM,
     VerifyCost,
     cached_verify_cost,
     calibration_key,
+    fills_synthetically,
     measure_verify_cost,
 )
 from mlxspec.decoding.weights_choice import WeightsChoice, weights_record
@@ -86,6 +89,7 @@ class Engine:
         self.weights = weights_record(model, weights)
         self.proposers = {p.name: p for p in proposers}
         self._verify_cost = verify_cost
+        self._long_verify_cost: VerifyCost | None = None  # measured when a request needs it
         # Costs handed in (tests, a sharded rank's own calibration) fix the machine model:
         # then nothing else is measured either (e.g. the batch's pass grid).
         self.measures_costs = verify_cost is None
@@ -106,19 +110,9 @@ class Engine:
         if self._verify_cost is None:
             key = calibration_key(self.name, self.weights["held"], kv=self.kv)
 
-            def progress(done: int, total: int, size: int) -> None:
-                self.notify(
-                    ProgressNote(
-                        f"measuring verify cost on this machine (once per model, at most "
-                        f"{CALIBRATION_BUDGET_S:g} s): {size}-token pass, {done}/{total}",
-                        done,
-                        total,
-                    )
-                )
-
             def measure() -> VerifyCost:
                 cost = measure_verify_cost(
-                    self.target.model, self.vocab_size, progress=progress, kv=self.kv
+                    self.target.model, self.vocab_size, progress=self._progress(""), kv=self.kv
                 )
                 if cost.partial:
                     self.notify(
@@ -130,6 +124,45 @@ class Engine:
 
             self._verify_cost = cached_verify_cost(key, measure)
         return self._verify_cost
+
+    @property
+    def long_verify_cost(self) -> VerifyCost | None:
+        """The curve behind LONG_CONTEXT tokens, measured the first time a long prompt
+        asks (`new_run`), on synthetic KV, within CALIBRATION_BUDGET_S of its own, then read
+        from the cache under its own key. None where costs were handed in (tests, a
+        sharded rank: its ranks would have to measure together) or the model's cache is
+        not plain attention KV (a sliding window, recurrent layers)."""
+        if self._long_verify_cost is None and self.measures_costs:
+            if not fills_synthetically(self.target.model):
+                return None
+            key = calibration_key(self.name, self.weights["held"], kv=self.kv, context=LONG_CONTEXT)
+            self._long_verify_cost = cached_verify_cost(
+                key,
+                lambda: measure_verify_cost(
+                    self.target.model,
+                    self.vocab_size,
+                    context=LONG_CONTEXT,
+                    progress=self._progress(f" behind {LONG_CONTEXT} tokens of context"),
+                    kv=self.kv,
+                    synthetic=True,
+                ),
+            )
+        return self._long_verify_cost
+
+    def _progress(self, where: str) -> Callable[[int, int, int], None]:
+        """A calibration's progress, as one-line notes."""
+
+        def progress(done: int, total: int, size: int) -> None:
+            self.notify(
+                ProgressNote(
+                    f"measuring verify cost{where} on this machine (once per model, at most "
+                    f"{CALIBRATION_BUDGET_S:g} s): {size}-token pass, {done}/{total}",
+                    done,
+                    total,
+                )
+            )
+
+        return progress
 
     def reset(self) -> None:
         """Forget cached prompts and what the policies learned (e.g. for a cold benchmark
@@ -256,7 +289,14 @@ class Engine:
         max_tokens: int,
         policy: Policy,
     ) -> RequestRun:
-        """A request's decoding state, its run record started."""
+        """A request's decoding state, its run record started. From a prompt of
+        LONG_PRICED_FROM tokens on, its policy prices rounds by context length: the
+        long-context curve is measured now, before the prefill, if it never was (the
+        prompt, not what the answer may add: a budget of max_tokens is no context yet, and
+        a chat's next turn carries the answer in its prompt)."""
+        long = len(prompt_tokens) >= LONG_PRICED_FROM
+        if long and proposer is not None and policy.fixed_k is None and policy.long_cost is None:
+            policy.long_cost = self.long_verify_cost
         record = RunRecord(
             model=self.name,
             proposer=proposer.name if proposer else "none",

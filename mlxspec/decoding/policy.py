@@ -8,7 +8,9 @@ accepted meanwhile (`Situation.catch_up`), spread over the tokens the request ha
 k = 0 is plain decoding (E = T = 1): a draft is only made when it is expected to pay, and
 a drafter at k = 0 does no work at all.
 
-`verify(m)` is measured on the running machine (verify_cost.py). Acceptance is
+`verify(m)` is measured on the running machine (verify_cost.py), and priced at the round's
+context length where a curve behind a long context was measured too (`Policy.calibrated`):
+on a CPU a 17-token pass costs about 4 steps behind 4,000 tokens, 2.3 behind 500. Acceptance is
 estimated per (proposer, case) from decayed counts, where a case is what the proposer
 saw (e.g. prompt lookup's match length) plus whether that proposer's last draft was fully
 accepted (verbatim copies are sticky).
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mlxspec.decoding.verify_cost import VerifyCost
+from mlxspec.decoding.verify_cost import VerifyCost, at_context, seconds_at_context
 
 if TYPE_CHECKING:  # the proposers package imports every proposer, mlx-lm with them
     from mlxspec.proposers.base import Situation
@@ -100,9 +102,33 @@ class Policy:
     extra_cost_scale: float = 1.0  # observed / calibrated cost of the extra verified tokens
     _retime_left: int = 0  # the price just jumped: plain rounds left to re-time the step
     _remeasure: bool = False  # ...and believe the first wider pass after it outright
+    # The curve measured behind a long context (`Engine.long_verify_cost`), once a long
+    # prompt asked for it; None: every round priced by `cost`.
+    long_cost: VerifyCost | None = None
+    # The context length of the round being chosen and priced (tokens), set by whoever
+    # runs the round (the scheduler's `_choose`) before it asks; 0: priced as `cost`.
+    context: int = 0
+
+    def calibrated(self, m: int) -> float:
+        """verify(m) / verify(1) as measured, at this round's context: between the short
+        and the long curve by context length (`at_context`), the short one alone where no
+        long one was measured. Measured curves, not the online correction per context
+        bucket: a bucket's correction would start from the short curve's price at every
+        new length and learn it only from the rounds it spoils (at 4k tokens a 9-token
+        pass cost 2.8-3.8 steps where the short curve said 1.8), and its unit, the plain step,
+        is rarely timed while drafts pay, so it would lag the context's growth too."""
+        if self.long_cost is None:
+            return self.cost(m)
+        return at_context(self.cost, self.long_cost, self.context, m)
+
+    def step_at_context(self) -> float:
+        """The calibration's one-token step (seconds) at this round's context."""
+        if self.long_cost is None:
+            return self.cost.step_seconds
+        return seconds_at_context(self.cost, self.long_cost, self.context, 1)
 
     def verify_cost(self, m: int) -> float:
-        return 1.0 + self.extra_cost_scale * (self.cost(m) - 1.0)
+        return 1.0 + self.extra_cost_scale * (self.calibrated(m) - 1.0)
 
     def observe_verify(self, m: int, seconds: float) -> None:
         """Feed back what a verify of m tokens really took (draft time excluded).
@@ -125,10 +151,10 @@ class Policy:
             else:
                 self.step_seconds = seconds if previous is None else 0.9 * previous + 0.1 * seconds
             return
-        calibrated_extra = self.cost(m) - 1.0
+        calibrated_extra = self.calibrated(m) - 1.0
         if calibrated_extra <= 0.02:
             return
-        step = self.step_seconds or self.cost.step_seconds
+        step = self.step_seconds or self.step_at_context()
         ratio = max((seconds / step - 1.0) / calibrated_extra, 0.25)
         scale = self.extra_cost_scale
         if self._remeasure and not self._retime_left:
@@ -235,6 +261,8 @@ class Policy:
         # batch asks every row's plan each round: up to `limit` widths each.)
         most = tokens[limit] if tokens else expected_tokens(rate, limit)
         rising = self.cost.monotone and per_draft >= 0
+        if self.long_cost is not None:  # between two monotone curves, not past the long one
+            rising = rising and self.long_cost.monotone and self.context <= self.long_cost.context
         for k in range(1, limit + 1):
             made = tokens[k] if tokens else expected_tokens(rate, k)
             cost = self.verify_cost(nodes(k) + 1) + (1 if per_round else k) * per_draft

@@ -3,6 +3,15 @@ on the running machine (`calibrate`) within a time budget, and kept per model, w
 machine in the cache dir. `verify(m)` is the whole story of what a draft can gain: on MLX's
 CPU backend with OpenBLAS 8 tokens cost ~1.6 steps, with the reference BLAS ~7, and on a
 GPU backend a width's first pass also compiles its kernels.
+
+A curve is measured at a context length (`VerifyCost.context`), and the ratio moves with
+it: attention over the cached tokens is work a wide pass does per new token, and a step
+does once. Measured on SmolLM2 here (benchmarks/verify_context.py, docs/memory.md):
+verify(16) 2.3 steps behind 500 tokens, about 4 behind 4,000. So a second curve is measured
+at LONG_CONTEXT, lazily (the first prompt of LONG_PRICED_FROM tokens or more), on a
+cache filled with zero KV rather than a prefill (4k tokens of prefill is minutes on
+a CPU; a pass's cost does not depend on what the cache holds), and kept under its own key
+(`calibration_key`'s `context`). A round is priced between the two (`at_context`).
 """
 
 from __future__ import annotations
@@ -32,7 +41,12 @@ MEASURE_ORDER = (1, 2, 4, 8, 3, 16, 32, 64)
 # proportional, and the passes the engine runs correct the curve (Policy.observe_verify).
 CALIBRATION_BUDGET_S = 2.0
 PARTIAL_REMEASURES = 2  # later runs that measure a partial curve again (see measure_again)
+PREFILL_CHUNK = 512  # a calibration's context is prefilled this many tokens a pass
 ALWAYS_TIMED = (1, 2)  # timed once even past the budget: a step and a one-token draft
+# The second curve's context, and the prompt length from which a request asks for it
+# (below, a round is priced within a quarter of the way to the long curve anyway).
+LONG_CONTEXT = 4096
+LONG_PRICED_FROM = 1024
 # In the cache key: calibrations made before the method changed are measured again.
 CALIBRATION_METHOD = "interleaved-min"
 
@@ -49,6 +63,7 @@ class VerifyCost:
     step_seconds: float
     partial: bool = False
     measurements: int = 1  # calibrations merged into it (a partial one is measured again)
+    context: int = 0  # tokens in the cache it was measured on (0: a few; entries before)
 
     def __call__(self, m: int) -> float:
         sizes = self.sizes
@@ -84,6 +99,7 @@ class VerifyCost:
                 "step_seconds": self.step_seconds,
                 "partial": self.partial,
                 "measurements": self.measurements,
+                "context": self.context,
             }
         )
 
@@ -92,7 +108,7 @@ class VerifyCost:
         data = json.loads(text)
         points = {int(m): float(c) for m, c in data["points"].items()}
         partial, measurements = bool(data.get("partial", False)), int(data.get("measurements", 1))
-        return cls(points, data["step_seconds"], partial, measurements)
+        return cls(points, data["step_seconds"], partial, measurements, int(data.get("context", 0)))
 
     def merged(self, later: VerifyCost) -> VerifyCost:
         """This curve and a later calibration's: each width at the cheaper of its two
@@ -108,7 +124,33 @@ class VerifyCost:
             later.step_seconds,
             self.partial and later.partial,
             self.measurements + later.measurements,
+            later.context,
         )
+
+    def seconds(self, m: int) -> float:
+        """A verify of m tokens in seconds, at this curve's context."""
+        return self(m) * self.step_seconds
+
+
+def at_context(short: VerifyCost, long: VerifyCost, context: int, m: int) -> float:
+    """verify(m) / verify(1) at `context` tokens, from a curve measured at a short context
+    and one at a long one (`seconds_at_context`). Interpolating the seconds, not the
+    ratios, keeps the step's own growth with the context in the unit."""
+    return max(
+        seconds_at_context(short, long, context, m) / seconds_at_context(short, long, context, 1),
+        1.0,
+    )
+
+
+def seconds_at_context(short: VerifyCost, long: VerifyCost, context: int, m: int) -> float:
+    """A verify of m tokens in seconds at `context` tokens: taken as affine in the context
+    (the weights' work, plus attention over the cached tokens, linear in them), so
+    interpolated between the two curves and extrapolated past the long one. The long
+    curve never prices a pass cheaper than the short one (a timing in a calmer moment
+    would otherwise extrapolate to passes that shrink with the context)."""
+    t = max(context - short.context, 0) / max(long.context - short.context, 1)
+    near = short.seconds(m)
+    return near + t * max(long.seconds(m) - near, 0.0)
 
 
 def running_max(ratios: list[float]) -> list[float]:
@@ -243,36 +285,74 @@ def measure_verify_cost(
     context: int = 4,
     progress: Callable[[int, int, int], None] = lambda done, total, size: None,
     kv: KVForm = FLOAT,
+    synthetic: bool = False,
     **how,
 ) -> VerifyCost:
-    """Calibrate a model's verify cost on a synthetic context of `context` tokens; `how`:
-    `calibrate`'s repeats, fit and budget. The context is short: its prefill is a wide
-    pass of its own, outside the budget (seconds where wide passes are slow), and the
-    attention over a few dozen more tokens is noise beside the weights' matmuls."""
+    """Calibrate a model's verify cost on a context of `context` tokens; `how`:
+    `calibrate`'s repeats, fit and budget. The default context is short: its prefill is a
+    wide pass of its own, inside the budget, and the attention over a few dozen more
+    tokens is noise beside the weights' matmuls. `synthetic`: the cache is filled with
+    zero KV instead of prefilled (`fill_synthetic`: a long context at no prefill)."""
     from mlx_lm.models.cache import make_prompt_cache  # mlx-lm loads transformers: not at import
 
     cache = make_prompt_cache(model)
     replace(kv, start=0).convert(cache)  # the passes read the KV form the curve prices
 
-    def prefill() -> None:
-        mx.eval(model(mx.arange(context)[None] % vocab_size, cache=cache))
+    def prefill() -> None:  # in chunks: a long context's one-pass attention is gigabytes
+        if synthetic:
+            fill_synthetic(model, cache, context)
+            return
+        for start in range(0, context, PREFILL_CHUNK):
+            end = min(start + PREFILL_CHUNK, context)
+            mx.eval(model(mx.arange(start, end)[None] % vocab_size, cache=cache))
 
     def forward(m: int) -> None:
         mx.eval(model(mx.arange(m)[None] % vocab_size, cache=cache))
 
-    def reset() -> None:
+    def reset() -> None:  # by `offset`: a quantized layer's size() is 0 (mlx-lm's default)
         for c in cache:
             if c.is_trimmable():
-                c.trim(c.size() - context)
+                c.trim(getattr(c, "offset", c.size()) - context)
 
-    return calibrate(forward, reset, progress=progress, prepare=prefill, **how)
+    cost = calibrate(forward, reset, progress=progress, prepare=prefill, **how)
+    return replace(cost, context=context)
 
 
-def calibration_key(model: str, weights: str, setup: str = "", kv: KVForm = FLOAT) -> str:
+def fills_synthetically(model) -> bool:
+    """Whether every layer of the model's cache is plain attention KV, which
+    `fill_synthetic` can fill (not a sliding window's, nor a recurrent layer's state)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return all(type(layer) is KVCache for layer in make_prompt_cache(model))
+
+
+def fill_synthetic(model, cache: list, context: int) -> None:
+    """Fill every layer of `cache` (fresh, float or quantized KV) with `context` tokens of
+    zero keys and values, shaped as one real token's (a pass on a scratch cache tells
+    each layer's heads, dims and dtype): attention's dense work does not depend on the
+    values, so it costs what it does behind a real context of that length, without the
+    prefill. One write a layer (random values, in chunks, took 2-4 s of the budget for
+    SmolLM2 at 4,096 tokens here)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    probe = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, 1), mx.int32), cache=probe))
+    for layer, shaped in zip(cache, probe):
+        keys, values = shaped.keys, shaped.values
+        layer.update_and_fetch(
+            *(mx.zeros((*x.shape[:2], context, x.shape[-1]), x.dtype) for x in (keys, values))
+        )
+        mx.eval(layer.keys, layer.values)
+
+
+def calibration_key(
+    model: str, weights: str, setup: str = "", kv: KVForm = FLOAT, context: int = 0
+) -> str:
     """Where a calibration is kept: per model and the form of its weights in memory
     (`weights.held_weights`: a quantized curve never prices float weights), the form of
     its KV (a pass reading quantized KV is another pass), machine, BLAS and mlx version,
-    plus the `setup` it ran in (e.g. a sharded target's split)."""
+    plus the `setup` it ran in (e.g. a sharded target's split) and, for a curve measured
+    behind a long context, that context (0: the short calibration, its key unchanged)."""
     facts = device.describe()
     key = (
         f"{model}|{weights}|{facts['device']}|{facts['blas']}|mlx {facts['mlx']}"
@@ -280,6 +360,8 @@ def calibration_key(model: str, weights: str, setup: str = "", kv: KVForm = FLOA
     )
     if kv.quantized:  # (float keeps the key it always had: its curves stay valid)
         key += f"|{kv.key}"
+    if context:
+        key += f"|context {context}"
     return f"{key}|{setup}" if setup else key
 
 

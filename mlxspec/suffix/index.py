@@ -33,6 +33,8 @@ class PrefixIndex:
             np.array([SENTINEL], np.int32) if tokens is None else np.asarray(tokens, np.int32)
         )
         self.order = sort_positions(self.tokens) if order is None else np.asarray(order, np.int32)
+        self._room: np.ndarray | None = None  # `append`'s spare room (`tokens` a view of it)
+        self._view: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.order)
@@ -60,9 +62,20 @@ class PrefixIndex:
 
     def append(self, tokens: Sequence[int]) -> None:
         """Append tokens to the last document without indexing them (the request's own
-        stream: a position is indexed once the token after it is known)."""
-        if len(tokens):
-            self.tokens = np.concatenate([self.tokens, np.asarray(tokens, np.int32)])
+        stream: a position is indexed once the token after it is known). Into spare room
+        kept past the stream, doubled when full: a round's append copies its new tokens,
+        not the stream (`tokens` is a view of the room; rebinding it elsewhere just
+        costs one copy at the next append)."""
+        size, extra = len(self.tokens), len(tokens)
+        if not extra:
+            return
+        room = self._room
+        if room is None or self.tokens is not self._view or size + extra > len(room):
+            room = np.empty(max(2 * (size + extra), 64), np.int32)
+            room[:size] = self.tokens
+            self._room = room
+        room[size : size + extra] = tokens
+        self.tokens = self._view = room[: size + extra]
 
     def insert_positions(self, positions: Sequence[int]) -> None:
         new = sorted(positions, key=self.key)
