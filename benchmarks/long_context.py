@@ -53,10 +53,12 @@ AGENT = "agent-turn"  # Claude Code's next request after it read a file (see abo
 AGENT_SYSTEM_CHARS = 1200  # of its system prompt and tools: ~300 tokens
 # Random models of each cache kind (tests/tiny_models.py's families, wider windows and
 # positions for 32k tokens), small enough that a 32k-token prefill takes seconds here.
+# One head of 64 wide, as real models' heads are: 8-bit KV quantizes groups of 64 values.
+ONE_HEAD = {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 64}
 TINY = {
-    "llama": {},  # KVCache in every layer
-    "gemma3_text": {"sliding_window": 512, "max_position_embeddings": 40000},  # Rotating + KV
-    "qwen3_5": {"max_position_embeddings": 40000},  # Gated DeltaNet (ArraysCache) + KV
+    "llama": {**ONE_HEAD, "num_hidden_layers": 2},  # KVCache in every layer
+    "gemma3_text": {**ONE_HEAD, "sliding_window": 512, "max_position_embeddings": 40000},
+    "qwen3_5": {**ONE_HEAD, "max_position_embeddings": 40000},  # Gated DeltaNet + KV
 }
 
 
@@ -191,7 +193,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+")
     parser.add_argument("--kv", nargs="+", default=["float", "8", "4"])
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--prompts", nargs="+", default=[*COPY_PROMPTS, AGENT])
+    parser.add_argument("--prompts", nargs="+", help="default: all; --tiny: code-rename")
     parser.add_argument("--tiny", action="store_true", help="random models at 16k and 32k")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -199,6 +201,7 @@ def main() -> None:
     default_json = "long-context-tiny.json" if args.tiny else "long-context.json"
     out = Path(args.json or Path(__file__).with_name(default_json))
 
+    wanted = args.prompts or (["code-rename"] if args.tiny else [*COPY_PROMPTS, AGENT])
     models = tiny_models() if args.tiny else smollm2()
     forms = [FLOAT if name == "float" else kv_form(int(name)) for name in args.kv]
     rows, kv_bytes, unequal = [], {}, 0
@@ -210,7 +213,7 @@ def main() -> None:
             engine.add_proposer(PromptLookup("prompt-lookup", 4, 2, 32))
             for context in contexts:
                 code = standard_library_code(tokenizer, context)
-                for prompt_id, asked in prompts(tokenizer, code, args.prompts, raw).items():
+                for prompt_id, asked in prompts(tokenizer, code, wanted, raw).items():
                     engine.reset()  # cold: nothing of an earlier prompt kept
                     plain, plain_peak = run(engine, asked, "none", args.tokens)
                     held = session_kv_bytes(engine)
@@ -228,6 +231,11 @@ def main() -> None:
                         rows[-1]["equal"] = lookup.token_ids == plain.token_ids
                         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                     out.write_text(json.dumps({"rows": rows, "partial": True}, indent=1))
+        # What a token's KV takes where the weights are float16, as on a Mac (the model
+        # is done with: cast in place). Quantized groups then keep float16 scales.
+        model.set_dtype(mx.float16)
+        for kv in forms:
+            kv_bytes[f"{name} float16 weights {kv.key}"] = kv_token_bytes(model, kv)
     kept = speedups_kept(rows)
     out.write_text(
         json.dumps(
