@@ -109,9 +109,11 @@ def session_kv_bytes(engine: Engine) -> tuple[int, int]:
     return held, half
 
 
-def run(engine: Engine, messages: list[dict], proposer: str, tokens: int) -> tuple[Done, int]:
+def run(
+    engine: Engine, messages: list[dict] | str, proposer: str, tokens: int, context: int
+) -> tuple[Done, int]:
     mx.reset_peak_memory()
-    settings = GenerationSettings(max_tokens=tokens)
+    settings = GenerationSettings(max_tokens=tokens, context=context)
     done = list(engine.stream(messages, settings, proposer))[-1]
     assert isinstance(done, Done)
     return done, mx.get_peak_memory()
@@ -203,6 +205,9 @@ def main() -> None:
 
     wanted = args.prompts or (["code-rename"] if args.tiny else [*COPY_PROMPTS, AGENT])
     models = tiny_models() if args.tiny else smollm2()
+    # The context a request may fill: SmolLM2's 8192; the random models' positions reach
+    # past the longest context asked for.
+    limit = max(contexts) * 5 // 4 + args.tokens if args.tiny else 8192
     forms = [FLOAT if name == "float" else kv_form(int(name)) for name in args.kv]
     rows, kv_bytes, unequal = [], {}, 0
     for name, (model, tokenizer) in models.items():
@@ -215,9 +220,9 @@ def main() -> None:
                 code = standard_library_code(tokenizer, context)
                 for prompt_id, asked in prompts(tokenizer, code, wanted, raw).items():
                     engine.reset()  # cold: nothing of an earlier prompt kept
-                    plain, plain_peak = run(engine, asked, "none", args.tokens)
+                    plain, plain_peak = run(engine, asked, "none", args.tokens, limit)
                     held = session_kv_bytes(engine)
-                    lookup, lookup_peak = run(engine, asked, "prompt-lookup", args.tokens)
+                    lookup, lookup_peak = run(engine, asked, "prompt-lookup", args.tokens, limit)
                     if lookup.token_ids != plain.token_ids:
                         unequal += 1
                         print(f"UNEQUAL: {name} {kv.key} {context} {prompt_id}", file=sys.stderr)
