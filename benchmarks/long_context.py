@@ -6,7 +6,8 @@ recurrent hybrid) behind 16k and 32k tokens, where SmolLM2's 8k context ends.
 
     python benchmarks/long_context.py                          # 1000 4000 7600, 64 tokens
     python benchmarks/long_context.py --context 1000 --tokens 32 --kv float 8
-    python benchmarks/long_context.py --tiny                   # 16000 32000, 64 tokens
+    python benchmarks/long_context.py --tiny --repeats 3       # 16000 32000, 64 tokens
+    python benchmarks/long_context.py --render benchmarks/long-context.json
 
 The agent's turn is Claude Code's first request (tests/data/agents/, its system prompt
 slimmed as benchmarks/agent_replay.py slims it, shorter still so the 1k row stays near
@@ -14,7 +15,9 @@ slimmed as benchmarks/agent_replay.py slims it, shorter still so the 1k row stay
 
 Per context and KV form: plain greedy runs first, cold (the prompt cache cleared), for
 time to first token; prompt lookup then answers the same prompt, its prefill reused
-(the target keeps its cache), so its row's TTFT is not a cold one. Decode tokens/s is
+(the target keeps its cache), so its row's TTFT is not a cold one. With `--repeats N`,
+N-1 more of each follow, warm, and a row keeps the best decode of its tries (all listed
+in the JSON): single decodes swing several-fold on a shared machine. Decode tokens/s is
 completion tokens over decode time (after the first token); peak memory is
 `mx.get_peak_memory()` over the run. Every lookup answer is compared with plain's under
 the same KV form (they must be equal); the KV bytes a token takes in each form are read
