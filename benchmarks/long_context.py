@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import sysconfig
 from pathlib import Path
@@ -244,6 +245,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def interleaved(models: dict, forms: list[KVForm], context: int, args) -> dict:
+    """Plain decode tokens/s of each KV form, the forms taking turns: each form's engine
+    prefills the same prompt once, then `args.interleave` rounds decode it warm, one form
+    after the other, so a burst of the machine's other work falls on every form alike.
+    Per model and form: the median of the rounds and its ratio to float's; every answer
+    compared with that form's first."""
+    out = {}
+    for name, (model, tokenizer) in models.items():
+        code = standard_library_code(tokenizer, context)
+        raw = not getattr(tokenizer, "chat_template", None)
+        asked = prompts(tokenizer, code, ["code-rename"], raw)["code-rename"]
+        limit = context * 5 // 4 + 4096 + args.tokens if args.tiny else 8192
+        engines, firsts, rates, equal = {}, {}, {}, True
+        for kv in forms:
+            engines[kv.key] = Engine(model, tokenizer, name, kv=kv)
+            firsts[kv.key] = run(engines[kv.key], asked, "none", args.tokens, limit)[0].token_ids
+            rates[kv.key] = []
+        for _ in range(args.interleave):
+            for key, engine in engines.items():
+                done, _ = run(engine, asked, "none", args.tokens, limit)
+                rates[key].append(round(rate(done), 1))
+                equal = equal and done.token_ids == firsts[key]
+        medians = {key: statistics.median(r) for key, r in rates.items()}
+        out[name] = {
+            key: {
+                "tries": rates[key],
+                "median": medians[key],
+                "vs_float": round(medians[key] / medians["kv float"], 2),
+            }
+            for key in rates
+        }
+        out[name]["equal"] = equal
+        print(json.dumps({name: out[name]}), file=sys.stderr, flush=True)
+    return out
+
+
 def render(path: str) -> None:
     """The tables of a saved run (a partial one too: its finished rows)."""
     saved = json.loads(Path(path).read_text())
@@ -260,6 +297,9 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", help="default: all; --tiny: code-rename")
     parser.add_argument("--tiny", action="store_true", help="random models at 16k and 32k")
     parser.add_argument("--repeats", type=int, default=1, help="decode tries, best kept")
+    parser.add_argument(
+        "--interleave", type=int, metavar="ROUNDS", help="only KV forms' plain decode, in turns"
+    )
     parser.add_argument("--json")
     parser.add_argument("--render", metavar="JSON", help="print a saved run's tables")
     args = parser.parse_args()
@@ -275,6 +315,12 @@ def main() -> None:
     # past the longest context asked for.
     limit = max(contexts) * 5 // 4 + 4096 + args.tokens if args.tiny else 8192
     forms = [FLOAT if name == "float" else kv_form(int(name)) for name in args.kv]
+    if args.interleave:
+        found = interleaved(models, forms, max(contexts), args)
+        out.write_text(json.dumps({"command": " ".join(sys.argv), "interleaved": found}, indent=1))
+        for name, by_form in found.items():
+            print(name, {k: v if k == "equal" else v["vs_float"] for k, v in by_form.items()})
+        return
     rows, kv_bytes, unequal = [], {}, 0
     for name, (model, tokenizer) in models.items():
         raw = not getattr(tokenizer, "chat_template", None)
