@@ -176,13 +176,13 @@ def test_each_row_gets_its_own_proposer_state_and_policy(engine):
     and history shared) and each row's policy starts afresh; the engine's own proposer
     and kept policies, which a request alone uses, are left as they were."""
     suffix = engine.proposers["suffix"]
-    suffix._seen = [1, 2, 3]  # state of the engine's own request, which no row may take
+    suffix._sync([1, 2, 3])  # state of the engine's own request, which no row may take
     mine = private_copy(suffix)
     assert mine is not suffix and mine.store is suffix.store  # the history is shared
-    assert mine._seen == [] and mine._request is not suffix._request
+    assert mine._indexed == 0 and mine._request is not suffix._request
     assert mine.drafted is not suffix.drafted
     mine.drafted["history"] += 5
-    assert suffix.drafted["history"] == 0 and suffix._seen == [1, 2, 3]
+    assert suffix.drafted["history"] == 0 and suffix._indexed == 3
     suffix.reset()
     scheduler = Scheduler(engine, max_batch=2)
     kept = dict(engine._policies)

@@ -162,6 +162,22 @@ def test_policy_never_probes_a_source_that_could_not_pay_at_any_acceptance():
     assert [policy.choose(costly, 8) for _ in range(200)] == [0] * 200
 
 
+def test_a_verify_price_that_jumped_in_a_busy_moment_does_not_end_probing():
+    """A wide pass timed in a busy moment re-prices every width at once; whether drafting
+    could pay at all is asked of the calibrated curve, so probes go on and the next one
+    finds the price back (asked of the observed one, the source was shut off for good)."""
+    policy = Policy(CPU_LIKE_COST, explore_every=4)
+    weak = Situation(Named("lookup"), "match>=2")
+    for _ in range(10):
+        policy.update(weak, 4, 0, 0.0)
+    policy.observe_verify(1, 0.05)
+    policy.observe_verify(2, 5.0)  # a 2-token pass took 100 steps
+    for _ in range(3):
+        policy.observe_verify(1, 0.05)  # the step re-timed: the jump stands
+    assert policy.verify_cost(2) > 10
+    assert 1 in [policy.choose(weak, 8) for _ in range(64)]
+
+
 def rounds_to_probe(policy: Policy, situation: Situation, limit: int = 8) -> int:
     rounds = 1
     while policy.choose(situation, limit) == 0:

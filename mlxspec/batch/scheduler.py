@@ -282,18 +282,13 @@ class Scheduler:
 
     def _choose(self, slot: Slot, row: int) -> tuple[ProposalContext, Situation | None, int]:
         """The request's context, source and draft length k for this round (its policy's
-        choice; in a batch the round's width may then cap how much of it is drafted)."""
+        choice, priced at its context length; in a batch the round's width may then cap
+        how much of it is drafted)."""
         run = slot.run
-        ctx = ProposalContext(
-            run.sequence,
-            run.scorer,
-            run.rng,
-            self.target,
-            self.caches.row_hidden(row),
-            history=run.history,
-            prompt_length=len(run.prompt_tokens),
-        )
-        run.policy.context = len(run.sequence)  # the round is priced at its context length
+        hidden, prompt_length = self.caches.row_hidden(row), len(run.prompt_tokens)
+        ctx = ProposalContext(run.sequence, run.scorer, run.rng, self.target, hidden)
+        ctx.history, ctx.prompt_length = run.history, prompt_length
+        run.policy.context = len(run.sequence)
         situation, k = run.policy.choose_among(candidates(slot.proposer, ctx), run.left)
         return ctx, situation, k
 

@@ -218,9 +218,10 @@ class Policy:
     def _probe_rounds(self, situation: Situation) -> float:
         """Plain rounds a probe must wait for its price to be `probe_share` of them: a
         one-token draft (its step, the catch-up of a drafter that was off) and the verify's
-        extra token, in target steps."""
+        extra token, in target steps. The verify as calibrated, not as lately observed:
+        a probe is what finds out whether a price that jumped (a busy moment) still holds."""
         per_draft = self.draft_price(situation.source)
-        price = per_draft * (1 + self._catch_up_units(situation)) + self.verify_cost(2) - 1.0
+        price = per_draft * (1 + self._catch_up_units(situation)) + self.calibrated(2) - 1.0
         return price / self.probe_share
 
     def _could_pay(self, situation: Situation, limit: int) -> bool:
@@ -228,6 +229,11 @@ class Policy:
         prices it? If not, a probe can teach nothing that turns the source on."""
         k_max = min(limit, getattr(situation.source, "k_max", limit))
         return self._plan(situation, k_max, limit, rate=OPTIMISTIC_ACCEPTANCE)[0] > 0
+
+    def _price(self, m: int, hoping: bool) -> float:
+        """A verify of m tokens in steps: as lately observed, or, `hoping` (`_could_pay`),
+        as calibrated: a price that jumped in a busy moment must not end probing for good."""
+        return self.calibrated(m) if hoping else self.verify_cost(m)
 
     def _plan(
         self, situation: Situation, limit: int, left: int | None = None, rate: float | None = None
@@ -239,6 +245,7 @@ class Policy:
         share, so a long answer resumes at once and a few last tokens do not. `rate`: an
         acceptance to price at instead of the learned one (`_could_pay`)."""
         key = self._key(situation)
+        hoping = rate is not None
         learned = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
         if situation.catch_up > 1 and situation.source.name not in self._drafted:
             learned = min(learned, UNPROVEN_ACCEPTANCE)
@@ -265,7 +272,7 @@ class Policy:
             rising = rising and self.long_cost.monotone and self.context <= self.long_cost.context
         for k in range(1, limit + 1):
             made = tokens[k] if tokens else expected_tokens(rate, k)
-            cost = self.verify_cost(nodes(k) + 1) + (1 if per_round else k) * per_draft
+            cost = self._price(nodes(k) + 1, hoping) + (1 if per_round else k) * per_draft
             cost += catch_up_per_token * made
             if rising and most <= best_speed * cost:
                 break
