@@ -95,9 +95,10 @@ def test_the_files_say_what_smollm2_holds_before_it_loads():
     where, present = weights_location("smollm2-135m")
     if not present:
         pytest.skip("SmolLM2 is not pulled here")
-    weights, kv_float = footprint(where)
-    assert kv_float == 30 * 2 * 3 * 64 * 2  # layers x (K, V) x KV heads x head_dim x bytes
-    assert 0 < weights < 300 << 20
+    found = footprint(where)
+    # layers x (K, V) x KV heads x head_dim, float32 as every GGUF's activations are
+    assert found.kv_token(FLOAT) == 30 * 2 * 3 * 64 * 4
+    assert 0 < found.weights < 300 << 20
 
 
 def test_serve_refuses_before_loading_what_cannot_fit(monkeypatch):
@@ -123,7 +124,7 @@ def test_models_shows_what_smollm2_holds_at_its_context_float_and_quantized():
     memory_row = row["memory"]
     assert memory_row["context"] == 8192
     kv = memory_row["kv_gb"]
-    assert kv["float"] == round(8192 * 23040 / GB, 2)
+    assert kv["float"] == round(8192 * 46080 / GB, 2)  # a GGUF's KV is float32
     assert kv["4-bit"] < kv["8-bit"] <= 0.55 * kv["float"]
 
 
@@ -133,3 +134,24 @@ def test_chat_refuses_before_its_screen_opens_what_cannot_fit(monkeypatch):
     monkeypatch.setattr(memory, "device_memory", lambda: 64 << 20)  # 64 MB
     result = CliRunner().invoke(main, ["chat", "-m", "smollm2-135m", "--plain"], input="hi\n")
     assert result.exit_code == 1 and "does not fit" in result.output
+
+
+@pytest.mark.parametrize("dequantize", [True, False])
+def test_the_files_estimate_is_what_the_loaded_model_holds_in_its_form(tmp_path, dequantize):
+    """Read before loading, in the form `--weights` loads it in: a Q8_0 GGUF dequantized
+    holds float32 weights (4 bytes a weight, not its file's bytes), kept quantized MLX's
+    affine blocks with float32 scales (more than the file's), and a GGUF's KV is
+    float32 on both paths (counting the file's bytes and float16 KV let a context 2x too
+    long load, then be refused)."""
+    from tiny_gguf import write_tiny_gguf
+
+    from mlxspec.models.footprint import footprint
+    from mlxspec.models.loading import load_model
+    from mlxspec.registry.runtime import weight_bytes
+
+    path = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", "Q8_0")
+    found = footprint(path, dequantize)
+    loaded = load_model(str(path), dequantize=dequantize)
+    held = weight_bytes(loaded.model)
+    assert found.weights == held
+    assert found.kv_token(FLOAT) == kv_token_bytes(loaded.model)

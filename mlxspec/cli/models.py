@@ -54,7 +54,7 @@ def models(as_json):
                     "form": choice.form,
                     "reason": choice.reason,
                 },
-                "memory": _memory(where, present, entry.defaults.context),
+                "memory": _memory(where, present, entry.defaults.context, choice.dequantize),
             }
         )
     where = registry.found_places()
@@ -112,19 +112,19 @@ def models(as_json):
     click.echo(f"device: {facts['device']}, BLAS: {facts['blas']}, mlx {facts['mlx']}")
 
 
-def _memory(where: str, present: bool, context: int) -> dict | None:
+def _memory(where: str, present: bool, context: int, dequantize: bool) -> dict | None:
     """What a model holds at its context, from its files (None: not on this disk, or its
-    files do not say): weights as stored, KV float and quantized (docs/memory.md)."""
-    from mlxspec.models.footprint import footprint, in_form
+    files do not say): weights in the form it loads in, KV float and quantized
+    (docs/memory.md)."""
+    from mlxspec.models.footprint import footprint
     from mlxspec.models.kv_form import FLOAT, kv_form
 
-    found = footprint(where) if present else None
+    found = footprint(where, dequantize) if present else None
     if found is None:
         return None
-    weights, kv_float = found
     forms = {"float": FLOAT, "8-bit": kv_form(8), "4-bit": kv_form(4)}
-    kv_gb = {name: round(in_form(kv_float, kv) * context / GB, 2) for name, kv in forms.items()}
-    return {"context": context, "weights_gb": round(weights / GB, 2), "kv_gb": kv_gb}
+    kv_gb = {name: round(found.kv_token(kv) * context / GB, 2) for name, kv in forms.items()}
+    return {"context": context, "weights_gb": round(found.weights / GB, 2), "kv_gb": kv_gb}
 
 
 def _found_row(model: FoundModel, on_disk: list[FoundModel], registry: Registry) -> dict:

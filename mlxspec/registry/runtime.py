@@ -43,7 +43,7 @@ from mlxspec.drafter.head import HEAD_PATTERNS, HeadError
 from mlxspec.drafter.medusa import MEDUSA_PATTERNS, load_medusa
 from mlxspec.drafter.mtp_pull import mtp_folder
 from mlxspec.models.anatomy import UnsupportedModel
-from mlxspec.models.footprint import footprint, in_form
+from mlxspec.models.footprint import footprint
 from mlxspec.models.kv_form import KVForm, kv_form, kv_token_bytes
 from mlxspec.models.loading import (
     LoadedModel,
@@ -386,14 +386,14 @@ def entry_kv(entry: ModelEntry) -> KVForm:
 
 def estimated_holdings(entry: ModelEntry) -> Holdings | None:
     """What the entry's target will hold at its context, from its files, without loading
-    it (None: not on this disk, or its files do not say; `models.footprint`)."""
+    it, in the form `--weights` loads it in (None: not on this disk, or its files do not
+    say; `models.footprint`)."""
     where, present = weights_location(entry.target)
-    found = footprint(where) if present else None
+    found = footprint(where, target_weights(entry).dequantize) if present else None
     if found is None:
         return None
-    weights, kv_float = found
     kv = entry_kv(entry)
-    return Holdings(weights, 0, in_form(kv_float, kv), kv.key, prompt_cache=0)
+    return Holdings(found.weights, 0, found.kv_token(kv), kv.key, prompt_cache=0)
 
 
 def check_before_loading(entry: ModelEntry) -> None:
