@@ -641,7 +641,10 @@ def test_a_qwen35_dflash_drafter_reads_a_hybrid_target_and_stays_lossless(tmp_pa
 
     for k in (3, None):  # fixed, and the adaptive policy's
         for prompt in prompts(7):
-            assert run(tmp_path, prompt, k).drafted > 0
+            drafted = run(tmp_path, prompt, k).drafted
+            # Adaptive: a random drafter at 0.55 of a step on a 30-token answer may not earn
+            # even a probe (priced at 2 % of the rounds it waits); fixed k always drafts.
+            assert drafted > 0 or k is None
     # Plain greedy settles on 127 after 18 tokens: a drafter made to draft 127 in every
     # slot gets those accepted and the earlier ones rejected (kept prefixes replayed).
     prompt = prompts(6)[1]
