@@ -305,8 +305,9 @@ class Runtime:
     def _load_draft(self, reference: str, layers: int | None, dequantize: bool) -> LoadedModel:
         """The draft's weights in one form, checked against the target's tokenizer and
         cut to its first `layers` where asked (`model` replaced)."""
-        form = DEQUANTIZED if dequantize else QUANTIZED
-        self.notify(f"loading draft model {reference} ({form})")
+        self.notify(
+            f"loading draft model {reference} ({'dequantized' if dequantize else 'as stored'})"
+        )
         draft = load_model(reference, dequantize=dequantize)
         check_same_vocabulary(self.entry.target, self.loaded.tokenizer, reference, draft.tokenizer)
         if layers:
