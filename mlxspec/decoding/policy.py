@@ -95,7 +95,6 @@ class Policy:
     # useless proposer costs ever less; an accepted probe resets it.
     _probe_wait: dict[tuple[str, str], int] = field(default_factory=dict)
     _probing: set[tuple[str, str]] = field(default_factory=set)
-    _drafted: set[str] = field(default_factory=set)  # sources that drafted: not unproven
     # Online correction of the calibrated curve, from the rounds actually run: the
     # machine may be busier (or the context longer) than when it was calibrated.
     step_seconds: float | None = None  # recent one-token step time
@@ -247,7 +246,8 @@ class Policy:
         key = self._key(situation)
         hoping = rate is not None
         learned = self.stats.setdefault(key, Acceptance.with_prior(situation.prior)).rate
-        if situation.catch_up > 1 and situation.source.name not in self._drafted:
+        # Unproven: no draft of it timed yet (`update` times every draft it is told of).
+        if situation.catch_up > 1 and situation.source.name not in self.draft_cost:
             learned = min(learned, UNPROVEN_ACCEPTANCE)
         per_draft = self.draft_price(situation.source)
         catch_up_per_token = self._catch_up_price(situation, per_draft) / max(left or limit, 1)
@@ -356,7 +356,6 @@ class Policy:
     ) -> None:
         if drafted == 0:
             return
-        self._drafted.add(situation.source.name)
         key = self._key(situation)
         if key in self._probing:
             self._probing.discard(key)

@@ -41,7 +41,6 @@ MEASURE_ORDER = (1, 2, 4, 8, 3, 16, 32, 64)
 # proportional, and the passes the engine runs correct the curve (Policy.observe_verify).
 CALIBRATION_BUDGET_S = 2.0
 PARTIAL_REMEASURES = 2  # later runs that measure a partial curve again (see measure_again)
-PREFILL_CHUNK = 512  # a calibration's context is prefilled this many tokens a pass
 ALWAYS_TIMED = (1, 2)  # timed once even past the budget: a step and a one-token draft
 # The second curve's context, and the prompt length from which a request asks for it
 # (below, a round is priced within a quarter of the way to the long curve anyway).
@@ -299,6 +298,8 @@ def measure_verify_cost(
     replace(kv, start=0).convert(cache)  # the passes read the KV form the curve prices
 
     def prefill() -> None:  # in chunks: a long context's one-pass attention is gigabytes
+        from mlxspec.models.target import PREFILL_CHUNK  # the engine's (imports mlx-lm)
+
         if synthetic:
             fill_synthetic(model, cache, context)
             return
